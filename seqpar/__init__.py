@@ -1,0 +1,24 @@
+"""seqpar: plan, check and run sequence-parallel long-context training.
+
+`import seqpar` is light (no torch): the advisor and the schema need nothing more. The training-loop API
+(`seqpar.apply`, `seqpar.prepare_inputs`, `seqpar.loss` and the EasyContext-compatible functions) lives in
+`seqpar.runtime` and is imported on first use.
+"""
+
+__version__ = "0.1.0"
+
+_RUNTIME_API = {
+    "apply": "seqpar.runtime.hf",
+    "prepare_inputs": "seqpar.runtime.hf",
+    "loss": "seqpar.runtime.hf",
+    "prepare_seq_parallel_inputs": "seqpar.runtime.hf",
+    "apply_seq_parallel_monkey_patch": "seqpar.runtime.hf",
+}
+
+
+def __getattr__(name: str):
+    if name in _RUNTIME_API:
+        import importlib
+
+        return getattr(importlib.import_module(_RUNTIME_API[name]), name)
+    raise AttributeError(f"module 'seqpar' has no attribute {name!r}")

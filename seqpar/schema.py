@@ -1,0 +1,405 @@
+"""The launch plan and everything it is made of: the one vocabulary the advisor and the runtime share.
+
+Ground floor of seqpar: pydantic v2 models only, no torch, nothing else of the project imported.
+Every model is frozen with ``extra="forbid"``; every field has a description and its unit in its name
+(``_gib`` = 2**30 bytes, ``_gb_s`` = 10**9 bytes per second per direction, ``_tflops`` = 10**12 FLOP/s, ``_s`` = seconds).
+Cross-field rules live in validators and their messages carry the numbers and a fix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+Mode = Literal["data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"]
+MODES: tuple[str, ...] = ("data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
+Checkpointing = Literal["none", "full", "offload", "selective"]
+Sharding = Literal["ddp", "zero2", "zero3", "zero3_offload", "fsdp"]
+LossImpl = Literal["hf", "chunked"]
+Optimizer = Literal["adamw", "adamw-bf16", "none"]
+DType = Literal["bf16", "fp16", "fp32"]
+LinkKind = Literal["nvlink3", "nvlink4", "pcie4", "pcie5", "ib_hdr", "ib_ndr", "ethernet", "loopback"]
+Accelerator = Literal["cuda", "cpu"]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class SeqparError(ValueError):
+    """Invalid input: one line that names the value, the rule and a fix (the CLI maps it to exit code 2)."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------------------------- parsing helpers
+
+_SEQ_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+
+
+def parse_seq_len(text: str | int) -> int:
+    """'131072', '128k', '512K', '1M' (k = 1024, M = 1024**2) -> a positive int; SeqparError otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SEQ_RE.match(str(text))
+        if not m:
+            raise SeqparError(
+                f"sequence length {text!r} is not a number; write it as 131072, 128k or 1M (k = 1024, M = 1048576)"
+            )
+        num, suffix = float(m.group(1)), m.group(2).lower()
+        scaled = num * {"": 1, "k": 1024, "m": 1024**2}[suffix]
+        if scaled != int(scaled):
+            raise SeqparError(f"sequence length {text!r} is not a whole number of tokens ({scaled}); use e.g. 128k")
+        value = int(scaled)
+    if value <= 0:
+        raise SeqparError(f"sequence length {text!r} must be positive; use e.g. 128k")
+    return value
+
+
+def format_tokens(n: int) -> str:
+    """131072 -> '128K', 1048576 -> '1M', 100000 -> '100000'."""
+    if n % (1024**2) == 0:
+        return f"{n // 1024**2}M"
+    if n % 1024 == 0:
+        return f"{n // 1024}K"
+    return str(n)
+
+
+def nearest_multiples(value: int, multiple: int) -> tuple[int, int]:
+    """The multiples of ``multiple`` just below and just above ``value`` (below is at least ``multiple``)."""
+    below = max(multiple, value - value % multiple)
+    above = below if value % multiple == 0 else value - value % multiple + multiple
+    return below, above
+
+
+# --------------------------------------------------------------------------------------------- hardware
+
+
+class GpuSpec(_Frozen):
+    name: str = Field(description="Canonical profile name, e.g. 'h100-sxm'.")
+    display_name: str = Field(description="The name the vendor and NVML use, e.g. 'NVIDIA H100 80GB HBM3'.")
+    memory_gib: float = Field(gt=0, description="Device memory in GiB as NVML reports it (total, before the CUDA context).")
+    bf16_tflops: float = Field(gt=0, description="Datasheet dense bf16 tensor-core peak, TFLOP/s (no sparsity).")
+    hbm_bandwidth_gb_s: float = Field(gt=0, description="Datasheet device-memory bandwidth, GB/s.")
+    compute_capability: Optional[str] = Field(default=None, description="CUDA compute capability, e.g. '9.0'; None for CPU.")
+    source: str = Field(default="", description="Where the figures come from (datasheet, measurement with date and machine).")
+
+
+class LinkSpec(_Frozen):
+    kind: LinkKind = Field(description="Link technology.")
+    bandwidth_gb_s: float = Field(gt=0, description="Usable bandwidth per GPU per direction, GB/s.")
+    source: str = Field(default="", description="Where the figure comes from.")
+
+
+class ClusterSpec(_Frozen):
+    accelerator: Accelerator = Field(default="cuda", description="'cuda' (NCCL) or 'cpu' (gloo ranks, tests and smoke runs).")
+    nodes: int = Field(ge=1, description="Number of nodes.")
+    gpus_per_node: int = Field(ge=1, description="Accelerators (or CPU ranks) per node.")
+    gpu: GpuSpec = Field(description="The accelerator on every node (homogeneous clusters only).")
+    intra_node_link: LinkSpec = Field(description="GPU-to-GPU link inside a node.")
+    inter_node_link: Optional[LinkSpec] = Field(default=None, description="Node-to-node link per GPU; None on one node.")
+    host_ram_gib: float = Field(gt=0, description="Host RAM per node, GiB (CPU offload must fit in it).")
+    source: str = Field(default="declared", description="'probed' (NVML), 'declared' (flags) or 'default' (built-in).")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @model_validator(mode="after")
+    def _inter_node(self) -> "ClusterSpec":
+        if self.nodes > 1 and self.inter_node_link is None:
+            raise ValueError(f"nodes = {self.nodes} needs an inter_node_link (e.g. ib_ndr); none was given")
+        return self
+
+
+# --------------------------------------------------------------------------------------------- model and workload
+
+
+class ModelSpec(_Frozen):
+    name: str = Field(description="Profile name or the path it was read from.")
+    architecture: str = Field(default="llama", description="Hugging Face model_type, e.g. 'llama', 'mistral', 'qwen2', 'qwen3'.")
+    num_layers: int = Field(ge=1, description="Transformer blocks.")
+    hidden_size: int = Field(ge=1, description="Model width h.")
+    num_attention_heads: int = Field(ge=1, description="Query heads a.")
+    num_key_value_heads: int = Field(ge=1, description="Key/value heads (GQA when fewer than query heads).")
+    head_dim: int = Field(ge=1, description="Per-head width d.")
+    intermediate_size: int = Field(ge=1, description="MLP inner width (SwiGLU: three matrices of h x this).")
+    vocab_size: int = Field(ge=1, description="Vocabulary size V.")
+    tie_word_embeddings: bool = Field(default=False, description="Output projection shares the embedding matrix.")
+    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base.")
+    max_position_embeddings: int = Field(default=4096, ge=1, description="Context length the checkpoint was trained for.")
+    attention_bias: bool = Field(default=False, description="q/k/v projections carry a bias (Qwen2).")
+    source: str = Field(default="", description="Where the figures come from (the model's config.json).")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelSpec":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by num_key_value_heads "
+                f"{self.num_key_value_heads}; GQA needs whole groups"
+            )
+        return self
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of a Llama-style decoder (RMSNorm, SwiGLU, no biases but attention_bias)."""
+        h, d, a, kv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        attn = h * a * d + 2 * h * kv * d + a * d * h
+        if self.attention_bias:
+            attn += a * d + 2 * kv * d
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+
+class Workload(_Frozen):
+    model: ModelSpec = Field(description="The model being trained.")
+    seq_len: int = Field(ge=1, description="Tokens per sequence (one sample).")
+    micro_batch_size: int = Field(default=1, ge=1, description="Sequences per data-parallel rank per forward pass.")
+    tokens_per_step: Optional[int] = Field(
+        default=None, ge=1, description="Tokens per optimizer step (sets gradient accumulation); None = one micro-batch per DP rank."
+    )
+    dtype: DType = Field(default="bf16", description="Parameter and activation dtype.")
+    optimizer: Optimizer = Field(
+        default="adamw",
+        description="adamw: mixed precision (fp32 master + two fp32 moments); adamw-bf16: two moments in the parameter dtype; none: forward+backward only.",
+    )
+
+
+class Strategy(_Frozen):
+    mode: Mode = Field(description="Sequence-parallel mode (EasyContext's names).")
+    sp_degree: int = Field(default=1, ge=1, description="Ranks that share one sequence.")
+    ulysses_degree: int = Field(default=1, ge=1, description="usp_attn: all-to-all group size inside the sp group (1 otherwise).")
+    ring_degree: int = Field(default=1, ge=1, description="usp_attn: ring size across Ulysses groups (1 otherwise).")
+    dp_degree: int = Field(default=1, ge=1, description="Data-parallel replicas; sp_degree * dp_degree = world size.")
+    checkpointing: Checkpointing = Field(
+        default="full", description="none | full (keep layer inputs) | offload (layer inputs in host RAM) | selective (keep attention out+lse)."
+    )
+    sharding: Sharding = Field(default="ddp", description="Model-state sharding: ddp | zero2 | zero3 | zero3_offload | fsdp.")
+    loss_impl: LossImpl = Field(default="chunked", description="hf: full fp32 logits as transformers computes them; chunked: logits a chunk at a time.")
+    gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
+
+    @model_validator(mode="after")
+    def _degrees(self) -> "Strategy":
+        if self.mode == "data_parallel" and self.sp_degree != 1:
+            raise ValueError(f"data_parallel keeps whole sequences, so sp_degree must be 1, not {self.sp_degree}; pick a sequence-parallel mode")
+        if self.mode == "usp_attn":
+            if self.ulysses_degree * self.ring_degree != self.sp_degree:
+                raise ValueError(
+                    f"usp_attn needs ulysses_degree x ring_degree = sp_degree, got {self.ulysses_degree} x {self.ring_degree} "
+                    f"= {self.ulysses_degree * self.ring_degree} != {self.sp_degree}"
+                )
+        elif self.ulysses_degree != 1 or self.ring_degree != 1:
+            raise ValueError(f"ulysses_degree/ring_degree are for usp_attn only; {self.mode} takes sp_degree alone")
+        if self.mode == "dist_flash_attn" and self.sp_degree % 2 and self.sp_degree > 1:
+            raise ValueError(
+                f"dist_flash_attn's balanced schedule pairs ranks, so sp_degree must be even, not {self.sp_degree}; "
+                f"use {self.sp_degree - 1 or 2} or {self.sp_degree + 1}, or zigzag_ring_attn"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.sp_degree * self.dp_degree
+
+
+def seq_len_multiple(mode: str, sp_degree: int, ulysses_degree: int = 1, ring_degree: int = 1) -> int:
+    """The number seq_len must be a multiple of for a mode to split it exactly over its ranks."""
+    if mode == "data_parallel":
+        return 1
+    if mode == "zigzag_ring_attn":
+        return 2 * sp_degree
+    if mode == "usp_attn":
+        return 2 * ring_degree * ulysses_degree
+    return sp_degree  # dist_flash_attn, ulysses_attn: contiguous chunks
+
+
+def check_split(mode: str, seq_len: int, sp_degree: int, ulysses_degree: int = 1, ring_degree: int = 1) -> None:
+    """Raise SeqparError with the nearest valid lengths when the mode cannot split seq_len over its ranks."""
+    mult = seq_len_multiple(mode, sp_degree, ulysses_degree, ring_degree)
+    if seq_len % mult:
+        below, above = nearest_multiples(seq_len, mult)
+        what = {
+            "zigzag_ring_attn": f"2*sp_degree = {mult}",
+            "usp_attn": f"2*ring_degree*ulysses_degree = {mult}",
+        }.get(mode, f"sp_degree = {mult}")
+        raise SeqparError(
+            f"seq_len {seq_len} is not divisible by {what}, which {mode} needs; nearest valid: {below} or {above}"
+        )
+
+
+def check_heads(mode: str, model: ModelSpec, sp_degree: int, ulysses_degree: int = 1) -> None:
+    """Ulysses splits heads: the query heads must divide, the KV heads must divide or be replicable."""
+    u = sp_degree if mode == "ulysses_attn" else ulysses_degree if mode == "usp_attn" else 1
+    if u == 1:
+        return
+    a, kv = model.num_attention_heads, model.num_key_value_heads
+    if a % u:
+        raise SeqparError(
+            f"{mode} splits heads over {u} ranks but {model.name} has {a} query heads ({a} % {u} != 0); "
+            f"use usp_attn with a ulysses degree dividing {a}, or zigzag_ring_attn"
+        )
+    if kv % u and u % kv:
+        raise SeqparError(
+            f"{mode} over {u} ranks cannot split or replicate {model.name}'s {kv} KV heads; "
+            f"use usp_attn with a ulysses degree dividing {kv}, or zigzag_ring_attn"
+        )
+
+
+# --------------------------------------------------------------------------------------------- prediction and plan
+
+
+class Prediction(_Frozen):
+    peak_memory_gib: float = Field(ge=0, description="Predicted peak allocated by PyTorch's caching allocator per GPU (torch.cuda.max_memory_allocated), GiB.")
+    reserved_memory_gib: float = Field(ge=0, description="Predicted peak reserved (allocated + allocator slack) plus CUDA context and NCCL buffers, GiB.")
+    capacity_gib: float = Field(ge=0, description="Device memory of the target GPU, GiB.")
+    memory_breakdown_gib: dict[str, float] = Field(description="Terms at the peak phase, GiB; they sum to peak_memory_gib.")
+    peak_phase: str = Field(default="", description="The phase of the step where the peak occurs (forward, loss, backward, optimizer).")
+    host_memory_gib: float = Field(default=0.0, ge=0, description="Host RAM per node needed for offloaded state and checkpoints, GiB.")
+    tokens_per_s: float = Field(ge=0, description="Predicted training throughput of the whole cluster, tokens/s.")
+    step_time_s: float = Field(ge=0, description="Predicted time of one optimizer step, s.")
+    step_time_breakdown_s: dict[str, float] = Field(description="compute / exposed communication / offload / optimizer, s.")
+    mfu: float = Field(ge=0, description="Model FLOPs utilisation against the datasheet bf16 peak (no recompute counted).")
+    oom_risk: bool = Field(description="True when reserved memory plus headroom exceeds capacity (or host RAM is exceeded).")
+    coefficients_version: str = Field(default="", description="Version of the fitted coefficients used.")
+
+
+class Alternative(_Frozen):
+    strategy: Strategy = Field(description="A strategy the advisor considered.")
+    prediction: Optional[Prediction] = Field(default=None, description="Its prediction, when it was valid.")
+    rejected_because: str = Field(description="Why it lost (invalid, risks OOM, slower by x%).")
+
+
+class Rationale(_Frozen):
+    policy: Literal["rules", "cost", "pinned"] = Field(description="rules: the guide's decision tree; cost: the cost-model search; pinned: flags fixed everything.")
+    rule_path: list[str] = Field(default_factory=list, description="The guide's rules followed, in order, ending with its choice.")
+    rules_choice: Optional[Mode] = Field(default=None, description="The mode the guide's tree picks.")
+    reasons: list[str] = Field(default_factory=list, description="Why this strategy, in words, with numbers.")
+    alternatives: list[Alternative] = Field(default_factory=list, description="What else was considered and why it lost.")
+    cluster_note: str = Field(default="", description="Where the cluster description came from (probe, flags, default).")
+
+
+class TrainingSpec(_Frozen):
+    steps: int = Field(default=1000, ge=1, description="Optimizer steps.")
+    learning_rate: float = Field(default=2e-5, gt=0, description="Peak learning rate.")
+    lr_schedule: Literal["constant", "cosine"] = Field(default="constant", description="After warmup.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=1.0, ge=0, description="Max gradient norm, 0 = off.")
+    seed: int = Field(default=0, description="Random seed.")
+    checkpoint_every: int = Field(default=0, ge=0, description="Save every K steps (0 = only at the end).")
+    rope_theta: Optional[float] = Field(default=None, gt=0, description="Override of the model's RoPE base (EasyContext raises it per stage).")
+
+
+class LaunchSpec(_Frozen):
+    launcher: Literal["torchrun", "accelerate", "python"] = Field(default="torchrun", description="What starts the processes.")
+    command: list[str] = Field(default_factory=list, description="The command seqpar launch runs on each node (argv).")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for the job.")
+
+
+class LaunchPlan(_Frozen):
+    schema_version: int = Field(default=SCHEMA_VERSION, description="Version of this format; a newer one is refused.")
+    created_by: str = Field(default="", description="Tool and version that wrote the plan.")
+    created_at: str = Field(default="", description="ISO-8601 UTC time of writing.")
+    workload: Workload = Field(description="What is trained.")
+    cluster: ClusterSpec = Field(description="Where it is trained.")
+    strategy: Strategy = Field(description="How it is split.")
+    prediction: Optional[Prediction] = Field(default=None, description="The cost model's prediction (None under the rules-only policy).")
+    rationale: Rationale = Field(description="Why this strategy.")
+    launch: LaunchSpec = Field(default_factory=LaunchSpec, description="How to start it.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="The training loop's settings.")
+
+    @field_validator("schema_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        if v > SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {v} is newer than this seqpar understands ({SCHEMA_VERSION}); upgrade seqpar to read it"
+            )
+        if v < 1:
+            raise ValueError(f"schema_version {v} is not a valid version (expected {SCHEMA_VERSION})")
+        return v
+
+    @model_validator(mode="after")
+    def _fits_cluster(self) -> "LaunchPlan":
+        s, c, w = self.strategy, self.cluster, self.workload
+        if s.world_size != c.world_size:
+            raise ValueError(
+                f"sp_degree {s.sp_degree} x dp_degree {s.dp_degree} = {s.world_size} ranks, but the cluster has "
+                f"{c.nodes} x {c.gpus_per_node} = {c.world_size}; make them equal"
+            )
+        try:
+            check_split(s.mode, w.seq_len, s.sp_degree, s.ulysses_degree, s.ring_degree)
+            check_heads(s.mode, w.model, s.sp_degree, s.ulysses_degree)
+        except SeqparError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    # ----- files
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+    def write(self, path: str | Path) -> Path:
+        """Write atomically: a temporary file in the same folder, then rename."""
+        return write_atomic(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LaunchPlan":
+        """Read and validate a plan file; SeqparError with one line on any problem."""
+        p = Path(path)
+        if not p.is_file():
+            raise SeqparError(f"plan file {str(p)!r} does not exist; write one with `seqpar advise ... -o {p}`")
+        try:
+            data = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SeqparError(f"plan file {str(p)!r} is not valid JSON ({e}); regenerate it with `seqpar advise -o`") from None
+        if not isinstance(data, dict):
+            raise SeqparError(f"plan file {str(p)!r} holds a {type(data).__name__}, not a plan object")
+        ver = data.get("schema_version", SCHEMA_VERSION)
+        if isinstance(ver, int) and ver > SCHEMA_VERSION:
+            raise SeqparError(
+                f"plan file {str(p)!r} has schema_version {ver}, newer than this seqpar understands ({SCHEMA_VERSION}); upgrade seqpar"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise SeqparError(f"plan file {str(p)!r} is invalid: {first_error(e)}") from None
+
+
+def first_error(e: ValidationError) -> str:
+    """One line from a pydantic error: the field path and the message."""
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err.get("loc", ())) or "(plan)"
+    msg = err.get("msg", "invalid").removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        msg = "unknown field (not part of schema version %d)" % SCHEMA_VERSION
+    return f"{loc}: {msg}"
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write text to path via a temporary sibling and os.replace, so readers never see half a file."""
+    import os
+    import tempfile
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
