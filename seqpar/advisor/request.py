@@ -1,0 +1,51 @@
+"""What a user asks the advisor: the workload, the cluster and the choices they pinned.
+
+Shared by both policies (the guide's rules in rules.py and the cost-model search in search.py) and by the CLI.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from seqpar.schema import (
+    Checkpointing,
+    ClusterSpec,
+    DType,
+    LossImpl,
+    Mode,
+    ModelSpec,
+    Optimizer,
+    Sharding,
+    Workload,
+    _Frozen,
+)
+
+
+class AdviseRequest(_Frozen):
+    model: ModelSpec = Field(description="The model to train.")
+    seq_len: int = Field(ge=1, description="Tokens per sequence.")
+    cluster: ClusterSpec = Field(description="The hardware (probed, declared or the default).")
+    micro_batch_size: int = Field(default=1, ge=1, description="Sequences per data-parallel rank per forward pass.")
+    tokens_per_step: Optional[int] = Field(default=None, ge=1, description="Tokens per optimizer step; None = one micro-batch per DP rank.")
+    dtype: DType = Field(default="bf16", description="Parameter and activation dtype.")
+    optimizer: Optimizer = Field(default="adamw", description="Optimizer (part of the workload, not searched).")
+    policy: Literal["rules", "cost"] = Field(default="cost", description="rules: the guide's tree; cost: the cost-model search.")
+    # Pins: None = let the advisor choose.
+    mode: Optional[Mode] = Field(default=None, description="Pinned mode.")
+    sp_degree: Optional[int] = Field(default=None, ge=1, description="Pinned sequence-parallel degree.")
+    ulysses_degree: Optional[int] = Field(default=None, ge=1, description="Pinned Ulysses degree (usp_attn).")
+    checkpointing: Optional[Checkpointing] = Field(default=None, description="Pinned checkpointing.")
+    sharding: Optional[Sharding] = Field(default=None, description="Pinned sharding.")
+    loss_impl: Optional[LossImpl] = Field(default=None, description="Pinned loss implementation.")
+
+    def workload(self) -> Workload:
+        return Workload(
+            model=self.model,
+            seq_len=self.seq_len,
+            micro_batch_size=self.micro_batch_size,
+            tokens_per_step=self.tokens_per_step,
+            dtype=self.dtype,
+            optimizer=self.optimizer,
+        )
