@@ -1,0 +1,161 @@
+"""Communication for the parallel modes, kept apart from the algorithms (as picotron's cp_communications and
+ring-flash-attention's RingComm do).
+
+Works on gloo with CPU tensors, NCCL with CUDA tensors, and gloo with CUDA tensors by staging through host memory
+(so several gloo ranks can share one GPU in tests). Peers are always *group* ranks; translation to global ranks is here.
+
+- ``P2P``: a batch of sends and receives to arbitrary group peers via ``dist.batch_isend_irecv``; ``wait()`` returns the
+  received tensors on the caller's device.
+- ``RingComm``: the ring special case: send to the next rank, receive from the previous one.
+- ``all_to_all(x, scatter_dim, gather_dim, group)``: ``dist.all_to_all_single`` underneath, differentiable (its
+  backward is the inverse all-to-all), usable inside autograd Functions too.
+- ``raise_everywhere(msg, group)``: all ranks raise the same error when any one of them has a problem, so none hangs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _staged(t: Tensor, group) -> bool:
+    """True when this group's backend cannot move t directly (gloo with a CUDA tensor): go through host memory."""
+    return t.is_cuda and dist.get_backend(group) == dist.Backend.GLOO
+
+
+def group_rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def global_rank(group, peer: int) -> int:
+    return peer if group is None else dist.get_global_rank(group, peer)
+
+
+class P2P:
+    """One batch of point-to-point transfers. sends: [(tensor, peer)], recvs: [(buffer, peer)]; peers are group ranks.
+
+    The batch is posted at construction (non-blocking); ``wait()`` blocks and returns the received tensors, copied back
+    to the device of their buffers when staged through host memory.
+    """
+
+    def __init__(self, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]], group=None):
+        self._recv_out = [buf for buf, _ in recvs]
+        self._host_recv: list[Tensor | None] = []
+        ops = []
+        for t, peer in sends:
+            t = t.contiguous()
+            if _staged(t, group):
+                t = t.cpu()
+            ops.append(dist.P2POp(dist.isend, t, global_rank(group, peer), group))
+        for buf, peer in recvs:
+            host = torch.empty(buf.shape, dtype=buf.dtype) if _staged(buf, group) else None
+            self._host_recv.append(host)
+            ops.append(dist.P2POp(dist.irecv, buf if host is None else host, global_rank(group, peer), group))
+        self._sent = [op.tensor for op in ops]  # keep staged send buffers alive until the transfers finish
+        self._reqs = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> list[Tensor]:
+        for r in self._reqs:
+            r.wait()
+        self._reqs, self._sent = [], []
+        for buf, host in zip(self._recv_out, self._host_recv):
+            if host is not None:
+                buf.copy_(host)
+        return self._recv_out
+
+
+class _Single:
+    """Handle of one ring transfer: ``wait()`` returns the one received tensor."""
+
+    def __init__(self, p2p: P2P):
+        self._p2p = p2p
+
+    def wait(self) -> Tensor:
+        return self._p2p.wait()[0]
+
+
+class RingComm:
+    """Send to the next rank of the group and receive from the previous one; the next block can be in flight while
+    the current one computes: ``h = comm.send_recv(t)`` ... compute ... ``received = h.wait()`` (or ``comm.wait()``)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = group_rank(group)
+        self.world_size = group_size(group)
+        self.next = (self.rank + 1) % self.world_size
+        self.prev = (self.rank - 1) % self.world_size
+        self._pending: _Single | None = None
+
+    def send_recv(self, t: Tensor, recv_buffer: Tensor | None = None) -> _Single:
+        """Post: send t to next, receive a tensor like t from prev. Returns the handle (also kept for ``wait()``)."""
+        buf = torch.empty_like(t) if recv_buffer is None else recv_buffer
+        self._pending = _Single(P2P([(t, self.next)], [(buf, self.prev)], self.group))
+        return self._pending
+
+    def wait(self) -> Tensor:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("RingComm.wait() without a send_recv() in flight")
+        return pending.wait()
+
+
+def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group) -> Tensor:
+    P = group_size(group)
+    if P == 1:
+        return x
+    scatter_dim %= x.dim()
+    gather_dim %= x.dim()
+    if x.shape[scatter_dim] % P:
+        raise ValueError(f"all_to_all: dim {scatter_dim} of size {x.shape[scatter_dim]} does not split over {P} ranks")
+    # chunk i of scatter_dim goes to rank i: put scatter_dim first so each chunk is one contiguous slab
+    send = x.movedim(scatter_dim, 0).contiguous()  # (P*c, ...)
+    staged = _staged(send, group)
+    src = send.cpu() if staged else send
+    recv = torch.empty_like(src)
+    dist.all_to_all_single(recv, src, group=group)
+    if staged:
+        recv = recv.to(x.device)
+    parts = recv.chunk(P, dim=0)  # from rank j: its chunk for us, (c, ...) with scatter_dim first
+    return torch.cat([p.movedim(0, scatter_dim) for p in parts], dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group=None) -> Tensor:
+    """Split x into P chunks along scatter_dim, send chunk i to group rank i, concatenate what arrives along gather_dim
+    (in rank order). E.g. (B, S/P, H, D) with scatter_dim=2, gather_dim=1 -> (B, S, H/P, D). Differentiable."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+    return _all_to_all(x, scatter_dim, gather_dim, group)
+
+
+def raise_everywhere(msg: str | None, group=None, error=None) -> None:
+    """Collective check: every rank calls it; if any rank passes a message, all ranks raise (the first message seen,
+    by rank order) as ``error`` (default SeqparError). Costs one tiny all-reduce-like gather; use at setup, not per step."""
+    if group_size(group) == 1 or not dist.is_initialized():
+        msgs = [msg]
+    else:
+        msgs = [None] * group_size(group)
+        dist.all_gather_object(msgs, msg, group=group)
+    first = next((m for m in msgs if m), None)
+    if first:
+        if error is None:
+            from seqpar.runtime.kernels import _error
+
+            raise _error(first)
+        raise error(first)

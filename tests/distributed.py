@@ -1,0 +1,99 @@
+"""Test harness: run a function on W real gloo ranks (separate processes) and collect what each returns.
+
+``run_ranks(fn, world_size, *args, timeout=60)`` spawns W processes (torch.multiprocessing's spawn context), each joins
+a gloo process group on a free localhost port with ``torch.set_num_threads(1)``, calls ``fn(rank, world_size, *args)``
+and sends back its (picklable) result. If any rank raises, or the timeout passes (a broken collective hangs rather than
+fails), every process is killed and one RuntimeError carries every rank's traceback. ``fn`` must be a module-level
+function of an importable module (spawn pickles it by name). Spawn once per world size and loop over cases inside fn:
+starting a process that imports torch costs seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results, timeout):
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        out = fn(rank, world_size, *args)  # no barrier after: a failed rank must not wait for the others
+        results.put((rank, "ok", out))
+        dist.destroy_process_group()
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 60):
+    """fn(rank, world_size, *args) on world_size gloo ranks; returns [result of rank 0, ..., rank W-1]."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout
+    first_error_at = None
+    try:
+        while len(got) < world_size:
+            now = time.monotonic()
+            # once one rank failed, give the others a moment to report (they may fail the same way), then stop
+            limit = deadline if first_error_at is None else min(deadline, first_error_at + 3.0)
+            if now >= limit:
+                break
+            try:
+                rank, status, out = results.get(timeout=min(0.5, limit - now))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and first_error_at is None:
+                    first_error_at = time.monotonic()  # a rank died without reporting (segfault, OOM kill)
+                continue
+            got[rank] = (status, out)
+            if status == "error" and first_error_at is None:
+                first_error_at = time.monotonic()
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(got) == world_size and all(s == "ok" for s, _ in got.values()) else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    errors = [f"--- rank {r}:\n{got[r][1]}" for r in sorted(got) if got[r][0] == "error"]
+    missing = [r for r in range(world_size) if r not in got]
+    if errors or missing:
+        why = f"ranks {missing} gave no result within {timeout:.0f} s (hang or crash; exit codes " \
+              f"{[procs[r].exitcode for r in missing]})\n" if missing else ""
+        raise RuntimeError(f"run_ranks({getattr(fn, '__name__', fn)}, W={world_size}) failed:\n{why}" + "\n".join(errors))
+    return [got[r][1] for r in range(world_size)]
+
+
+def tolerances(dtype) -> dict:
+    """assert_close tolerances named by dtype: float32 relative error <= 1e-5, float64 <= 1e-10."""
+    import torch
+
+    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-10)}[dtype]
+
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # children inherit it: keep gloo on loopback
