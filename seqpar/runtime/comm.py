@@ -6,7 +6,9 @@ Works on gloo with CPU tensors, NCCL with CUDA tensors, and gloo with CUDA tenso
 
 - ``P2P``: a batch of sends and receives to arbitrary group peers via ``dist.batch_isend_irecv``; ``wait()`` returns the
   received tensors on the caller's device.
-- ``RingComm``: the ring special case: send to the next rank, receive from the previous one.
+- ``exchange(sends, recvs, group)``: the same as a function.
+- ``RingComm``: the ring special case: send to the next rank, receive from the previous one
+  (``send_recv(t)`` for one tensor, ``send_recv_many([k, v])`` for several in one batch).
 - ``all_to_all(x, scatter_dim, gather_dim, group)``: ``dist.all_to_all_single`` underneath, differentiable (its
   backward is the inverse all-to-all), usable inside autograd Functions too.
 - ``raise_everywhere(msg, group)``: all ranks raise the same error when any one of them has a problem, so none hangs.
@@ -69,6 +71,11 @@ class P2P:
         return self._recv_out
 
 
+def exchange(sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]], group=None) -> P2P:
+    """Post a batch of sends [(tensor, peer)] and receives [(buffer, peer)] (group ranks); ``.wait()`` fills the buffers."""
+    return P2P(sends, recvs, group)
+
+
 class _Single:
     """Handle of one ring transfer: ``wait()`` returns the one received tensor."""
 
@@ -96,6 +103,10 @@ class RingComm:
         buf = torch.empty_like(t) if recv_buffer is None else recv_buffer
         self._pending = _Single(P2P([(t, self.next)], [(buf, self.prev)], self.group))
         return self._pending
+
+    def send_recv_many(self, tensors: list[Tensor]) -> P2P:
+        """Several tensors in one batch (e.g. K and V): the handle's ``wait()`` returns the received list."""
+        return P2P([(t, self.next) for t in tensors], [(torch.empty_like(t), self.prev) for t in tensors], self.group)
 
     def wait(self) -> Tensor:
         pending, self._pending = self._pending, None
