@@ -1,0 +1,139 @@
+"""Rich renderings for people: a launch plan (``seqpar explain``, ``seqpar advise``), a probe result, the profile tables.
+
+Each ``*_tables`` function returns renderables so callers (and the cost-model's richer explain) can add their own sections;
+``render_plan`` prints them in order. JSON output never goes through here: the CLI dumps the pydantic models directly.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Iterable
+
+from rich.console import Console, RenderableType
+from rich.table import Table
+
+from seqpar.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, format_tokens
+
+
+def _kv(title: str, rows: Iterable[tuple[str, object]]) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
+    t.add_column(style="bold cyan", no_wrap=True)
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, str(v))
+    return t
+
+
+def cluster_line(c: ClusterSpec) -> str:
+    inter = f", {c.inter_node_link.kind} between nodes" if c.inter_node_link else ""
+    return f"{c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gib:.1f} GiB), {c.intra_node_link.kind} inside the node{inter}"
+
+
+def plan_summary(plan: LaunchPlan) -> str:
+    """One line: mode, degrees, seq_len, model, cluster."""
+    s, w = plan.strategy, plan.workload
+    degrees = f"sp {s.sp_degree} x dp {s.dp_degree}" + (f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})" if s.mode == "usp_attn" else "")
+    return f"{s.mode}, {degrees}, seq_len {w.seq_len} ({format_tokens(w.seq_len)}), {w.model.name}, {cluster_line(plan.cluster)}"
+
+
+def plan_tables(plan: LaunchPlan) -> list[RenderableType]:
+    w, c, s, r = plan.workload, plan.cluster, plan.strategy, plan.rationale
+    out: list[RenderableType] = [
+        _kv("Workload", [
+            ("model", f"{w.model.name} ({w.model.num_params / 1e9:.2f}B params, {w.model.num_layers} layers, "
+                      f"{w.model.num_attention_heads} heads / {w.model.num_key_value_heads} KV heads)"),
+            ("seq_len", f"{w.seq_len} ({format_tokens(w.seq_len)})"),
+            ("micro-batch", w.micro_batch_size),
+            ("tokens per step", w.tokens_per_step or "one micro-batch per DP rank"),
+            ("dtype / optimizer", f"{w.dtype} / {w.optimizer}"),
+        ]),
+        _kv("Cluster", [("hardware", cluster_line(c)), ("host RAM per node", f"{c.host_ram_gib:.0f} GiB"),
+                        ("source", c.source), ("note", r.cluster_note or "-")]),
+        _kv("Strategy", [
+            ("mode", s.mode),
+            ("degrees", f"sp {s.sp_degree} x dp {s.dp_degree}" + (f", ulysses {s.ulysses_degree} x ring {s.ring_degree}" if s.mode == "usp_attn" else "")),
+            ("tokens per rank", w.seq_len // s.sp_degree),
+            ("checkpointing", s.checkpointing), ("sharding", s.sharding), ("loss", s.loss_impl),
+            ("grad accumulation", s.gradient_accumulation_steps),
+        ]),
+    ]
+    if plan.prediction is not None:
+        p = plan.prediction
+        out.append(_kv("Prediction", [
+            ("peak memory", f"{p.peak_memory_gib:.1f} GiB allocated, {p.reserved_memory_gib:.1f} GiB reserved of {p.capacity_gib:.1f} GiB"
+                            + ("  [bold red]OOM risk[/]" if p.oom_risk else "")),
+            ("throughput", f"{p.tokens_per_s:,.0f} tokens/s, step {p.step_time_s:.2f} s, MFU {p.mfu:.1%}"),
+        ]))
+    why = Table(title=f"Why ({r.policy})", show_header=False, title_justify="left", box=None, pad_edge=False)
+    why.add_column()
+    for i, step in enumerate(r.rule_path, 1):
+        why.add_row(f"[dim]rule {i}[/] {step}")
+    for reason in r.reasons:
+        why.add_row(f"- {reason}")
+    for alt in r.alternatives:
+        why.add_row(f"[dim]not[/] {alt.strategy.mode} sp {alt.strategy.sp_degree}: {alt.rejected_because}")
+    out.append(why)
+    launch = " ".join(shlex.quote(a) if not a.startswith("$") else a for a in plan.launch.command)
+    cmd = plan.launch.command
+    plan_file = cmd[cmd.index("--plan") + 1] if "--plan" in cmd[:-1] else "plan.json"
+    out.append(_kv("Launch", [("run", f"seqpar launch {plan_file}"), ("or on each node", launch or "-"),
+                              ("env", " ".join(f"{k}={v}" for k, v in plan.launch.env.items()) or "-")]))
+    return out
+
+
+def render_plan(plan: LaunchPlan, console: Console) -> None:
+    console.print(f"[bold]{plan_summary(plan)}[/]")
+    for t in plan_tables(plan):
+        console.print(t)
+        console.print()
+
+
+def probe_tables(res) -> list[RenderableType]:
+    """Tables of a seqpar.advisor.probe.ProbeResult."""
+    head = _kv("Probe", [("NVML", res.reason), ("driver", res.driver_version or "-"),
+                         ("nodes", f"{res.nodes} (node rank {res.node_rank}, from {res.launcher})"),
+                         ("host RAM", f"{res.host_ram_gib:.1f} GiB" if res.host_ram_gib else "unknown"),
+                         ("InfiniBand", ", ".join(f"{p.device}/{p.port} {p.state} {p.rate_gbps:g} Gb/s {p.link_layer}" for p in res.ib_ports) or "none")])
+    out: list[RenderableType] = [head]
+    if res.gpus:
+        t = Table(title="GPUs", title_justify="left")
+        for col in ("#", "name", "profile", "memory GiB (free)", "cc", "NVLinks", "PCIe"):
+            t.add_column(col)
+        for g in res.gpus:
+            t.add_row(str(g.index), g.name, g.profile or "[red]none[/]", f"{g.memory_total_gib:.1f} ({g.memory_free_gib:.1f})",
+                      g.compute_capability, str(g.nvlinks_active), f"gen{g.pcie_gen} x{g.pcie_width}" if g.pcie_gen else "-")
+        out.append(t)
+    if len(res.gpus) > 1:
+        t = Table(title="Topology", title_justify="left")
+        t.add_column("")
+        for g in res.gpus:
+            t.add_column(f"GPU{g.index}")
+        for g, row in zip(res.gpus, res.topology):
+            t.add_row(f"GPU{g.index}", *row)
+        out.append(t)
+    return out
+
+
+def profile_tables(gpus: list[GpuSpec], links: list[LinkSpec], models: list[ModelSpec]) -> list[RenderableType]:
+    tg = Table(title="GPUs", title_justify="left")
+    for col in ("name", "NVML name", "memory GiB", "bf16 TFLOP/s", "HBM GB/s"):
+        tg.add_column(col)
+    for g in gpus:
+        tg.add_row(g.name, g.display_name, f"{g.memory_gib:.1f}", f"{g.bf16_tflops:g}", f"{g.hbm_bandwidth_gb_s:g}")
+    tl = Table(title="Links", title_justify="left")
+    for col in ("kind", "GB/s per direction"):
+        tl.add_column(col)
+    for link in links:
+        tl.add_row(link.kind, f"{link.bandwidth_gb_s:g}")
+    tm = Table(title="Models", title_justify="left")
+    for col in ("name", "arch", "params", "layers", "hidden", "heads/KV", "head dim", "vocab", "max pos"):
+        tm.add_column(col)
+    for m in models:
+        tm.add_row(m.name, m.architecture, f"{m.num_params / 1e9:.2f}B", str(m.num_layers), str(m.hidden_size),
+                   f"{m.num_attention_heads}/{m.num_key_value_heads}", str(m.head_dim), str(m.vocab_size), str(m.max_position_embeddings))
+    return [tg, tl, tm]
+
+
+def spec_table(spec) -> Table:
+    """Any profile model (GpuSpec, LinkSpec, ModelSpec) as a two-column table."""
+    return _kv(getattr(spec, "name", getattr(spec, "kind", "")), spec.model_dump().items())

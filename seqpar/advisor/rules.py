@@ -1,0 +1,238 @@
+"""The guide's decision tree ("EasyContext best practices: choosing a sequence-parallel mode"), as data plus one function.
+
+The tree (shared/reference/anchors.md), evaluated top to bottom, first match wins:
+  S < 64K -> data_parallel;  several nodes -> ulysses_attn;  64K <= S <= 256K -> dist_flash_attn;  S > 256K -> zigzag_ring_attn.
+Data parallel comes first because the guide says to start with it and switch to sequence parallelism at the first OOM (64K is
+where it places that switch), whatever the node count. The guide's by-hardware and by-phase tables are kept as data too; they
+are reported beside the choice, not used to override it (the by-length rule is the one it states with numbers).
+
+When the tree's mode cannot run (heads not divisible for Ulysses, an odd GPU count for dist flash, seq_len not divisible for
+the layout), ``choose_mode`` says why and falls to the next valid mode in ``NEXT_CHOICE``. ``advise_by_rules`` wraps it into a
+LaunchPlan (no prediction: the rules do not model memory or speed; ``--policy cost`` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from seqpar import __version__
+from seqpar.advisor.request import AdviseRequest
+from seqpar.schema import (
+    ClusterSpec,
+    LaunchPlan,
+    LaunchSpec,
+    ModelSpec,
+    Rationale,
+    SeqparError,
+    Strategy,
+    check_heads,
+    check_split,
+    format_tokens,
+)
+
+K64, K256 = 64 * 1024, 256 * 1024
+
+
+@dataclass(frozen=True)
+class Rule:
+    condition: str  # the guide's words
+    mode: str
+    applies: Callable[[int, ClusterSpec], bool]
+
+
+TREE: tuple[Rule, ...] = (
+    Rule("seq_len < 64K", "data_parallel", lambda s, c: s < K64),
+    Rule("several nodes", "ulysses_attn", lambda s, c: c.nodes > 1),
+    Rule("64K <= seq_len <= 256K", "dist_flash_attn", lambda s, c: s <= K256),
+    Rule("seq_len > 256K", "zigzag_ring_attn", lambda s, c: s > K256),
+)
+
+# The guide's other two tables, kept for the record and reported beside the choice.
+BY_HARDWARE = {"one 8-GPU node": "zigzag_ring_attn", "multi-node cluster": "ulysses_attn", "scarce resources": "dist_flash_attn"}
+BY_PHASE = {"experiments": "dist_flash_attn", "production": "zigzag_ring_attn", "large scale": "ulysses_attn"}
+
+# When the tree's mode is invalid, try these in order. Ulysses -> the Ulysses x ring hybrid keeps all-to-all inside groups
+# whose size divides the heads (USP's advice); otherwise the guide's other choices, production (zigzag) before experiments.
+NEXT_CHOICE: dict[str, tuple[str, ...]] = {
+    "data_parallel": ("dist_flash_attn", "zigzag_ring_attn", "ulysses_attn", "usp_attn"),
+    "ulysses_attn": ("usp_attn", "zigzag_ring_attn", "dist_flash_attn"),
+    "dist_flash_attn": ("zigzag_ring_attn", "ulysses_attn", "usp_attn"),
+    "zigzag_ring_attn": ("dist_flash_attn", "ulysses_attn", "usp_attn"),
+    "usp_attn": ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn"),
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    mode: str  # the mode chosen (valid)
+    tree_mode: str  # the mode the tree picked
+    sp_degree: int
+    ulysses_degree: int
+    rule_path: list[str]
+    rejected: list[tuple[str, str]]  # (mode, why) for each invalid mode tried before the choice
+
+
+def tree_mode(seq_len: int, cluster: ClusterSpec) -> tuple[str, list[str]]:
+    """The tree's mode and the path: each rule tested, in order, up to the first that applies."""
+    path = []
+    for rule in TREE:
+        if rule.applies(seq_len, cluster):
+            path.append(f"{rule.condition}: yes -> {rule.mode}")
+            return rule.mode, path
+        path.append(f"{rule.condition}: no")
+    raise AssertionError("the tree's last rule always applies")  # S > 256K is the complement of the rules above
+
+
+def _usp_ulysses_degree(model: ModelSpec, sp: int, gpus_per_node: int) -> int:
+    """Largest Ulysses degree that divides sp, fits in a node and splits (or replicates) the heads; 1 if none."""
+    a, kv = model.num_attention_heads, model.num_key_value_heads
+    ok = [u for u in range(2, min(sp, gpus_per_node) + 1) if sp % u == 0 and a % u == 0 and (kv % u == 0 or u % kv == 0)]
+    return max(ok, default=1)
+
+
+def check_mode(
+    mode: str, seq_len: int, model: ModelSpec, cluster: ClusterSpec, sp_pin: Optional[int] = None, u_pin: Optional[int] = None
+) -> tuple[Optional[tuple[int, int]], str]:
+    """((sp_degree, ulysses_degree), '') when the mode can run here, else (None, why)."""
+    world = cluster.world_size
+    if mode == "data_parallel":
+        if sp_pin not in (None, 1):
+            return None, f"data_parallel keeps whole sequences, but sp_degree {sp_pin} is pinned"
+        if u_pin not in (None, 1):
+            return None, f"ulysses_degree {u_pin} is pinned, which only usp_attn takes"
+        return (1, 1), ""
+    sp = sp_pin or world
+    if world % sp:
+        return None, f"sp_degree {sp} does not divide the {world} ranks of the cluster"
+    if sp < 2:
+        return None, f"{mode} needs at least 2 ranks to split a sequence over, the cluster has {world}"
+    if mode != "usp_attn" and u_pin not in (None, 1):
+        return None, f"ulysses_degree {u_pin} is pinned, which only usp_attn takes"
+    if mode == "dist_flash_attn" and sp % 2:
+        return None, f"dist_flash_attn pairs ranks in its balanced schedule and needs an even GPU count, not {sp}"
+    u = 1
+    if mode == "usp_attn":
+        u = u_pin or _usp_ulysses_degree(model, sp, cluster.gpus_per_node)
+        if u < 2 or sp % u:
+            return None, f"usp_attn found no Ulysses degree >= 2 dividing sp_degree {sp} and {model.name}'s {model.num_attention_heads} heads"
+    try:
+        check_split(mode, seq_len, sp, u, sp // u if mode == "usp_attn" else 1)
+        check_heads(mode, model, sp, u)
+    except SeqparError as e:
+        return None, str(e)
+    return (sp, u), ""
+
+
+def choose_mode(
+    seq_len: int,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    mode: Optional[str] = None,
+    sp_degree: Optional[int] = None,
+    ulysses_degree: Optional[int] = None,
+) -> Choice:
+    """The tree's choice (or the pinned mode), checked; the next valid mode when it cannot run; SeqparError when none can."""
+    picked, path = tree_mode(seq_len, cluster)
+    if mode is not None:
+        degrees, why = check_mode(mode, seq_len, model, cluster, sp_degree, ulysses_degree)
+        if degrees is None:
+            raise SeqparError(f"pinned --mode {mode}: {why}")
+        return Choice(mode, picked, degrees[0], degrees[1], path + [f"--mode {mode} pinned"], [])
+    candidates = (picked,) + NEXT_CHOICE[picked]
+    if cluster.world_size == 1 and sp_degree in (None, 1):
+        candidates += ("data_parallel",)  # one device: nothing to split the sequence over
+    rejected = []
+    for cand in dict.fromkeys(candidates):
+        degrees, why = check_mode(cand, seq_len, model, cluster, sp_degree, ulysses_degree)
+        if degrees is not None:
+            if rejected:
+                path = path + [f"{m} invalid: {w}" for m, w in rejected] + [f"next valid choice -> {cand}"]
+            return Choice(cand, picked, degrees[0], degrees[1], path, rejected)
+        rejected.append((cand, why))
+    raise SeqparError(
+        f"seq_len {seq_len} cannot be split over {cluster.world_size} ranks by any mode: "
+        + "; ".join(f"{m}: {w}" for m, w in rejected[:2])
+    )
+
+
+def launch_spec(cluster: ClusterSpec, plan_path: str = "plan.json") -> LaunchSpec:
+    """The torchrun command each node runs (``seqpar launch plan.json`` builds the same one)."""
+    cmd = ["torchrun", "--nnodes", str(cluster.nodes), "--nproc-per-node", str(cluster.gpus_per_node)]
+    if cluster.nodes > 1:
+        cmd += ["--node-rank", "$NODE_RANK", "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
+    cmd += ["-m", "seqpar.runtime.train", "--plan", plan_path]
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if cluster.accelerator == "cuda" else {"OMP_NUM_THREADS": "1"}
+    return LaunchSpec(launcher="torchrun", command=cmd, env=env)
+
+
+def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
+    """A launch plan from the guide's tree. Pins in the request are honoured; no prediction (prediction=None)."""
+    c, s = req.cluster, req.seq_len
+    ch = choose_mode(s, req.model, c, req.mode, req.sp_degree, req.ulysses_degree)
+    dp = c.world_size // ch.sp_degree
+    reasons = [f"seq_len {s} ({format_tokens(s)}) on {c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name}: the guide's tree picks {ch.tree_mode}"]
+    reasons += [f"{m} rejected: {w}" for m, w in ch.rejected]
+    if ch.mode == "data_parallel":
+        reasons.append("the guide: start with data parallel and switch to sequence parallelism at the first OOM; "
+                       "the rules do not model memory, so check the fit with --policy cost or `seqpar check`")
+    else:
+        reasons.append(f"{ch.mode} over sp_degree {ch.sp_degree}" + (f" (ulysses {ch.ulysses_degree} x ring {ch.sp_degree // ch.ulysses_degree})" if ch.mode == "usp_attn" else "")
+                       + f", dp_degree {dp}: {s // ch.sp_degree} tokens per rank")
+        hw = "multi-node cluster" if c.nodes > 1 else "one 8-GPU node" if c.gpus_per_node == 8 else None
+        if hw and BY_HARDWARE[hw] != ch.mode:
+            reasons.append(f"the guide's by-hardware table says {BY_HARDWARE[hw]} for a {hw}; its by-length rule decides here")
+    # EasyContext's recipe: gradient checkpointing, DeepSpeed ZeRO-3 with CPU offload, its own loss on full logits, micro-batch 1.
+    ckpt = req.checkpointing or "full"
+    sharding = req.sharding or ("zero3_offload" if c.accelerator == "cuda" else "ddp")
+    loss = req.loss_impl or "hf"
+    for what, pinned, val, why in (
+        ("checkpointing", req.checkpointing, ckpt, "EasyContext trains with gradient checkpointing (dist_flash_attn requires it)"),
+        ("sharding", req.sharding, sharding, "EasyContext's engine: DeepSpeed ZeRO-3 with CPU offload; pin --sharding fsdp to run without DeepSpeed"
+         if c.accelerator == "cuda" else "gloo CPU ranks: plain data-parallel gradients (DeepSpeed is a GPU engine)"),
+        ("loss_impl", req.loss_impl, loss, "EasyContext computes the loss on full logits (transformers' way)"),
+    ):
+        reasons.append(f"{what} {val}: " + ("pinned" if pinned else why))
+    gas = 1
+    if req.tokens_per_step:
+        per_micro = req.micro_batch_size * s * dp
+        gas = max(1, round(req.tokens_per_step / per_micro))
+        reasons.append(f"gradient_accumulation_steps {gas}: {req.tokens_per_step} tokens per step / ({req.micro_batch_size} x {s} x dp {dp}) = {req.tokens_per_step / per_micro:.2f}, rounded")
+    strategy = Strategy(
+        mode=ch.mode,
+        sp_degree=ch.sp_degree,
+        ulysses_degree=ch.ulysses_degree if ch.mode == "usp_attn" else 1,
+        ring_degree=ch.sp_degree // ch.ulysses_degree if ch.mode == "usp_attn" else 1,
+        dp_degree=dp,
+        checkpointing=ckpt,
+        sharding=sharding,
+        loss_impl=loss,
+        gradient_accumulation_steps=gas,
+    )
+    everything_pinned = bool(req.mode and (req.mode == "data_parallel" or req.sp_degree) and req.checkpointing and req.sharding and req.loss_impl
+                             and (req.mode != "usp_attn" or req.ulysses_degree))
+    return LaunchPlan(
+        created_by=f"seqpar {__version__} (advise, rules)",
+        created_at=_now(),
+        workload=req.workload(),
+        cluster=c,
+        strategy=strategy,
+        prediction=None,
+        rationale=Rationale(
+            policy="pinned" if everything_pinned else "rules",
+            rule_path=ch.rule_path,
+            rules_choice=ch.tree_mode,
+            reasons=reasons,
+            cluster_note=cluster_note,
+        ),
+        launch=launch_spec(c),
+    )
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+
+
+__all__ = ["TREE", "NEXT_CHOICE", "BY_HARDWARE", "BY_PHASE", "Choice", "tree_mode", "check_mode", "choose_mode", "advise_by_rules", "launch_spec"]
