@@ -1,0 +1,194 @@
+"""Process groups, the loss module, and the engines that wrap it (DDP, FSDP2, DeepSpeed ZeRO through accelerate).
+
+World = dp_degree x sp_degree ranks; a sequence-parallel group is ``sp_degree`` consecutive ranks (global rank =
+dp_rank * sp_degree + sp_rank), so on a multi-GPU node the ranks that exchange K/V every layer share the fastest link.
+
+Gradient math. Each sequence-parallel rank computes the *global* mean loss of its group's sequence (``seqpar.loss``
+all-reduces the sums), and its backward produces that rank's share of the gradient: the full gradient of the group's
+loss is the SUM of its ranks' gradients. The update must equal the single-process one on the same global batch, whose
+gradient is the MEAN over data-parallel groups. Every engine here averages gradients over the whole world (DDP's all-reduce,
+FSDP2's reduce-scatter, DeepSpeed's data-parallel average), i.e. divides by dp * sp; scaling each rank's loss by sp_degree
+turns that average into "sum over sp, mean over dp":  (sp / (dp * sp)) * sum_ranks g_r = (1/dp) * sum_dp sum_sp g.
+Gradient accumulation divides by the number of micro-batches, as a single process summing its micro-batch means would.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from seqpar.schema import LaunchPlan, SeqparError
+
+
+@dataclass
+class Topology:
+    rank: int
+    world_size: int
+    local_rank: int
+    sp_degree: int
+    dp_degree: int
+    device: torch.device
+    sp_group: object  # the ProcessGroup of this rank's sequence-parallel group (size 1 for data_parallel)
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp_degree
+
+
+def init_distributed(plan: LaunchPlan) -> Topology:
+    """Join (or reuse) the default process group and build the sequence-parallel groups; checks the world matches the plan."""
+    cpu = plan.cluster.accelerator == "cpu"
+    if not cpu and not torch.cuda.is_available():
+        raise SeqparError("the plan's cluster is accelerator 'cuda' but torch sees no CUDA device; run on the GPU machine or use a --cluster cpu:N plan")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python -m seqpar.runtime.train`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # A short timeout bounds a collective left hanging by a dead peer on another node (torchrun kills local ones).
+        timeout = timedelta(seconds=float(os.environ.get("SEQPAR_PG_TIMEOUT_S", "120" if cpu else "600")))
+        dist.init_process_group("gloo" if cpu else "nccl", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = plan.strategy
+    if world != s.world_size:
+        raise SeqparError(
+            f"the job has {world} ranks but the plan needs sp_degree {s.sp_degree} x dp_degree {s.dp_degree} = {s.world_size}; "
+            f"launch it with `seqpar launch`, which starts the right number"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cpu:
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    # new_group is collective: every rank creates every group, in the same order.
+    mine = None
+    for g in range(s.dp_degree):
+        group = dist.new_group(list(range(g * s.sp_degree, (g + 1) * s.sp_degree)))
+        if g == rank // s.sp_degree:
+            mine = group
+    return Topology(rank, world, local_rank, s.sp_degree, s.dp_degree, device, mine)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LossModule(nn.Module):
+    """The HF model plus its loss: forward(input_ids, position_ids, labels) -> this group's global mean loss.
+
+    One module so that the engines see a single forward (DDP prepares its reducer there, FSDP2 unshards the root's
+    embedding/norm/lm_head there) also when the chunked loss bypasses the model's own head.
+    """
+
+    def __init__(self, model: nn.Module, loss_impl: str, group, chunk_size: int = 4096):
+        super().__init__()
+        self.model, self.loss_impl, self.group, self.chunk_size = model, loss_impl, group, chunk_size
+
+    def forward(self, input_ids, position_ids, labels):
+        from seqpar.runtime import hf
+
+        if self.loss_impl == "chunked":
+            hidden = self.model.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state  # (B, s, h)
+            head = self.model.get_output_embeddings().weight  # (V, h)
+            return hf.loss_from_hidden(hidden, head, labels, self.group, self.chunk_size)
+        logits = self.model(input_ids=input_ids, position_ids=position_ids).logits  # (B, s, V)
+        return hf.loss(logits.float(), labels, self.group)
+
+
+def wrap(module: LossModule, plan: LaunchPlan, topo: Topology, *, cpu_offload: bool = False) -> nn.Module:
+    """The engine named by plan.strategy.sharding around the loss module (already on its device and dtype)."""
+    sharding = plan.strategy.sharding
+    if sharding == "ddp":
+        if topo.world_size == 1:
+            return module
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [topo.local_rank] if topo.device.type == "cuda" else None
+        return DDP(module, device_ids=ids, broadcast_buffers=False)
+    if sharding == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        mesh = init_device_mesh(topo.device.type, (topo.world_size,))
+        mixed = plan.workload.dtype == "bf16" and plan.workload.optimizer == "adamw" and topo.device.type == "cuda"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+        off = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        for layer in module.model.model.layers:  # one all-gather per decoder layer
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off)
+        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=off)
+        return module
+    raise SeqparError(f"sharding {sharding!r} runs through DeepSpeed; the trainer handles it with accelerate (see deepspeed_engine)")
+
+
+def deepspeed_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def require_deepspeed(sharding: str) -> None:
+    if not deepspeed_available():
+        raise SeqparError(
+            f"sharding {sharding!r} runs on DeepSpeed ZeRO through accelerate, and deepspeed is not installed; "
+            f"`pip install 'seqpar[deepspeed]'`, or advise with --sharding fsdp (`seqpar launch --dry-run` shows the DeepSpeed config)"
+        )
+
+
+def no_sync(wrapped: nn.Module, sync: bool):
+    """Context that skips the gradient reduction on all but the last micro-batch of an accumulation."""
+    import contextlib
+
+    if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+        wrapped.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if not sync and hasattr(wrapped, "no_sync"):  # DDP
+        return wrapped.no_sync()
+    return contextlib.nullcontext()
+
+
+def make_optimizer(module: nn.Module, plan: LaunchPlan):
+    """AdamW over the (possibly sharded) parameters, or None for optimizer 'none' (forward + backward only)."""
+    if plan.workload.optimizer == "none":
+        return None
+    t = plan.training
+    # foreach=False keeps the update order identical for sharded and whole parameters (bit-stable comparisons).
+    return torch.optim.AdamW(module.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay, foreach=False)
+
+
+def make_scheduler(optimizer, plan: LaunchPlan, total_steps: int):
+    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+    if optimizer is None:
+        return None
+    t = plan.training
+    if t.lr_schedule == "cosine":
+        return get_cosine_schedule_with_warmup(optimizer, t.warmup_steps, total_steps)
+    return get_constant_schedule_with_warmup(optimizer, t.warmup_steps)
+
+
+def compute_dtype(plan: LaunchPlan, device: torch.device) -> tuple[torch.dtype, torch.dtype | None, str]:
+    """(parameter dtype, autocast dtype or None, reason): bf16 needs CUDA here; fp32 on CPU keeps comparisons exact."""
+    want = plan.workload.dtype
+    if device.type != "cuda":
+        return torch.float32, None, f"fp32 on CPU (plan asks {want}; CPU runs are for checks, kept exact)"
+    if want == "fp32":
+        return torch.float32, None, "fp32 as the plan asks"
+    low = torch.bfloat16 if want == "bf16" else torch.float16
+    if plan.workload.optimizer == "adamw-bf16":
+        return low, None, f"{want} parameters and moments, no fp32 master (optimizer adamw-bf16)"
+    if plan.strategy.sharding == "fsdp":
+        return torch.float32, None, f"fp32 master parameters, FSDP2 computes in {want}"
+    return torch.float32, low, f"fp32 master parameters, autocast to {want}"

@@ -1,0 +1,100 @@
+"""The model the trainer trains: a local Hugging Face folder, or the plan's ModelSpec with seeded random weights.
+
+Random-weight models (benchmarks, smoke tests) are built from a transformers config made out of the ModelSpec, so a plan
+alone is enough to run. Every rank seeds the same generator before building, so all ranks start from identical weights.
+The RoPE base can be overridden (EasyContext's recipe raises it per stage); transformers 5 keeps it in
+``config.rope_parameters``, 4.x in ``config.rope_theta``: both are set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from seqpar.schema import ModelSpec, SeqparError
+
+_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+
+
+def config_from_spec(spec: ModelSpec):
+    """A transformers config with the ModelSpec's shapes (architecture picks the class)."""
+    import transformers
+
+    name = _CONFIGS.get(spec.architecture)
+    if name is None:
+        raise SeqparError(
+            f"model architecture {spec.architecture!r} has no random-weight builder; use one of {sorted(_CONFIGS)} "
+            f"or pass --model-path with a local Hugging Face folder"
+        )
+    kwargs = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_theta=spec.rope_theta,
+        use_cache=False,
+    )
+    if spec.architecture in ("llama", "qwen3"):
+        kwargs["attention_bias"] = spec.attention_bias
+    if spec.architecture == "mistral":
+        kwargs["sliding_window"] = None  # sequence-parallel attention is exact causal attention, no window
+    return getattr(transformers, name)(**kwargs)
+
+
+def set_rope_theta(config, theta: float) -> None:
+    rp = getattr(config, "rope_parameters", None)
+    if isinstance(rp, dict):
+        rp["rope_theta"] = float(theta)
+    if hasattr(config, "rope_theta") or not isinstance(rp, dict):
+        config.rope_theta = float(theta)
+
+
+def build_model(spec: ModelSpec, *, model_path: str | None, seed: int, rope_theta: float | None, init_from: str | None = None):
+    """The causal LM in float32 on CPU (the engine moves and casts it); weights from model_path, init_from, or seeded random."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_path:
+        p = Path(model_path)
+        if not (p / "config.json").is_file():
+            raise SeqparError(f"--model-path {model_path!r} holds no config.json; pass a local Hugging Face model folder")
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+    else:
+        config = config_from_spec(spec)
+    config.use_cache = False
+    if rope_theta is not None:
+        set_rope_theta(config, rope_theta)
+    torch.manual_seed(seed)
+    if model_path:
+        model = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=torch.float32, local_files_only=True)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if init_from:
+        load_weights(model, init_from)
+    return model
+
+
+def load_weights(model, folder: str | Path) -> None:
+    """Load the safetensors files of a save_pretrained folder into ``model`` (tied weights may be absent from the files)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise SeqparError(f"checkpoint folder {str(folder)!r} holds no .safetensors weights; it is not a finished checkpoint")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if isinstance(getattr(model, "_tied_weights_keys", None), dict):
+        tied = set(model._tied_weights_keys)
+    real_missing = [k for k in missing if k not in tied and not (model.config.tie_word_embeddings and k == "lm_head.weight")]
+    if real_missing or unexpected:
+        raise SeqparError(
+            f"checkpoint {str(folder)!r} does not fit the model: missing {real_missing[:3]}, unexpected {list(unexpected)[:3]}; "
+            f"resume with the plan that wrote it"
+        )

@@ -1,0 +1,133 @@
+"""What a run measured, beside what its plan predicted: the run report (JSON) and the per-step metrics (JSONL).
+
+``run_report.json`` sits next to ``checkpoints/`` in the output folder; ``seqpar calibrate`` reads it. Measured figures
+use the plan's field names (``tokens_per_s``, ``peak_memory_gib``, ``reserved_memory_gib``, ``step_time_s``, ``mfu``) so a
+measured/predicted pair lines up by key.
+
+MFU follows nanoGPT's ``estimate_mfu`` and the anchors' FLOP counts: 6*N per token for the linear part (forward + backward,
+no recompute counted) plus causal attention 2*s^2*h per layer forward, x3.5 for forward + backward
+(Korthikanti et al. 2022; flash-attention's backward costs 2.5 forwards), against the datasheet bf16 peak of every GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from seqpar.schema import LaunchPlan, write_atomic
+
+GIB = 2**30
+
+
+def memory_now(device: torch.device) -> dict:
+    """Peak memory of this process: CUDA allocator peaks on GPU; the resident set size on CPU."""
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    out = {"peak_rss_gib": rss / GIB}
+    if device.type == "cuda":
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+    else:
+        out["peak_allocated_gib"] = out["peak_reserved_gib"] = out["peak_rss_gib"]
+    return out
+
+
+def flops_per_step(plan: LaunchPlan, sequences: int) -> float:
+    """Model FLOPs of one optimizer step over ``sequences`` sequences of plan.workload.seq_len tokens."""
+    m, s = plan.workload.model, plan.workload.seq_len
+    linear = 6.0 * m.num_params * s * sequences
+    attention = 3.5 * 2.0 * s * s * (m.num_attention_heads * m.head_dim) * m.num_layers * sequences
+    return linear + attention
+
+
+class Metrics:
+    """Per-step metrics: rank 0 appends one JSON line per step to metrics.jsonl (and TensorBoard / W&B when asked)."""
+
+    def __init__(self, out: Path, rank: int, report_to: list[str], resume_step: int, log):
+        self.path, self.rank, self.sinks = out / "metrics.jsonl", rank, []
+        if rank != 0:
+            return
+        if self.path.exists():  # keep what the checkpoint covers; the steps after it are run again
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in keep))
+        for name in report_to:
+            try:
+                if name == "tensorboard":
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    w = SummaryWriter(str(out / "tensorboard"))
+                    self.sinks.append(lambda rec, w=w: [w.add_scalar(k, v, rec["step"]) for k, v in rec.items() if k != "step"])
+                elif name == "wandb":
+                    import wandb
+
+                    wandb.init(dir=str(out), config={"output": str(out)}, resume="allow")
+                    self.sinks.append(lambda rec: wandb.log(rec, step=rec["step"]))
+                else:
+                    log.warning("--report-to %s is unknown (tensorboard, wandb); ignored", name)
+            except ImportError:
+                log.warning("--report-to %s asked, but it is not installed; metrics go to metrics.jsonl only", name)
+
+    def log(self, rec: dict) -> None:
+        if self.rank != 0:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        for sink in self.sinks:
+            sink(rec)
+
+
+def write_report(out: Path, plan: LaunchPlan, *, step_times: list[float], tokens_per_step: int, sequences_per_step: int,
+                 device: torch.device, backend: str, dtype_reason: str, engine: str, steps_done: int, rank: int) -> dict | None:
+    """Collective: gathers every rank's memory peaks; rank 0 writes run_report.json and returns it."""
+    mem = memory_now(device)
+    per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [mem]
+    if dist.is_initialized():
+        dist.all_gather_object(per_rank, mem)
+    if rank != 0:
+        return None
+    # The first step pays for warm-up (allocator growth, lazy init, kernel selection): leave it out when there are more.
+    timed = step_times[1:] if len(step_times) > 1 else step_times
+    step_s = statistics.median(timed) if timed else 0.0
+    total = sum(timed)
+    tps = tokens_per_step * len(timed) / total if total > 0 else 0.0
+    peak_flops = plan.cluster.gpu.bf16_tflops * 1e12 * plan.cluster.world_size
+    mfu = flops_per_step(plan, sequences_per_step) / step_s / peak_flops if step_s > 0 else 0.0
+    measured = {
+        "tokens_per_s": tps,
+        "peak_memory_gib": max(r["peak_allocated_gib"] for r in per_rank),
+        "reserved_memory_gib": max(r["peak_reserved_gib"] for r in per_rank),
+        "step_time_s": step_s,
+        "mfu": mfu,
+    }
+    p = plan.prediction
+    predicted = {k: getattr(p, k) for k in measured} if p is not None else None
+    report = {
+        "measured": measured,
+        "predicted": predicted,
+        "per_rank": [dict(rank=i, **r) for i, r in enumerate(per_rank)],
+        "step_times_s": step_times,
+        "steps": steps_done,
+        "tokens_per_step": tokens_per_step,
+        "device": str(device.type),
+        "backend": backend,
+        "dtype": dtype_reason,
+        "engine": engine,
+        "versions": _versions(),
+        "plan": json.loads(plan.model_dump_json()),
+    }
+    write_atomic(out / "run_report.json", json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _versions() -> dict:
+    import transformers
+
+    import seqpar
+
+    return {"seqpar": seqpar.__version__, "torch": torch.__version__, "transformers": transformers.__version__}

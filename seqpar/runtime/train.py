@@ -1,0 +1,251 @@
+"""The trainer that ``seqpar launch`` starts on every rank: ``python -m seqpar.runtime.train --plan plan.json ...``.
+
+One optimizer step = ``gradient_accumulation_steps`` micro-batches of ``micro_batch_size`` windows per data-parallel
+group; each sequence-parallel rank trains on its shard of the group's windows (seqpar.prepare_inputs' layout). The loop
+reads its settings from the plan (mode, degrees, sharding, checkpointing, loss_impl, training section); the flags only say
+what to train on, for how long and where to write. Errors in the input are one line and exit code 2 on every rank.
+
+Test hooks (environment): SEQPAR_FAULT_RANK + SEQPAR_FAULT_STEP (+ SEQPAR_FAULT_PHASE=step|checkpoint) raise on one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+from seqpar.schema import LaunchPlan, SeqparError
+
+ENGINES = {"ddp": "ddp", "fsdp": "fsdp2", "zero2": "deepspeed-zero2", "zero3": "deepspeed-zero3", "zero3_offload": "deepspeed-zero3-offload"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m seqpar.runtime.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--plan", required=True, help="launch plan JSON (seqpar advise -o)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the plan's training.steps)")
+    p.add_argument("--data", default="synthetic", help="synthetic | file.jsonl | tokens.bin | tokens.npy | datasets folder")
+    p.add_argument("--model-path", default=None, help="local Hugging Face model folder (default: plan's model, random weights)")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer folder for text data (default: --model-path)")
+    p.add_argument("--output", default="runs/seqpar", help="folder for checkpoints, run report, metrics and log")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
+    p.add_argument("--init-from", default=None, help="save_pretrained folder to start the weights from (recipe stages)")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="override training.checkpoint_every (0 = only at the end)")
+    p.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP2: keep parameters and optimizer state in host RAM")
+    p.add_argument("--report-to", default="", help="comma list: tensorboard, wandb (used only when installed)")
+    p.add_argument("--log-every", type=int, default=10, help="log a line every N steps when there is no progress bar")
+    return p
+
+
+def check_output(out: Path, resume: bool) -> None:
+    """Refuse to train over another run's checkpoints unless resuming (before anything is written)."""
+    ck = out / "checkpoints"
+    if not resume and ck.is_dir() and any(p.name.startswith("step-") for p in ck.iterdir()):
+        raise SeqparError(f"output {str(out)!r} already holds checkpoints; pass --resume to continue it or pick another --output")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Train; returns {"losses": [...], "report": dict | None (rank 0), "output": str}. Collective over the job."""
+    import torch
+    import torch.distributed as dist
+
+    from seqpar.runtime import checkpoint as ckpt
+    from seqpar.runtime import engine
+    from seqpar.runtime.data import open_data
+    from seqpar.runtime.hf import apply, prepare_inputs
+    from seqpar.runtime.layout import shard
+    from seqpar.runtime.model import build_model
+    from seqpar.runtime.progress import ProgressBar, setup_logging
+    from seqpar.runtime.report import Metrics, memory_now, write_report
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
+    plan = LaunchPlan.load(args.plan)
+    s, w, t = plan.strategy, plan.workload, plan.training
+    steps = args.steps or t.steps
+    every = t.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
+    data = open_data(args.data, seq_len=w.seq_len, vocab_size=w.model.vocab_size, seed=t.seed,
+                     tokenizer_path=args.tokenizer or args.model_path)
+    out = Path(args.output)
+    check_output(out, args.resume)
+    if s.sharding.startswith("zero"):
+        engine.require_deepspeed(s.sharding)
+
+    topo = engine.init_distributed(plan)
+    rank = topo.rank
+    if rank == 0:
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    log = setup_logging(out, rank)
+    root = out / "checkpoints"
+    resume_from = ckpt.latest(root) if args.resume else None
+    topo_state = {"world_size": topo.world_size, "sp_degree": s.sp_degree, "dp_degree": s.dp_degree, "mode": s.mode,
+                  "seq_len": w.seq_len, "micro_batch_size": w.micro_batch_size,
+                  "gradient_accumulation_steps": s.gradient_accumulation_steps, "data": args.data}
+    start = 0
+    if resume_from is not None:
+        state = ckpt.read_state(resume_from)
+        ckpt.check_compatible(state, topo_state, resume_from)
+        start = state["step"]
+        log.info("resuming from %s (step %d)", resume_from, start)
+    elif args.resume:
+        log.info("--resume: no checkpoint in %s yet, starting at step 0", root)
+
+    # ----- model, engine, optimizer
+    init = args.init_from
+    if init and (Path(init) / "checkpoints").is_dir():  # a previous stage's output folder: its newest checkpoint
+        last = ckpt.latest(Path(init) / "checkpoints")
+        if last is None:
+            raise SeqparError(f"--init-from {init!r} holds no finished checkpoint; run that stage first")
+        init = str(last / "model")
+    model = build_model(w.model, model_path=args.model_path, seed=t.seed, rope_theta=t.rope_theta,
+                        init_from=str(resume_from / "model") if resume_from else init)
+    ulysses = s.ulysses_degree if s.mode == "usp_attn" else None
+    apply(model, s.mode, group=topo.sp_group, ulysses_degree=ulysses, offload_checkpoints=s.checkpointing == "offload")
+    if s.checkpointing in ("full", "selective"):  # selective runs as full here: HF has no attention-output checkpoint
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name; 4.x has the older one
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    param_dtype, autocast_dtype, dtype_reason = engine.compute_dtype(plan, topo.device)
+    model.to(device=topo.device, dtype=param_dtype)
+    module = engine.LossModule(model, s.loss_impl, topo.sp_group)
+    optimizer = scheduler = None
+    if s.sharding.startswith("zero"):
+        from seqpar.runtime.deepspeed import prepare
+
+        module.to(topo.device)
+        optimizer = engine.make_optimizer(module, plan)
+        scheduler = engine.make_scheduler(optimizer, plan, steps)
+        wrapped, optimizer, scheduler, backward = prepare(module, optimizer, scheduler, plan)
+    else:
+        wrapped = engine.wrap(module, plan, topo, cpu_offload=args.fsdp_cpu_offload)
+        optimizer = engine.make_optimizer(wrapped, plan)
+        scheduler = engine.make_scheduler(optimizer, plan, steps)
+        backward = None
+    if resume_from is not None:
+        ckpt.load_training_state(resume_from, wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, rank=rank)
+
+    backend = _backend(topo.device, param_dtype if autocast_dtype is None else autocast_dtype)
+    log.info("plan %s: %s sp=%d dp=%d sharding=%s checkpointing=%s loss=%s; %s; attention backend %s; %d steps from %d",
+             args.plan, s.mode, s.sp_degree, s.dp_degree, s.sharding, s.checkpointing, s.loss_impl, dtype_reason, backend,
+             steps, start)
+
+    # ----- loop
+    ga, mbs = s.gradient_accumulation_steps, w.micro_batch_size
+    tokens_per_step = w.seq_len * mbs * ga * s.dp_degree
+    metrics = Metrics(out, rank, [x for x in args.report_to.split(",") if x], start, log)
+    bar = ProgressBar(rank, steps, start, log, args.log_every)
+    losses, step_times = [], []
+    autocast = (torch.autocast(topo.device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    try:
+        for step in range(start, steps):
+            ckpt._fault("step", step + 1, rank)
+            t0 = time.perf_counter()
+            total = torch.zeros((), dtype=torch.float64, device=topo.device)
+            for micro in range(ga):
+                ids = data.batch(step, micro, topo.dp_rank, grad_accum=ga, dp_degree=s.dp_degree, micro_batch=mbs)  # (B, S+1)
+                batch = prepare_inputs(ids[:, :-1], mode=s.mode, rank=topo.sp_rank, world_size=s.sp_degree,
+                                       ulysses_degree=ulysses)
+                # Targets are the window shifted by one (all seq_len of them predicted), split like the inputs.
+                batch["labels"] = shard(ids[:, 1:], s.mode, topo.sp_rank, s.sp_degree, dim=1, ulysses_degree=ulysses)
+                batch = {k: v.to(topo.device) for k, v in batch.items()}  # each (B, S_local)
+                sync = micro == ga - 1
+                with engine.no_sync(wrapped, sync), autocast:
+                    loss = wrapped(batch["input_ids"], batch["position_ids"], batch["labels"])
+                if backward is not None:  # DeepSpeed: the engine scales by 1/GA and steps at the boundary itself
+                    backward(loss * s.sp_degree)
+                else:
+                    (loss * (s.sp_degree / ga)).backward()  # see engine.py: sum over sp, mean over dp and micro-batches
+                total += loss.detach().double()
+            grad_norm = None
+            if backward is None and optimizer is not None:
+                if t.grad_clip > 0:
+                    norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), t.grad_clip)
+                    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP2
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            elif backward is None:
+                wrapped.zero_grad(set_to_none=True)
+            # Every rank of a group holds the same global loss: the world mean is the mean over data-parallel groups.
+            dist.all_reduce(total)
+            step_loss = float(total) / (topo.world_size * ga)
+            if topo.device.type == "cuda":
+                torch.cuda.synchronize(topo.device)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            losses.append(step_loss)
+            lr = scheduler.get_last_lr()[0] if scheduler is not None else 0.0
+            rec = {"step": step + 1, "loss": step_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                   "peak_memory_gib": memory_now(topo.device)["peak_allocated_gib"]}
+            if grad_norm is not None:
+                rec["grad_norm"] = grad_norm
+            metrics.log(rec)
+            bar.update(rec)
+            if (every and (step + 1) % every == 0) or step + 1 == steps:
+                ckpt.save(root, step + 1, wrapped=wrapped, hf_model=model, optimizer=optimizer, scheduler=scheduler,
+                          state={"step": step + 1, "windows_read": (step + 1) * ga * s.dp_degree * mbs, **topo_state},
+                          rank=rank)
+    finally:
+        bar.close()
+    report = write_report(out, plan, step_times=step_times, tokens_per_step=tokens_per_step,
+                          sequences_per_step=mbs * ga * s.dp_degree, device=topo.device, backend=backend,
+                          dtype_reason=dtype_reason, engine=ENGINES[s.sharding], steps_done=steps, rank=rank)
+    if rank == 0:
+        log.info("done: %d steps; run report %s", steps, out / "run_report.json")
+    return {"losses": losses, "report": report, "output": str(out)}
+
+
+def _backend(device, dtype) -> str:
+    try:
+        from seqpar.runtime.kernels import select_backend
+
+        return select_backend(device, dtype)
+    except Exception as e:  # the report still gets written; say why the name is missing
+        return f"unknown ({e})"
+
+
+def _fail(rank: str, msg: str, out: str | None) -> None:
+    """One line on stderr naming the rank, and a file the launcher reads to name it again after torchrun's summary."""
+    line = f"seqpar: rank {rank} failed: {msg}"
+    print(line, file=sys.stderr, flush=True)
+    if out:
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / f"failed-rank{rank}.txt").write_text(line + "\n")
+        except OSError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    try:
+        run(args)
+    except SeqparError as e:
+        print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except BaseException as e:
+        import traceback
+
+        traceback.print_exc()
+        _fail(rank, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              args.output if Path(args.output, "checkpoints").is_dir() else None)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
