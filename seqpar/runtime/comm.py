@@ -46,6 +46,13 @@ class P2P:
     """
 
     def __init__(self, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]], group=None):
+        me = group_rank(group)
+        # transfers to oneself (a ring of one, a schedule that keeps a block home) are copies, matched in order
+        self._all_recv = [buf for buf, _ in recvs]  # returned by wait(), in the caller's order
+        for t, buf in zip([t for t, p in sends if p == me], [b for b, p in recvs if p == me]):
+            buf.copy_(t)
+        sends = [(t, p) for t, p in sends if p != me]
+        recvs = [(b, p) for b, p in recvs if p != me]
         self._recv_out = [buf for buf, _ in recvs]
         self._host_recv: list[Tensor | None] = []
         ops = []
@@ -68,7 +75,7 @@ class P2P:
         for buf, host in zip(self._recv_out, self._host_recv):
             if host is not None:
                 buf.copy_(host)
-        return self._recv_out
+        return self._all_recv
 
 
 def exchange(sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]], group=None) -> P2P:

@@ -1,0 +1,49 @@
+"""The public entry point: ``attention(q, k, v, mode, group=...)`` and the registry {mode name -> function}.
+
+Every mode lives in its own module (``seqpar/runtime/<mode>.py``) and exposes ``<mode>_attention`` with one signature:
+``fn(q, k, v, *, group, causal=True, softmax_scale=None, backend=None, **mode_kwargs) -> (out, lse)``.
+Modules are imported on first use, so a mode's import cost (or a missing optional dependency) touches only its users.
+Layout: q (B, S_local, Hq, D); k, v (B, S_local, Hkv, D) in the mode's shard layout; out like q; lse (B, Hq, S_local).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from torch import Tensor
+
+from seqpar.runtime.kernels import _error
+
+REGISTRY: dict[str, str] = {  # mode name (EasyContext's) -> "module:function"
+    "data_parallel": "seqpar.runtime.data_parallel:data_parallel_attention",
+    "zigzag_ring_attn": "seqpar.runtime.zigzag_ring_attn:zigzag_ring_attn_attention",
+    "dist_flash_attn": "seqpar.runtime.dist_flash_attn:dist_flash_attn_attention",
+    "ulysses_attn": "seqpar.runtime.ulysses_attn:ulysses_attn_attention",
+    "usp_attn": "seqpar.runtime.usp_attn:usp_attn_attention",
+}
+
+
+def get_attention_fn(mode: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The attention function of a mode; SeqparError naming the valid modes for an unknown one."""
+    if mode not in REGISTRY:
+        raise _error(f"mode {mode!r} is unknown; use one of {', '.join(REGISTRY)}")
+    module, name = REGISTRY[mode].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mode: str, group=None, causal: bool = True,
+              softmax_scale: float | None = None, ulysses_degree: int | None = None,
+              backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Exact attention over a sequence sharded across the group in ``mode``'s layout (see ``seqpar.runtime.shard``).
+
+    ``ulysses_degree`` is for usp_attn only (Ulysses ranks per ring rank, consecutive ranks); ``backend`` overrides the
+    kernel choice (exact | cudnn | flash | flash_attn). Returns (out, lse); out is differentiable in q, k, v.
+    """
+    fn = get_attention_fn(mode)
+    kwargs = dict(group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    if mode == "usp_attn":
+        kwargs["ulysses_degree"] = ulysses_degree
+    elif ulysses_degree not in (None, 1):
+        raise _error(f"ulysses_degree={ulysses_degree} is for usp_attn only; {mode} takes the group alone (pass None)")
+    return fn(q, k, v, **kwargs)

@@ -1,0 +1,137 @@
+"""Zigzag ring attention: K,V blocks travel around the ring, each rank folds every block into its output.
+
+Layout (seqpar.runtime.layout, ``zigzag_ring_attn``): the sequence is cut into 2W chunks and rank r holds chunks r and
+2W-1-r, so q, k, v are (B, 2c, H, D) with the first half = chunk r and the second half = chunk 2W-1-r. That makes the
+causal work equal on every rank (ring-flash-attention's zigzag scheme, PyTorch CP's head-tail balancer):
+- step 0: own q against own k,v, causal (the diagonal);
+- step i > 0, the block of rank src = r - i (mod W):
+  src < r: both of src's chunks... only its first chunk (src < r) is in the past of both of my chunks -> full q x first half;
+  src > r: only my second chunk (2W-1-r) is after both of src's chunks -> second half of q x the whole block.
+Each step sends the current K,V block to the next rank with ``batch_isend_irecv`` while the current block computes.
+Backward replays the ring: K,V travel again, and the dK,dV accumulated for a block travel with it one step behind, so
+after W steps every rank receives the complete gradient of its own K,V. ``causal=False`` is the plain ring (full blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from seqpar.runtime import kernels
+from seqpar.runtime.comm import RingComm, group_rank, group_size
+from seqpar.runtime.layout import check_length
+
+
+def _plan(step: int, rank: int, causal: bool) -> str:
+    """What this rank computes at this ring step: 'diag', 'full', 'kv_first_half' or 'q_second_half'."""
+    if step == 0:
+        return "diag" if causal else "full"
+    if not causal:
+        return "full"
+    return "kv_first_half" if step <= rank else "q_second_half"  # step <= rank  <=>  source rank r - step < r
+
+
+def _validate(q: Tensor, k: Tensor, v: Tensor, causal: bool, world_size: int) -> None:
+    kernels._check(q, k, v, causal=False)
+    if q.shape[1] != k.shape[1]:
+        raise kernels._error(
+            f"zigzag_ring_attn needs q and k,v of the same local length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
+        )
+    if causal:  # every rank holds the same local length, so every rank raises this same error before any transfer
+        check_length("zigzag_ring_attn", q.shape[1] * world_size, world_size)
+
+
+def _forward(q, k, v, group, causal, scale, backend):
+    rank, W = group_rank(group), group_size(group)
+    c = q.shape[1] // 2
+    comm = RingComm(group)
+    out = lse = None
+    for step in range(W):
+        handle = comm.send_recv_many([k, v]) if step + 1 < W else None  # next block in flight during this compute
+        plan = _plan(step, rank, causal)
+        if plan in ("diag", "full"):
+            bo, bl = kernels.attn_forward(q, k, v, causal=plan == "diag", softmax_scale=scale, backend=backend)
+            out, lse = kernels.merge(out, lse, bo, bl)
+        elif plan == "kv_first_half":
+            bo, bl = kernels.attn_forward(q, k[:, :c], v[:, :c], causal=False, softmax_scale=scale, backend=backend)
+            out, lse = kernels.merge(out, lse, bo, bl)
+        else:  # q_second_half: only rows c: of the running result change
+            bo, bl = kernels.attn_forward(q[:, c:], k, v, causal=False, softmax_scale=scale, backend=backend)
+            o2, l2 = kernels.merge(out[:, c:], lse[..., c:], bo, bl)  # (B, c, H, D), (B, H, c)
+            out, lse = torch.cat([out[:, :c], o2], dim=1), torch.cat([lse[..., :c], l2], dim=-1)
+        if handle is not None:
+            k, v = handle.wait()
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
+    rank, W = group_rank(group), group_size(group)
+    c = q.shape[1] // 2
+    acc = torch.promote_types(q.dtype, torch.float32)
+    kv_comm, dkv_comm = RingComm(group), RingComm(group)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, 2c, Hq, D)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, 2c, Hkv, D): gradient of the block held this step
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dkv_handle = None
+    for step in range(W):
+        kv_handle = kv_comm.send_recv_many([k, v]) if step + 1 < W else None
+        plan = _plan(step, rank, causal)
+        if plan in ("diag", "full"):
+            bdq, bdk, bdv = kernels.attn_backward(dout, q, k, v, out, lse, causal=plan == "diag", softmax_scale=scale, backend=backend)
+        elif plan == "kv_first_half":
+            bdq, bdk, bdv = kernels.attn_backward(
+                dout, q, k[:, :c], v[:, :c], out, lse, causal=False, softmax_scale=scale, backend=backend
+            )
+        else:
+            bdq, bdk, bdv = kernels.attn_backward(
+                dout[:, c:], q[:, c:], k, v, out[:, c:], lse[..., c:], causal=False, softmax_scale=scale, backend=backend
+            )
+        if plan == "q_second_half":
+            dq[:, c:] += bdq
+        else:
+            dq += bdq
+        if dkv_handle is not None:  # the partial dK,dV of this same block, from the ranks it visited before
+            dk, dv = dkv_handle.wait()
+        if plan == "kv_first_half":
+            dk[:, :c] += bdk
+            dv[:, :c] += bdv
+        else:
+            dk += bdk
+            dv += bdv
+        if kv_handle is not None:
+            k, v = kv_handle.wait()
+        dkv_handle = dkv_comm.send_recv_many([dk, dv]) if W > 1 else None
+    if dkv_handle is not None:
+        dk, dv = dkv_handle.wait()  # after W hops: the full gradient of this rank's own K,V
+    return dq, dk, dv
+
+
+class _ZigzagRingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, backend):
+        out, lse = _forward(q, k, v, group, causal, scale, backend)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.group, ctx.causal, ctx.scale, ctx.backend)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def zigzag_ring_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None) -> tuple[Tensor, Tensor]:
+    """Exact attention over a sequence held in zigzag layout across the group's ranks.
+
+    q (B, S_local, Hq, D); k, v (B, S_local, Hkv, D), S_local = S / W from ``shard(x, "zigzag_ring_attn", ...)``.
+    Returns out (B, S_local, Hq, D) and lse (B, Hq, S_local), both in the same zigzag layout.
+    """
+    _validate(q, k, v, causal, group_size(group))
+    backend = kernels.select_backend(q.device, q.dtype, backend)
+    return _ZigzagRingAttention.apply(q, k, v, group, causal, kernels.default_scale(q, softmax_scale), backend)
+
+
+zigzag_ring_attention = zigzag_ring_attn_attention  # the name ring-flash-attention users know
