@@ -1,0 +1,230 @@
+"""Fit the cost model's few coefficients to measurements, and say how well it predicts them (residuals, leave-one-out).
+
+Measurements are data in the repo (seqpar/profiles/measurements/): ``*.csv`` rows (one configuration and its measured
+tokens/s, peak allocated GiB, OOM flag) and ``*.json`` run reports as ``seqpar launch`` writes them: the plan under ``plan``
+and the measured ``tokens_per_s`` / ``peak_memory_gib`` (the plan's Prediction field names) at the top level or under
+``measured``; ``oom: true`` marks a run that ran out of memory.
+
+The fit: step time is linear in the fitted factors once the rest is held fixed,
+  T = linear_time_factor * T_linear + attn_time_factor * T_attn(n0) + cpu_work / cpu_adam_rate + T_rest,
+so relative least squares (minimise sum((T_pred - T_meas)/T_meas)^2) over those three, a grid over the attention
+saturation n0 (attn_block_tokens), and two fixed-point passes for the overlap terms that depend on the compute time.
+A coefficient no row informs (e.g. CPU Adam without ZeRO-3 offload rows) keeps its value. Pure Python.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Optional
+
+from seqpar.advisor.predict import Coefficients, load_coefficients
+from seqpar.advisor.throughput import estimate_time
+from seqpar.schema import ClusterSpec, LaunchPlan, SeqparError, Strategy, Workload, write_atomic
+
+MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "profiles" / "measurements"
+N0_GRID = (0.0, 512.0, 1024.0, 2048.0, 3072.0, 4096.0, 6144.0, 8192.0)
+BOUNDS = {"linear_time_factor": (0.5, 4.0), "attn_time_factor": (0.5, 4.0), "cpu_adam_gparams_per_s": (0.2, 50.0)}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    label: str
+    source: str
+    workload: Workload
+    cluster: ClusterSpec
+    strategy: Strategy
+    tokens_per_s: Optional[float]
+    peak_memory_gib: Optional[float]
+    oom: bool
+
+
+@dataclass(frozen=True)
+class FitResult:
+    coefficients: Coefficients
+    rows: list[dict]  # label, measured, predicted, residual (relative), loo (relative error when left out)
+    max_abs_residual: float
+    max_abs_loo: float
+
+
+# --------------------------------------------------------------------------------------------- reading measurements
+
+
+def _row(d: dict, source: str) -> Measurement:
+    from seqpar.advisor.cluster import cluster_from_flags
+    from seqpar.profiles import get_model
+
+    def num(k, cast=float):
+        v = (d.get(k) or "").strip() if isinstance(d.get(k), str) else d.get(k)
+        return cast(v) if v not in (None, "") else None
+
+    sp, u = num("sp_degree", int) or 1, num("ulysses_degree", int) or 1
+    world = num("gpus_per_node", int) * (num("nodes", int) or 1)
+    mode = d["mode"]
+    strategy = Strategy(mode=mode, sp_degree=sp, dp_degree=world // sp, ulysses_degree=u if mode == "usp_attn" else 1,
+                        ring_degree=sp // u if mode == "usp_attn" else 1, checkpointing=d["checkpointing"],
+                        sharding=d["sharding"], loss_impl=d["loss_impl"])
+    workload = Workload(model=get_model(d["model"]), seq_len=num("seq_len", int), micro_batch_size=num("micro_batch_size", int) or 1,
+                        dtype=d.get("dtype") or "bf16", optimizer=d["optimizer"])
+    cluster = cluster_from_flags(d["gpu"], num("gpus_per_node", int), num("nodes", int) or 1)
+    oom = str(d.get("oom", "")).strip().lower() in ("1", "true", "yes")
+    label = f"{mode} {d['seq_len']} x{world} {d['gpu']}"
+    return Measurement(label, source, workload, cluster, strategy, num("tokens_per_s"), num("peak_memory_gib"), oom)
+
+
+def row_from_report(report: dict, source: str) -> Measurement:
+    """A `seqpar launch` run report -> a Measurement (its plan + the measured fields)."""
+    if "plan" not in report:
+        raise SeqparError(f"run report {source!r} has no 'plan'; pass the JSON that `seqpar launch` wrote")
+    plan = LaunchPlan.model_validate(report["plan"])
+    meas = report.get("measured", report)
+    tps, mem = meas.get("tokens_per_s"), meas.get("peak_memory_gib")
+    oom = bool(meas.get("oom", False))
+    if tps is None and mem is None and not oom:
+        raise SeqparError(f"run report {source!r} has neither tokens_per_s nor peak_memory_gib nor oom; nothing to fit")
+    s = plan.strategy
+    label = f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name}"
+    return Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom)
+
+
+def load_measurements(paths: Optional[Iterable[str | Path]] = None) -> list[Measurement]:
+    """Rows from the given files, or from every file in seqpar/profiles/measurements/."""
+    files = [Path(p) for p in paths] if paths is not None else sorted(MEASUREMENTS_DIR.glob("*.csv")) + sorted(MEASUREMENTS_DIR.glob("*.json"))
+    out: list[Measurement] = []
+    for f in files:
+        if not f.is_file():
+            raise SeqparError(f"measurement file {str(f)!r} does not exist; pass run reports written by `seqpar launch`")
+        if f.suffix == ".csv":
+            lines = [ln for ln in f.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+            out += [_row(d, f.name) for d in csv.DictReader(lines)]
+        else:
+            try:
+                data = json.loads(f.read_text())
+            except json.JSONDecodeError as e:
+                raise SeqparError(f"run report {str(f)!r} is not valid JSON ({e})") from None
+            out += [row_from_report(r, f.name) for r in (data if isinstance(data, list) else [data])]
+    return out
+
+
+# --------------------------------------------------------------------------------------------- the fit
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for the small normal equations."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-30:
+            raise ZeroDivisionError("singular")
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _measured_step(r: Measurement) -> float:
+    w, s = r.workload, r.strategy
+    return w.seq_len * w.micro_batch_size * s.dp_degree * s.gradient_accumulation_steps / r.tokens_per_s
+
+
+def _fit_factors(rows: list[Measurement], c: Coefficients) -> Coefficients:
+    """Relative least squares for the time factors at fixed n0; two passes so the overlap terms follow the compute."""
+    for _ in range(3):
+        cols, ys = [], []
+        for r in rows:
+            parts = estimate_time(r.workload, r.cluster, r.strategy, c).parts_s
+            y = _measured_step(r)
+            cpu_work = parts["cpu_adam"] * c.cpu_adam_gparams_per_s  # seconds x Gparam/s = Gparams
+            cols.append((parts["linear_ideal"] / y, parts["attn_ideal"] / y, cpu_work / y))
+            ys.append((y - parts["rest"]) / y)
+        names = ["linear_time_factor", "attn_time_factor", "cpu_adam_gparams_per_s"]
+        active = [j for j in range(3) if any(abs(col[j]) > 0 for col in cols)]
+        if len(rows) < len(active):
+            return c
+        ata = [[sum(col[i] * col[j] for col in cols) for j in active] for i in active]
+        aty = [sum(col[i] * y for col, y in zip(cols, ys)) for i in active]
+        try:
+            x = _solve(ata, aty)
+        except ZeroDivisionError:
+            return c
+        new = {}
+        for j, v in zip(active, x):
+            name = names[j]
+            if name == "cpu_adam_gparams_per_s":
+                v = 1.0 / v if v > 0 else BOUNDS[name][1]
+            lo, hi = BOUNDS[name]
+            new[name] = min(max(v, lo), hi)
+        c = c.with_values(**new)
+    return c
+
+
+def _rel_errors(rows: list[Measurement], c: Coefficients) -> list[float]:
+    return [estimate_time(r.workload, r.cluster, r.strategy, c).tokens_per_s / r.tokens_per_s - 1 for r in rows]
+
+
+def fit(rows: list[Measurement], base: Optional[Coefficients] = None, n0_grid: Iterable[float] = N0_GRID) -> Coefficients:
+    """Best coefficients for the rows with a measured tokens/s (the grid picks n0, least squares the factors)."""
+    base = base or load_coefficients()
+    timed = [r for r in rows if r.tokens_per_s]
+    if not timed:
+        return base
+    best, best_err = base, float("inf")
+    for n0 in n0_grid:
+        c = _fit_factors(timed, base.with_values(attn_block_tokens=n0))
+        err = sum(e * e for e in _rel_errors(timed, c))
+        if err < best_err:
+            best, best_err = c, err
+    return best
+
+
+def evaluate(rows: list[Measurement], base: Optional[Coefficients] = None) -> FitResult:
+    """Fit on all rows, then each row's residual and its leave-one-out error (refit without it, predict it)."""
+    from seqpar.advisor.predict import predict
+
+    c = fit(rows, base)
+    timed = [r for r in rows if r.tokens_per_s]
+    out = []
+    for r in rows:
+        p = predict(r.workload, r.cluster, r.strategy, c)
+        e: dict = {"label": r.label, "source": r.source, "measured_tokens_per_s": r.tokens_per_s, "predicted_tokens_per_s": p.tokens_per_s,
+                   "tokens_residual": (p.tokens_per_s / r.tokens_per_s - 1) if r.tokens_per_s else None,
+                   "measured_peak_gib": r.peak_memory_gib, "predicted_peak_gib": p.peak_memory_gib,
+                   "memory_residual": (p.peak_memory_gib / r.peak_memory_gib - 1) if r.peak_memory_gib else None,
+                   "measured_oom": r.oom, "predicted_oom": p.oom_risk, "loo_tokens_error": None}
+        if r.tokens_per_s and len(timed) > 2:
+            loo_c = fit([q for q in timed if q is not r], base)
+            e["loo_tokens_error"] = estimate_time(r.workload, r.cluster, r.strategy, loo_c).tokens_per_s / r.tokens_per_s - 1
+        out.append(e)
+    res = [abs(e["tokens_residual"]) for e in out if e["tokens_residual"] is not None]
+    loo = [abs(e["loo_tokens_error"]) for e in out if e["loo_tokens_error"] is not None]
+    return FitResult(c, out, max(res, default=0.0), max(loo, default=0.0))
+
+
+def coefficients_json(c: Coefficients, result: Optional[FitResult] = None, sources: Iterable[str] = ()) -> dict:
+    """The coefficients file for ``c``: the shipped file's text with new values, a new version and the fit's report."""
+    from seqpar.advisor.predict import COEFFICIENTS_PATH
+
+    data = json.loads(COEFFICIENTS_PATH.read_text())
+    data["values"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.values().items()}
+    stamp = datetime.now(timezone.utc)
+    data["version"] = stamp.strftime("%Y-%m-%d.%H%M%S")
+    if result is not None:
+        data["fit"] = {"fitted_at": stamp.isoformat(timespec="seconds"), "sources": sorted(set(sources)),
+                       "max_abs_residual": round(result.max_abs_residual, 4), "max_abs_loo": round(result.max_abs_loo, 4),
+                       "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in e.items()} for e in result.rows]}
+    return data
+
+
+def calibrate(report_paths: Iterable[str | Path], out: Optional[str | Path] = None, include_shipped: bool = True) -> FitResult:
+    """Refit from run reports (plus the shipped measurements); write the coefficients file to ``out`` when given."""
+    rows = (load_measurements() if include_shipped else []) + load_measurements(list(report_paths))
+    result = evaluate(rows)
+    if out is not None:
+        write_atomic(out, json.dumps(coefficients_json(result.coefficients, result, (r.source for r in rows)), indent=2) + "\n")
+    return result

@@ -1,0 +1,224 @@
+"""Per-GPU memory of one training step: peak allocated bytes as the maximum over the step's phases, not one sum.
+
+What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tokens; p = bytes of the model dtype):
+
+* Model states (Rajbhandari et al. 2020, "ZeRO", sec. 3 and 5: mixed-precision Adam holds 2 + 2 + 12 bytes per parameter,
+  ZeRO-2 keeps 2Psi + 14Psi/N, ZeRO-3 16Psi/N). Sharding runs over all N = world ranks (sequence-parallel ranks also hold
+  replicas, as in EasyContext's DeepSpeed set-up). ``gradient_as_bucket_view`` DDP: no second copy of the gradients.
+* Activations saved for backward by a Hugging Face Llama decoder layer (transformers 5, eager modules, torch SDPA with the
+  cuDNN / flash kernel, GQA through ``enable_gqa``: K/V are not repeated), per token and layer:
+    RMSNorm x2: fp32 copy of the input (4h) + normalised bf16 (ph) + output (ph)       -> 2 (4 + 2p) h
+    attention: q, k, v after RoPE + output (SDPA saves them) + fp32 lse + the contiguous copy feeding o_proj
+                                                                                      -> 3p*a*d + 2p*kv*d + 4a
+    SwiGLU MLP: gate, silu(gate), up, their product                                   -> 4p*I
+  This is Korthikanti et al. 2022 ("Reducing Activation Recomputation", eq. 2) specialised to this block: no dropout masks,
+  flash-style attention (no 5as^2b term), SwiGLU instead of GeLU.
+* Checkpointing: ``full`` keeps each layer's input (B, S, h) in the model dtype, and recomputes one layer at a time in
+  backward (its saved tensors above plus the gradients flowing through it); ``selective`` also keeps the attention output and
+  lse so attention is not recomputed; ``offload`` moves the layer inputs to host RAM (two in flight on the GPU);
+  ``dist_flash_attn`` + full checkpoints at the attention output as LightSeq does (Li et al. 2023, sec. 3.3).
+* The loss: ``hf`` = transformers' ForCausalLMLoss: bf16 logits (t, V) kept by the model output, ``logits.float()``
+  (4V), log_softmax output (4V), and in backward its incoming gradient (4V) and result (4V): peak t*V*(p + 12).
+  ``chunked`` = seqpar's runtime: logits one chunk at a time, recomputed in backward; the fp32 gradient of the final hidden.
+* Mode buffers: ring (zigzag, usp's ring part): K,V blocks double-buffered, fp32 out and lse accumulators, in backward
+  dq / dk / dv fp32 accumulators plus dk, dv in flight; Ulysses: the all-to-all send/receive copies of q, k, v, o at full
+  length and 1/P heads (KV heads replicated up to P); dist flash: the Q, K, V block it computes for a peer and the O / lse
+  it returns.
+* Outside PyTorch's allocator (reserved only): the caching allocator's slack, the CUDA context, NCCL buffers.
+Every term can be checked against ``torch.cuda.max_memory_allocated`` by switching the others off (e.g. optimizer none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
+
+if TYPE_CHECKING:
+    from seqpar.advisor.predict import Coefficients
+
+GIB = 2**30
+OPTIMIZER_BYTES = {"adamw": 12, "none": 0}  # per parameter: fp32 master + two fp32 moments (ZeRO paper's K = 12)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    peak_bytes: float  # peak allocated (torch.cuda.max_memory_allocated)
+    peak_phase: str
+    breakdown: dict[str, float]  # terms at the peak phase, they sum to peak_bytes
+    phases: dict[str, float]  # total allocated per phase
+    reserved_bytes: float  # peak allocated + allocator slack + CUDA context + NCCL buffers
+    capacity_bytes: float
+    host_bytes: float  # per node
+    host_capacity_bytes: float
+    fits: bool
+    reason: str  # empty when it fits
+
+
+def optimizer_bytes_per_param(optimizer: str, dtype: str) -> int:
+    if optimizer == "adamw-bf16":
+        return 2 * DTYPE_BYTES[dtype]  # two moments in the parameter dtype, no master copy
+    return OPTIMIZER_BYTES[optimizer]
+
+
+def layer_params(m: ModelSpec) -> int:
+    h, d, a, kv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads
+    attn = 2 * h * a * d + 2 * h * kv * d + ((a + 2 * kv) * d if m.attention_bias else 0)
+    return attn + 3 * h * m.intermediate_size + 2 * h
+
+
+def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world: int) -> dict[str, float]:
+    """GPU bytes of weights, gradients and optimizer state at rest (ZeRO paper, sec. 5), plus ZeRO-3's gathered layers."""
+    psi, p, n = m.num_params, DTYPE_BYTES[dtype], world
+    k = optimizer_bytes_per_param(optimizer, dtype)
+    lp = layer_params(m)
+    if sharding == "ddp":
+        return {"weights": psi * p, "gradients": psi * p, "optimizer_states": psi * k}
+    if sharding == "zero2":
+        return {"weights": psi * p, "gradients": psi * p / n, "optimizer_states": psi * k / n}
+    if sharding in ("zero3", "fsdp"):
+        # unsharded copies of the current and the prefetched layer live while they are used
+        return {"weights": psi * p / n, "gradients": psi * p / n, "optimizer_states": psi * k / n, "gathered_params": 2 * lp * p}
+    if sharding == "zero3_offload":  # params, grads and optimizer in host RAM; only the gathered layers on the GPU
+        return {"weights": 0.0, "gradients": 0.0, "optimizer_states": 0.0, "gathered_params": 2 * lp * p}
+    raise ValueError(sharding)
+
+
+def saved_bytes_per_token(m: ModelSpec, dtype: str) -> float:
+    """Tensors one decoder layer saves for backward, bytes per token (see the module docstring)."""
+    h, d, a, kv, i = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size
+    p = DTYPE_BYTES[dtype]
+    return 2 * (4 + 2 * p) * h + 3 * p * a * d + 2 * p * kv * d + 4 * a + 4 * p * i
+
+
+def kept_bytes_per_token(m: ModelSpec, dtype: str, strategy: Strategy) -> float:
+    """What each layer keeps between its forward and its backward, per token, on the GPU."""
+    p, h, a, d = DTYPE_BYTES[dtype], m.hidden_size, m.num_attention_heads, m.head_dim
+    ck = strategy.checkpointing
+    if ck == "none":
+        return saved_bytes_per_token(m, dtype)
+    if ck == "offload":
+        return 0.0
+    if ck == "selective" or strategy.mode == "dist_flash_attn":
+        return p * h + p * a * d + 4 * a  # layer input + attention output + lse (attention is not recomputed)
+    return p * h  # full: the layer input (B, S, h)
+
+
+def _ulysses(strategy: Strategy) -> int:
+    return strategy.sp_degree if strategy.mode == "ulysses_attn" else strategy.ulysses_degree if strategy.mode == "usp_attn" else 1
+
+
+def _ring(strategy: Strategy) -> int:
+    return strategy.sp_degree if strategy.mode == "zigzag_ring_attn" else strategy.ring_degree if strategy.mode == "usp_attn" else 1
+
+
+def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tuple[float, float]:
+    """(forward, backward) bytes of the mode's communication buffers and accumulators for one layer, t local tokens."""
+    p, a, d, kv = DTYPE_BYTES[dtype], m.num_attention_heads, m.head_dim, m.num_key_value_heads
+    fwd = bwd = 0.0
+    u, r = _ulysses(strategy), _ring(strategy)
+    if u > 1:
+        kv_eff = kv if kv % u == 0 else u  # KV heads replicated up to the Ulysses degree
+        qkvo = t * p * (2 * a * d + 2 * kv_eff * d)  # same bytes at (S, heads/u) as at (S/u, heads)
+        fwd += qkvo  # send + receive copies of one tensor set in flight
+        bwd += 2 * qkvo
+    if r > 1:
+        kv_loc = kv if u == 1 else max(kv // u, 1)
+        hq = a // u
+        # forward: next K,V block (double buffer) + fp32 out and lse accumulators
+        fwd += t * (2 * p * kv_loc * d) + t * (4 * hq * d + 4 * hq)
+        # backward: K,V in flight, dq/dk/dv fp32, dk/dv fp32 in flight, the kernel's bf16 block grads
+        bwd += t * (2 * p * kv_loc * d + 4 * hq * d + 16 * kv_loc * d + p * (hq * d + 2 * kv_loc * d))
+    if strategy.mode == "dist_flash_attn" and strategy.sp_degree > 1:
+        fwd += t * (p * (2 * a * d + 2 * kv * d) + 4 * a * d + 4 * a)  # a peer's q,k,v + its o,lse to return (fp32)
+        bwd += t * (p * (3 * a * d + 2 * kv * d) + 4 * (a * d + 2 * kv * d))  # + do; dq, dk, dv fp32 for the peer
+    return fwd, bwd
+
+
+def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: "Coefficients") -> tuple[dict, float]:
+    """(terms during the loss's backward, bf16 logits held afterwards through the layers' backward)."""
+    p, v, h = DTYPE_BYTES[dtype], m.vocab_size, m.hidden_size
+    final_norm = t * (4 + 2 * p) * h
+    if strategy.loss_impl == "hf":
+        return {"final_norm": final_norm, "logits": t * v * p, "loss_fp32": t * v * 12}, t * v * p
+    chunk = min(t, c.loss_chunk_tokens)
+    return {"final_norm": final_norm, "hidden_grad_fp32": t * h * 4, "loss_chunk": chunk * v * (p + 12)}, 0.0
+
+
+def _nccl_groups(strategy: Strategy, world: int) -> int:
+    if world == 1:
+        return 0
+    return 1 + (strategy.sp_degree > 1) + (strategy.mode == "usp_attn")
+
+
+def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> MemoryEstimate:
+    m, dtype, p = w.model, w.dtype, DTYPE_BYTES[w.dtype]
+    world, L = s.world_size, m.num_layers
+    t = w.micro_batch_size * w.seq_len / s.sp_degree
+    h, i = m.hidden_size, m.intermediate_size
+    accum = s.gradient_accumulation_steps
+    states = model_states(m, s.sharding, w.optimizer, dtype, world)
+    grads_full = states["gradients"]
+    opt = {"weights": states["weights"], "optimizer_states": states["optimizer_states"]}
+    gathered = states.get("gathered_params", 0.0)
+    kept = kept_bytes_per_token(m, dtype, s) * t
+    offload_inflight = 2 * p * h * t if s.checkpointing == "offload" else 0.0
+    fwd_buf, bwd_buf = mode_buffers(m, dtype, s, t)
+    carried_grads = grads_full if accum > 1 else 0.0  # gradient accumulation keeps them between micro-batches
+
+    # forward, at the end of the last layer: every layer's kept tensors plus the working set of one layer
+    work_fwd = t * (2 * p * h + 3 * p * i) if s.checkpointing != "none" else t * 2 * p * h
+    forward = {**opt, "gradients": carried_grads, "gathered_params": gathered, "checkpointed_activations": L * kept + offload_inflight,
+               "layer_working_set": work_fwd, "mode_buffers": fwd_buf}
+    # the loss's backward: logits and their fp32 copies; the head's gradient appears
+    loss_terms, held_logits = _loss_bytes(m, dtype, s, t, c)
+    head_grad = 0.0 if m.tie_word_embeddings else m.vocab_size * h * p * (grads_full / max(m.num_params * p, 1))
+    loss = {**opt, "gradients": max(carried_grads, head_grad), "gathered_params": (m.vocab_size * h * p if gathered else 0.0),
+            "checkpointed_activations": L * kept + offload_inflight, **loss_terms}
+    # backward of layer j, recomputing it: linear in j, so its maximum is at the top (j = L-1) or the bottom (j = 0) layer
+    recompute = saved_bytes_per_token(m, dtype) * t if s.checkpointing != "none" else 0.0
+    grad_flow = t * (2 * p * h + 2 * p * i)  # gradient of the hidden state in and out, of two MLP intermediates
+    per_layer_grad = layer_params(m) * p * (grads_full / max(m.num_params * p, 1))
+    backward = {}
+    for j in (L - 1, 0):
+        g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (layer_params(m) * p if gathered else 0.0))
+        cand = {**opt, "gradients": g, "gathered_params": gathered, "checkpointed_activations": (j + 1) * kept + offload_inflight,
+                "layer_recompute": recompute, "gradient_flow": grad_flow, "mode_buffers": bwd_buf, "held_logits": held_logits}
+        if sum(cand.values()) > sum(backward.values()):
+            backward = cand
+    # optimizer step: the states plus one fp32 temporary of the largest local tensor (per-tensor update)
+    largest = max(m.vocab_size * h, h * i) * (1.0 if s.sharding in ("ddp",) else 1.0 / world)
+    optimizer = {**opt, "gradients": grads_full, "optimizer_temporaries": (8 * largest if w.optimizer != "none" else 0.0)}
+    if s.sharding == "zero3_offload":
+        optimizer["optimizer_temporaries"] = 0.0  # the update runs on the CPU
+
+    phases = {"forward": forward, "loss": loss, "backward": backward, "optimizer": optimizer}
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    breakdown = {k: v for k, v in phases[peak_phase].items() if v > 0}
+    peak = totals[peak_phase]
+    reserved = (peak * (1 + c.allocator_reserve_fraction) + (c.allocator_reserve_gib + c.cuda_context_gib
+                + c.nccl_buffer_gib_per_group * _nccl_groups(s, world)) * GIB)
+    capacity = cluster.gpu.memory_gib * GIB
+    host = host_bytes(w, cluster, s)
+    host_cap = cluster.host_ram_gib * GIB * c.host_ram_usable_fraction
+    reason = ""
+    if reserved + c.headroom_gib * GIB > capacity:
+        reason = (f"predicted {reserved / GIB:.1f} GiB reserved (peak allocated {peak / GIB:.1f} GiB in {peak_phase}) + "
+                  f"{c.headroom_gib:g} GiB headroom > {capacity / GIB:.1f} GiB on {cluster.gpu.name}")
+    elif host > host_cap:
+        reason = f"host RAM: {host / GIB:.0f} GiB per node needed > {host_cap / GIB:.0f} GiB usable"
+    return MemoryEstimate(peak, peak_phase, breakdown, totals, reserved, capacity, host, host_cap, not reason, reason)
+
+
+def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy) -> float:
+    """Host RAM per node: ZeRO-3 offload keeps bf16 params, fp32 grads and the optimizer there; offloaded layer inputs."""
+    m, p = w.model, DTYPE_BYTES[w.dtype]
+    out = 0.0
+    if s.sharding == "zero3_offload":
+        out += m.num_params * (p + 4 + optimizer_bytes_per_param(w.optimizer, w.dtype)) / cluster.nodes
+    if s.checkpointing == "offload":
+        t = w.micro_batch_size * w.seq_len / s.sp_degree
+        out += m.num_layers * p * m.hidden_size * t * cluster.gpus_per_node
+    return out

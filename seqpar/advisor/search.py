@@ -1,0 +1,287 @@
+"""The cost-model search: every valid strategy predicted, the fastest that fits chosen; max context per mode; the OOM gate.
+
+``advise_by_cost(req)`` enumerates modes x sp degrees (divisors of the GPU count; usp: ulysses x ring) x checkpointing x
+sharding x loss implementation (pins in the request restrict each axis), drops invalid ones with the reason, predicts the
+rest (memory.py, throughput.py; ~30 us each) and returns the fastest that fits with headroom. The plan carries the guide
+tree's choice (rules.py) and, where the cost model departs from it, why. ``max_seq_len`` binary-searches the longest
+sequence that fits per mode; ``check`` re-evaluates a plan (or a request) and names the cheapest fix when it does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Union
+
+from seqpar import __version__
+from seqpar.advisor.memory import estimate_memory
+from seqpar.advisor.predict import Coefficients, load_coefficients, predict
+from seqpar.advisor.request import AdviseRequest
+from seqpar.advisor.throughput import estimate_time
+from seqpar.schema import (
+    MODES, Alternative, ClusterSpec, LaunchPlan, ModelSpec, Prediction, Rationale, SeqparError, Strategy, Workload,
+    check_heads, check_split, format_tokens, seq_len_multiple,
+)
+
+CHECKPOINTING = ("full", "selective", "none", "offload")
+SHARDING = ("ddp", "zero2", "zero3", "zero3_offload")  # fsdp costs the same as zero3 in this model; searched when pinned
+LOSS = ("chunked", "hf")
+GIB = 2**30
+
+
+@dataclass
+class Candidate:
+    strategy: Strategy
+    tokens_per_s: float = 0.0
+    peak_gib: float = 0.0
+    fits: bool = False
+    why: str = ""  # invalid / OOM reason
+
+
+def _degrees(mode: str, world: int, model: ModelSpec, req: AdviseRequest) -> Iterator[tuple[int, int]]:
+    """(sp_degree, ulysses_degree) pairs the mode can take on ``world`` ranks."""
+    if mode == "data_parallel":
+        yield 1, 1
+        return
+    sps = [req.sp_degree] if req.sp_degree else [d for d in range(2, world + 1) if world % d == 0]
+    for sp in sps:
+        if mode != "usp_attn":
+            yield sp, 1
+            continue
+        us = [req.ulysses_degree] if req.ulysses_degree else [u for u in range(2, sp) if sp % u == 0]
+        for u in us:
+            yield sp, u
+
+
+def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[Strategy], list[tuple[Strategy | None, str]]]:
+    """(valid strategies, [(strategy or None, why invalid)])."""
+    c, m, world = req.cluster, req.model, req.cluster.world_size
+    valid, invalid = [], []
+    modes = [req.mode] if req.mode else list(MODES)
+    ckpts = [req.checkpointing] if req.checkpointing else list(CHECKPOINTING)
+    shards = [req.sharding] if req.sharding else (["ddp", "zero3_offload"] if world == 1 else list(SHARDING))
+    losses = [req.loss_impl] if req.loss_impl else list(LOSS)
+    for mode in modes:
+        for sp, u in _degrees(mode, world, m, req):
+            r = sp // u if mode == "usp_attn" else 1
+            try:
+                if world % sp:
+                    raise SeqparError(f"sp_degree {sp} does not divide the {world} GPUs")
+                if mode == "usp_attn" and (u < 2 or r < 2 or sp % u):
+                    raise SeqparError(f"usp_attn needs ulysses_degree x ring_degree = {sp} with both >= 2, got ulysses {u}")
+                check_split(mode, req.seq_len, sp, u, r)
+                check_heads(mode, m, sp, u)
+                base = Strategy(mode=mode, sp_degree=sp, dp_degree=world // sp, ulysses_degree=u if mode == "usp_attn" else 1,
+                                ring_degree=r if mode == "usp_attn" else 1)
+            except (SeqparError, ValueError) as e:
+                invalid.append((None, f"{mode} sp={sp}" + (f" ulysses={u}" if mode == "usp_attn" else "") + f": {_one_line(e)}"))
+                continue
+            gas = 1
+            if req.tokens_per_step:
+                gas = max(1, round(req.tokens_per_step / (req.micro_batch_size * req.seq_len * base.dp_degree)))
+            for ck in ckpts:
+                if mode == "dist_flash_attn" and ck == "none":
+                    invalid.append((None, "dist_flash_attn checkpointing=none: its schedule needs gradient checkpointing (EasyContext)"))
+                    continue
+                for sh in shards:
+                    for loss in losses:
+                        valid.append(base.model_copy(update={"checkpointing": ck, "sharding": sh, "loss_impl": loss,
+                                                             "gradient_accumulation_steps": gas}))
+    return valid, invalid
+
+
+def _one_line(e: Exception) -> str:
+    return str(e).splitlines()[0].removeprefix("Value error, ")
+
+
+def _evaluate(workload: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> Candidate:
+    mem = estimate_memory(workload, cluster, s, c)
+    tim = estimate_time(workload, cluster, s, c)
+    return Candidate(s, tim.tokens_per_s, mem.peak_bytes / GIB, mem.fits, mem.reason)
+
+
+def describe(s: Strategy) -> str:
+    deg = f" sp={s.sp_degree}" if s.sp_degree > 1 else ""
+    if s.mode == "usp_attn":
+        deg += f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})"
+    return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing} {s.sharding} loss={s.loss_impl}"
+
+
+def _rules_choice(req: AdviseRequest) -> tuple[Optional[str], list[str]]:
+    try:
+        from seqpar.advisor.rules import tree_mode
+    except ImportError:  # the guide's tree is optional for the search
+        return None, []
+    return tree_mode(req.seq_len, req.cluster)
+
+
+def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cluster_note: str = "") -> LaunchPlan:
+    """The fastest strategy that fits, with the guide's choice, the departures from it and the alternatives."""
+    c = coeffs or load_coefficients()
+    w, cl = req.workload(), req.cluster
+    valid, invalid = enumerate_strategies(req, w)
+    if not valid:
+        raise SeqparError(f"no valid strategy for seq_len {req.seq_len} on {cl.world_size} GPUs: " + (invalid[0][1] if invalid else "nothing to try"))
+    cands = [_evaluate(w, cl, s, c) for s in valid]
+    fitting = sorted((x for x in cands if x.fits), key=lambda x: (-x.tokens_per_s, x.peak_gib))
+    pinned = len(valid) == 1
+    reasons: list[str] = []
+    if fitting:
+        best = fitting[0]
+    else:
+        best = min(cands, key=lambda x: x.peak_gib)
+        reasons.append(f"nothing fits: the smallest footprint is {describe(best.strategy)} and it {best.why}; "
+                       f"see `seqpar advise --max-seq-len` for what fits on this cluster")
+    pred = predict(w, cl, best.strategy, c)
+    rules_mode, rule_path = _rules_choice(req)
+    reasons.insert(0, f"cost model: {describe(best.strategy)}: {pred.tokens_per_s:,.0f} tokens/s, peak {pred.peak_memory_gib:.1f} GiB "
+                      f"allocated ({pred.reserved_memory_gib:.1f} reserved) of {pred.capacity_gib:.1f} GiB, MFU {pred.mfu:.0%}"
+                      f" ({len(valid)} strategies predicted, {len(fitting)} fit, {len(invalid)} invalid)")
+    if rules_mode and not req.mode:
+        reasons.append(_departure(rules_mode, best, fitting, cands))
+    reasons += [f"invalid: {why}" for why in list(dict.fromkeys(r for _, r in invalid))[:5]]
+    alts = _alternatives(best, fitting, cands, w, cl, c)
+    rationale = Rationale(policy="pinned" if pinned else "cost", rule_path=rule_path, rules_choice=rules_mode,
+                          reasons=reasons, alternatives=alts, cluster_note=cluster_note)
+    from seqpar.advisor.rules import _now, launch_spec
+
+    return LaunchPlan(created_by=f"seqpar {__version__} (advise, cost)", created_at=_now(), workload=w, cluster=cl,
+                      strategy=best.strategy, prediction=pred, rationale=rationale, launch=launch_spec(cl))
+
+
+def _departure(rules_mode: str, best: Candidate, fitting: list[Candidate], cands: list[Candidate]) -> str:
+    if best.strategy.mode == rules_mode:
+        return f"rules: {rules_mode}; cost model agrees"
+    same = [x for x in fitting if x.strategy.mode == rules_mode]
+    if same:
+        gain = best.tokens_per_s / same[0].tokens_per_s - 1
+        return f"rules: {rules_mode}; cost model: {best.strategy.mode} {gain:.0%} faster, both fit"
+    tried = [x for x in cands if x.strategy.mode == rules_mode]
+    if tried:
+        low = min(tried, key=lambda x: x.peak_gib)
+        return f"rules: {rules_mode}; cost model: {best.strategy.mode}, because {rules_mode} does not fit ({low.why})"
+    return f"rules: {rules_mode}; cost model: {best.strategy.mode}, because {rules_mode} is invalid here"
+
+
+def _alternatives(best, fitting, cands, w, cl, c) -> list[Alternative]:
+    """The best of each other mode (and of each other sharding / checkpointing for the chosen mode), and modes that never fit."""
+    out, seen = [], set()
+    picks = []
+    for key in ("mode", "sharding", "checkpointing"):
+        for x in fitting:
+            k = (key, getattr(x.strategy, key))
+            if x is not best and k not in seen and getattr(x.strategy, key) != getattr(best.strategy, key) and (key == "mode" or x.strategy.mode == best.strategy.mode):
+                seen.add(k)
+                picks.append((x, f"{describe(x.strategy)}: slower, {x.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s ({x.tokens_per_s / best.tokens_per_s - 1:+.0%})"))
+    for mode in MODES:
+        ms = [x for x in cands if x.strategy.mode == mode]
+        if ms and not any(x.fits for x in ms) and mode != best.strategy.mode:
+            low = min(ms, key=lambda x: x.peak_gib)
+            picks.append((low, f"{describe(low.strategy)}: risks OOM even at its smallest footprint: {low.why}"))
+    for x, why in picks[:10]:
+        out.append(Alternative(strategy=x.strategy, prediction=predict(w, cl, x.strategy, c), rejected_because=why))
+    return out
+
+
+
+# --------------------------------------------------------------------------------------------- max context
+
+
+def _request_for(model: ModelSpec, cluster: ClusterSpec, seq_len: int, **pins) -> AdviseRequest:
+    return AdviseRequest(model=model, seq_len=seq_len, cluster=cluster, **{k: v for k, v in pins.items() if v is not None})
+
+
+def max_seq_len(model: ModelSpec, cluster: ClusterSpec, modes: Optional[list[str]] = None, coeffs: Optional[Coefficients] = None,
+                limit: int = 2**27, **pins) -> dict[str, tuple[int, Optional[Strategy]]]:
+    """Per mode, the longest seq_len (a multiple of 1024 and of the mode's split) that some allowed strategy fits, and that strategy.
+
+    ``pins``: AdviseRequest fields (optimizer, micro_batch_size, dtype, sp_degree, checkpointing, sharding, loss_impl).
+    Memory grows with seq_len, so a doubling then a bisection finds the edge; 0 when even the shortest does not fit.
+    """
+    c = coeffs or load_coefficients()
+    out: dict[str, tuple[int, Optional[Strategy]]] = {}
+    for mode in modes or list(MODES):
+        req0 = _request_for(model, cluster, 1024, mode=mode, **pins)
+        w0 = req0.workload()
+        strategies, _ = enumerate_strategies(req0.model_copy(update={"seq_len": 2 * math.lcm(1024, *range(1, cluster.world_size + 1))}), w0)
+        if not strategies:
+            out[mode] = (0, None)
+            continue
+
+        def fitting(n: int) -> Optional[Strategy]:
+            w = w0.model_copy(update={"seq_len": n})
+            for s in strategies:
+                if n % seq_len_multiple(s.mode, s.sp_degree, s.ulysses_degree, s.ring_degree) == 0 and estimate_memory(w, cluster, s, c).fits:
+                    return s
+            return None
+
+        unit = math.lcm(1024, *(seq_len_multiple(s.mode, s.sp_degree, s.ulysses_degree, s.ring_degree) for s in strategies))
+        lo, hi = 0, 1
+        while hi * unit <= limit and fitting(hi * unit):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fitting(mid * unit) else (lo, mid)
+        out[mode] = (lo * unit, fitting(lo * unit) if lo else None)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- the OOM gate
+
+
+@dataclass
+class CheckResult:
+    fits: bool
+    prediction: Prediction
+    biggest_terms: list[tuple[str, float]]  # (term, GiB) at the peak phase, largest first
+    fix: str  # the cheapest change that fits (empty when it fits)
+    fix_strategy: Optional[Strategy] = None
+    reason: str = ""
+    exit_code: int = 0  # 0 fits, 1 risks OOM
+    plan: Optional[LaunchPlan] = field(default=None, repr=False)
+
+
+def _variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]:
+    yield "loss_impl chunked (logits a chunk at a time)", s.model_copy(update={"loss_impl": "chunked"})
+    for ck in ("full", "selective", "offload"):
+        yield f"checkpointing {ck}", s.model_copy(update={"checkpointing": ck})
+    for sh in ("zero2", "zero3", "zero3_offload"):
+        yield f"sharding {sh}", s.model_copy(update={"sharding": sh})
+    valid, _ = enumerate_strategies(req.model_copy(update={"mode": None, "sp_degree": None, "ulysses_degree": None,
+                                                            "checkpointing": s.checkpointing, "sharding": s.sharding, "loss_impl": s.loss_impl}), req.workload())
+    for v in valid:
+        if (v.mode, v.sp_degree) != (s.mode, s.sp_degree):
+            yield f"{v.mode} with sp_degree {v.sp_degree}", v
+
+
+def check(target: Union[LaunchPlan, AdviseRequest], cluster: Optional[ClusterSpec] = None, coeffs: Optional[Coefficients] = None) -> CheckResult:
+    """Does it fit? The predicted peak, the biggest terms and, when it does not fit, the cheapest fix (fastest single change that fits)."""
+    c = coeffs or load_coefficients()
+    plan = target if isinstance(target, LaunchPlan) else advise_by_cost(target, c)
+    cl = cluster or plan.cluster
+    if cluster is not None and cluster.world_size != plan.strategy.world_size:
+        raise SeqparError(f"the plan needs {plan.strategy.world_size} GPUs but the cluster to check has {cluster.world_size}; "
+                          f"check on the plan's own cluster or re-advise with `seqpar advise`")
+    w, s = plan.workload, plan.strategy
+    pred = predict(w, cl, s, c)
+    mem = estimate_memory(w, cl, s, c)
+    terms = sorted(pred.memory_breakdown_gib.items(), key=lambda kv: -kv[1])[:4]
+    if mem.fits:
+        return CheckResult(True, pred, terms, "", None, "", 0, plan)
+    req = AdviseRequest(model=w.model, seq_len=w.seq_len, cluster=cl, micro_batch_size=w.micro_batch_size, dtype=w.dtype,
+                        optimizer=w.optimizer, tokens_per_step=w.tokens_per_step)
+    best: Optional[tuple[float, str, Strategy]] = None
+    for what, v in _variants(s, req):
+        cand = _evaluate(w, cl, v, c)
+        if cand.fits and (best is None or cand.tokens_per_s > best[0]):
+            best = (cand.tokens_per_s, what, v)
+    if best:
+        fix = f"{best[1]} -> fits, {best[0]:,.0f} tokens/s ({describe(best[2])})"
+    else:
+        try:
+            alt = advise_by_cost(req, c)
+            fix = (f"no single change fits; `seqpar advise` proposes {describe(alt.strategy)}" if alt.prediction and not alt.prediction.oom_risk
+                   else f"nothing fits {format_tokens(w.seq_len)} tokens on this cluster: more GPUs, or a shorter sequence")
+        except SeqparError as e:
+            fix = str(e)
+    return CheckResult(False, pred, terms, fix, best[2] if best else None, mem.reason, 1, plan)

@@ -1,0 +1,180 @@
+"""Time of one training step per GPU: FLOPs over effective kernel rates, plus the communication each mode cannot hide.
+
+Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters in matmuls incl. the LM head):
+* Linear part (Kaplan et al. 2020; Narayanan et al. 2021, eq. 3): 2*N_lin FLOPs per token forward, 6*N_lin forward +
+  backward, +2*N_lin per token for the decoder layers when checkpointing recomputes them (Korthikanti et al. 2022).
+* Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x
+  forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes attention (not for selective, nor for
+  dist_flash_attn which checkpoints at the attention output). Sequence parallelism divides it by sp_degree, times the
+  mode's imbalance: zigzag and Ulysses are balanced; dist flash runs P/2+1 steps where P/2+1/2 would be ideal.
+* Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors; the
+  attention rate falls for short kernel calls, eff(n) ~ n/(n+n0) (n = query tokens per call: S for data parallel and Ulysses,
+  S/(2P) for zigzag chunks, S/P for dist flash blocks).
+* Communication (bytes per GPU, bandwidth = link datasheet x NCCL efficiency): ring: P-1 K,V blocks per layer and pass
+  (plus fp32 dK,dV in backward), each against 1/P of the pass's attention compute, hidden up to ``ring_overlap``; Ulysses:
+  four all-to-alls per layer and pass, each moving (u-1)/u of a q/k/v/o tensor, not hidden; dist flash: P/2 helper steps
+  carrying Q,K,V out and O,lse back; gradients: ring all-reduce 2(N-1)/N*2Psi (DDP), reduce-scatter + all-gather (ZeRO-2),
+  per-layer all-gathers in forward and backward + reduce-scatter (ZeRO-3 / FSDP), hidden up to ``grad_comm_overlap``
+  under backward; ZeRO-3 offload adds PCIe copies of the parameter shards and fp32 gradients and the CPU Adam step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from seqpar.advisor.memory import layer_params, optimizer_bytes_per_param
+from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
+
+if TYPE_CHECKING:
+    from seqpar.advisor.predict import Coefficients
+
+REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    step_time_s: float
+    tokens_per_s: float  # whole cluster
+    breakdown_s: dict[str, float]  # compute / exposed_comm / offload / optimizer, per optimizer step
+    mfu: float
+    parts_s: dict[str, float]  # unscaled components the fit works on (ideal linear / attention time, fixed rest)
+
+
+def matmul_params(m: ModelSpec) -> int:
+    """Parameters that take part in a matmul per token: decoder layers without norms, plus the LM head."""
+    return m.num_layers * (layer_params(m) - 2 * m.hidden_size) + m.vocab_size * m.hidden_size
+
+
+def linear_flops_per_token(m: ModelSpec, checkpointing: str, loss_impl: str) -> float:
+    """6*N_lin forward+backward, +2*N_lin of the layers for recompute, +2*V*h when the chunked loss recomputes logits."""
+    n_layers = m.num_layers * (layer_params(m) - 2 * m.hidden_size)
+    f = 6.0 * matmul_params(m)
+    if checkpointing != "none":
+        f += 2.0 * n_layers
+    if loss_impl == "chunked":
+        f += 2.0 * m.vocab_size * m.hidden_size
+    return f
+
+
+def attention_fwd_flops(m: ModelSpec, seq_len: int) -> float:
+    """Causal attention forward FLOPs of one sequence over all layers: 2 * S^2 * a * d per layer."""
+    return 2.0 * seq_len * seq_len * m.num_attention_heads * m.head_dim * m.num_layers
+
+
+def recomputes_attention(s: Strategy) -> bool:
+    return s.checkpointing in ("full", "offload") and s.mode != "dist_flash_attn"
+
+
+def attention_multiplier(s: Strategy) -> float:
+    return 3.5 + (1.0 if recomputes_attention(s) else 0.0)
+
+
+def call_tokens(s: Strategy, seq_len: int) -> float:
+    """Query tokens of one attention kernel call."""
+    if s.mode in ("data_parallel", "ulysses_attn"):
+        return seq_len
+    if s.mode == "zigzag_ring_attn":
+        return seq_len / (2 * s.sp_degree)
+    if s.mode == "usp_attn":
+        return seq_len / (2 * s.ring_degree)
+    return seq_len / s.sp_degree  # dist_flash_attn
+
+
+def imbalance(s: Strategy) -> float:
+    if s.mode == "dist_flash_attn" and s.sp_degree > 1:
+        p = s.sp_degree
+        return (p / 2 + 1) / (p / 2 + 0.5)  # P/2+1 steps of one block where P/2+1/2 blocks of work would do
+    return 1.0
+
+
+def _bw(cluster: ClusterSpec, group: int, c: "Coefficients", contiguous_inner: int = 1) -> float:
+    """Bytes/s per GPU for a group of ``group`` ranks laid out ``contiguous_inner`` apart: NVLink inside a node, else the NIC."""
+    spans = group * contiguous_inner > cluster.gpus_per_node
+    link = cluster.inter_node_link if spans and cluster.inter_node_link else cluster.intra_node_link
+    return link.bandwidth_gb_s * 1e9 * c.comm_bandwidth_efficiency
+
+
+def _hidden(comm: float, compute: float, overlap: float) -> float:
+    """Exposed time of a transfer run alongside compute: what exceeds it, plus the share overlap cannot hide."""
+    return max(comm - compute, 0.0) + (1.0 - overlap) * min(comm, compute)
+
+
+def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> TimeEstimate:
+    m, p = w.model, DTYPE_BYTES[w.dtype]
+    b, S, P, world = w.micro_batch_size, w.seq_len, s.sp_degree, s.world_size
+    t = b * S / P
+    a, d, kv, L = m.num_attention_heads, m.head_dim, m.num_key_value_heads, m.num_layers
+    accum = s.gradient_accumulation_steps
+
+    # ---- compute of one micro-batch
+    lin_ideal = t * linear_flops_per_token(m, s.checkpointing, s.loss_impl) / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
+    n = call_tokens(s, S)
+    n0 = c.attn_block_tokens
+    eff = (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0))
+    attn_flops = b * attention_fwd_flops(m, S) / P * attention_multiplier(s) * imbalance(s)
+    attn_rate = c.kernel_rate_tflops(cluster, c.attention_backend(cluster)) * 1e12
+    attn_ideal = attn_flops / attn_rate / eff
+    lin_t, attn_t = lin_ideal * c.linear_time_factor, attn_ideal * c.attn_time_factor
+    passes = 3 if recomputes_attention(s) else 2  # forward, (recompute forward), backward
+    attn_fwd_t = attn_t / attention_multiplier(s)  # one forward pass over all layers
+
+    # ---- sequence-parallel communication of one micro-batch
+    sp_comm = 0.0
+    u = P if s.mode == "ulysses_attn" else s.ulysses_degree if s.mode == "usp_attn" else 1
+    r = P if s.mode == "zigzag_ring_attn" else s.ring_degree if s.mode == "usp_attn" else 1
+    kv_eff = kv if (u == 1 or kv % u == 0) else u
+    if u > 1:
+        a2a_bytes = (u - 1) / u * t * p * (2 * a * d + 2 * kv_eff * d) * L  # q, k, v in and o out, one pass
+        sp_comm += passes * a2a_bytes / _bw(cluster, u, c)
+    if r > 1:
+        bw = _bw(cluster, r, c, contiguous_inner=u)
+        kv_block = 2 * p * t * kv_eff * d  # K and V of t tokens (usp: t*u tokens at kv_eff/u heads)
+        ring_passes = [(kv_block, attn_fwd_t), (kv_block + 8 * t * kv_eff * d, 2.5 * attn_fwd_t)]  # fwd; bwd adds fp32 dK,dV
+        if recomputes_attention(s):
+            ring_passes.append((kv_block, attn_fwd_t))
+        for pass_bytes, pass_compute in ring_passes:
+            step_comm, step_compute = pass_bytes / bw, pass_compute / L / r
+            sp_comm += L * (r - 1) * _hidden(step_comm, step_compute, c.ring_overlap)
+    if s.mode == "dist_flash_attn" and P > 1:
+        bw = _bw(cluster, P, c)
+        steps = P / 2
+        fwd_bytes = t * (p * (a * d + 2 * kv * d) + 4 * a * d + 4 * a)
+        bwd_bytes = t * (p * (3 * a * d + 2 * kv * d) + 4 * (a * d + 2 * kv * d))
+        for pass_bytes, pass_compute in ((fwd_bytes, attn_fwd_t), (bwd_bytes, 2.5 * attn_fwd_t)):
+            step_compute = pass_compute / L / (steps + 1)
+            sp_comm += L * steps * _hidden(pass_bytes / bw, step_compute, c.ring_overlap)
+
+    # ---- model-state traffic
+    psi = m.num_params
+    bwd_compute = (lin_t + attn_t) * 0.6  # backward (with its recompute) is ~2/3 of the FLOPs; keep some slack
+    grad_exposed = offload = opt_t = 0.0
+    if world > 1:
+        bw = _bw(cluster, world, c)
+        frac = (world - 1) / world
+        if s.sharding == "ddp":
+            grad_exposed = _hidden(2 * frac * psi * p / bw, bwd_compute * accum, c.grad_comm_overlap)
+        elif s.sharding == "zero2":
+            grad_exposed = _hidden(frac * psi * p / bw, bwd_compute * accum, c.grad_comm_overlap) + frac * psi * p / bw
+        else:  # zero3 / fsdp / zero3_offload: gathers in forward and backward + reduce-scatter, every micro-batch
+            grad_exposed = accum * _hidden(3 * frac * psi * p / bw, lin_t + attn_t, c.grad_comm_overlap)
+    if s.sharding == "zero3_offload":
+        pcie = c.offload_bandwidth_gb_s * 1e9
+        offload = accum * (2 * psi * p / world + psi * 4 / world) / pcie  # parameter shards twice, fp32 gradients once
+        opt_t = psi / cluster.nodes / (c.cpu_adam_gparams_per_s * 1e9) if w.optimizer != "none" else 0.0
+    elif w.optimizer != "none":
+        local = psi if s.sharding == "ddp" else psi / world
+        opt_t = local * (2 * optimizer_bytes_per_param(w.optimizer, w.dtype) + 3 * p) / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
+    if s.checkpointing == "offload":  # layer inputs out in forward, back in backward, partly hidden under compute
+        pcie = c.offload_bandwidth_gb_s * 1e9
+        offload += accum * _hidden(2 * L * p * m.hidden_size * t / pcie, lin_t + attn_t, c.grad_comm_overlap)
+
+    compute = accum * (lin_t + attn_t)
+    exposed = accum * sp_comm + grad_exposed
+    step = compute + exposed + offload + opt_t
+    tokens = S * b * s.dp_degree * accum
+    model_flops = tokens * 6.0 * matmul_params(m) + b * s.dp_degree * accum * attention_fwd_flops(m, S) * 3.5
+    mfu = model_flops / step / (world * cluster.gpu.bf16_tflops * 1e12)
+    parts = {"linear_ideal": accum * lin_ideal, "attn_ideal": accum * attn_ideal, "cpu_adam": opt_t if s.sharding == "zero3_offload" else 0.0}
+    parts["rest"] = step - compute - parts["cpu_adam"]
+    return TimeEstimate(step, tokens / step, {"compute": compute, "exposed_comm": exposed, "offload": offload, "optimizer": opt_t}, mfu, parts)
