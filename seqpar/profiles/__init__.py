@@ -196,7 +196,7 @@ def model_from_config(path: str | Path) -> ModelSpec:
             **fields,
         )
     except (ValidationError, TypeError, ValueError) as e:
-        msg = first_error(e) if isinstance(e, ValidationError) else str(e)
+        msg = first_error(e).removeprefix("(plan): ") if isinstance(e, ValidationError) else str(e)
         raise SeqparError(f"model config {str(p)!r} is invalid: {msg}") from None
 
 
