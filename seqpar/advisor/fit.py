@@ -26,8 +26,10 @@ from seqpar.advisor.throughput import estimate_time
 from seqpar.schema import ClusterSpec, LaunchPlan, SeqparError, Strategy, Workload, write_atomic
 
 MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "profiles" / "measurements"
+# n0 is held at its hardware-derived value (coefficients.json) unless a grid is passed: five rows cannot pin four numbers.
 N0_GRID = (0.0, 512.0, 1024.0, 2048.0, 3072.0, 4096.0, 6144.0, 8192.0)
 BOUNDS = {"linear_time_factor": (0.5, 4.0), "attn_time_factor": (0.5, 4.0), "cpu_adam_gparams_per_s": (0.2, 50.0)}
+FITTED = ("linear_time_factor", "attn_time_factor")  # cpu_adam_gparams_per_s joins when asked (needs many offload rows)
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def _measured_step(r: Measurement) -> float:
     return w.seq_len * w.micro_batch_size * s.dp_degree * s.gradient_accumulation_steps / r.tokens_per_s
 
 
-def _fit_factors(rows: list[Measurement], c: Coefficients) -> Coefficients:
+def _fit_factors(rows: list[Measurement], c: Coefficients, fitted: tuple[str, ...] = FITTED) -> Coefficients:
     """Relative least squares for the time factors at fixed n0; two passes so the overlap terms follow the compute."""
     for _ in range(3):
         cols, ys = [], []
@@ -144,7 +146,10 @@ def _fit_factors(rows: list[Measurement], c: Coefficients) -> Coefficients:
             cols.append((parts["linear_ideal"] / y, parts["attn_ideal"] / y, cpu_work / y))
             ys.append((y - parts["rest"]) / y)
         names = ["linear_time_factor", "attn_time_factor", "cpu_adam_gparams_per_s"]
-        active = [j for j in range(3) if any(abs(col[j]) > 0 for col in cols)]
+        for j, name in enumerate(names):  # a coefficient held fixed moves its column to the known side
+            if name not in fitted:
+                ys = [y - col[j] * ((1.0 / c.cpu_adam_gparams_per_s) if j == 2 else getattr(c, name)) for col, y in zip(cols, ys)]
+        active = [j for j in range(3) if names[j] in fitted and any(abs(col[j]) > 0 for col in cols)]
         if len(rows) < len(active):
             return c
         ata = [[sum(col[i] * col[j] for col in cols) for j in active] for i in active]
@@ -168,15 +173,17 @@ def _rel_errors(rows: list[Measurement], c: Coefficients) -> list[float]:
     return [estimate_time(r.workload, r.cluster, r.strategy, c).tokens_per_s / r.tokens_per_s - 1 for r in rows]
 
 
-def fit(rows: list[Measurement], base: Optional[Coefficients] = None, n0_grid: Iterable[float] = N0_GRID) -> Coefficients:
-    """Best coefficients for the rows with a measured tokens/s (the grid picks n0, least squares the factors)."""
+def fit(rows: list[Measurement], base: Optional[Coefficients] = None, n0_grid: Optional[Iterable[float]] = None,
+        fitted: tuple[str, ...] = FITTED) -> Coefficients:
+    """Best coefficients for the rows with a measured tokens/s (least squares for the factors; a grid for n0 when given)."""
     base = base or load_coefficients()
+    n0_grid = (base.attn_block_tokens,) if n0_grid is None else n0_grid
     timed = [r for r in rows if r.tokens_per_s]
     if not timed:
         return base
     best, best_err = base, float("inf")
     for n0 in n0_grid:
-        c = _fit_factors(timed, base.with_values(attn_block_tokens=n0))
+        c = _fit_factors(timed, base.with_values(attn_block_tokens=n0), fitted)
         err = sum(e * e for e in _rel_errors(timed, c))
         if err < best_err:
             best, best_err = c, err

@@ -32,7 +32,7 @@ class Coefficients:
     grad_comm_overlap: float = 0.8  # share of gradient all-reduce / ZeRO traffic hidden under backward
     comm_bandwidth_efficiency: float = 0.75  # NCCL bus bandwidth / datasheet link bandwidth
     offload_bandwidth_gb_s: float = 12.0  # effective host<->device bandwidth per GPU for offloaded states / checkpoints
-    cpu_adam_gparams_per_s: float = 1.0  # CPU Adam throughput per node, 1e9 parameters per second
+    cpu_adam_gparams_per_s: float = 8.0  # CPU Adam throughput per node, 1e9 parameters per second
     allocator_reserve_fraction: float = 0.05
     allocator_reserve_gib: float = 0.5
     cuda_context_gib: float = 0.55
