@@ -305,6 +305,14 @@ class LaunchSpec(_Frozen):
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for the job.")
 
 
+class Stage(_Frozen):
+    seq_len: int = Field(ge=1, description="Tokens per sequence in this stage.")
+    rope_theta: float = Field(gt=0, description="RoPE base for this stage (EasyContext raises it with the length).")
+    steps: int = Field(ge=1, description="Optimizer steps of this stage.")
+    strategy: Strategy = Field(description="How this stage is split (planned for its own seq_len).")
+    prediction: Optional[Prediction] = Field(default=None, description="The cost model's prediction for this stage (None under rules).")
+
+
 class LaunchPlan(_Frozen):
     schema_version: int = Field(default=SCHEMA_VERSION, description="Version of this format; a newer one is refused.")
     created_by: str = Field(default="", description="Tool and version that wrote the plan.")
@@ -316,6 +324,10 @@ class LaunchPlan(_Frozen):
     rationale: Rationale = Field(description="Why this strategy.")
     launch: LaunchSpec = Field(default_factory=LaunchSpec, description="How to start it.")
     training: TrainingSpec = Field(default_factory=TrainingSpec, description="The training loop's settings.")
+    stages: list[Stage] = Field(
+        default_factory=list,
+        description="Progressive recipe (seqpar advise --recipe): stages run in order, each starting from the previous one's final checkpoint; empty = one run.",
+    )
 
     @field_validator("schema_version")
     @classmethod
@@ -341,6 +353,14 @@ class LaunchPlan(_Frozen):
             check_heads(s.mode, w.model, s.sp_degree, s.ulysses_degree)
         except SeqparError as e:
             raise ValueError(str(e)) from None
+        for i, st in enumerate(self.stages):
+            if st.strategy.world_size != c.world_size:
+                raise ValueError(f"stage {i}: {st.strategy.world_size} ranks, but the cluster has {c.world_size}; make them equal")
+            try:
+                check_split(st.strategy.mode, st.seq_len, st.strategy.sp_degree, st.strategy.ulysses_degree, st.strategy.ring_degree)
+                check_heads(st.strategy.mode, w.model, st.strategy.sp_degree, st.strategy.ulysses_degree)
+            except SeqparError as e:
+                raise ValueError(f"stage {i}: {e}") from None
         return self
 
     # ----- files

@@ -117,7 +117,7 @@ def wrap(module: LossModule, plan: LaunchPlan, topo: Topology, *, cpu_offload: b
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [topo.local_rank] if topo.device.type == "cuda" else None
-        return DDP(module, device_ids=ids, broadcast_buffers=False)
+        return DDP(module, device_ids=ids)
     if sharding == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
