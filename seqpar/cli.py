@@ -94,7 +94,8 @@ def print_json(obj) -> None:
 @app.command()
 @handle_errors
 def advise(
-    seq_len: str = typer.Option(..., "--seq-len", "-s", help="Tokens per sequence: 131072, 128k, 512K, 1M (k = 1024, M = 1024^2)."),
+    seq_len: Optional[str] = typer.Option(None, "--seq-len", "-s", help="Tokens per sequence: 131072, 128k, 512K, 1M (k = 1024, M = 1024^2); required unless --max-seq-len."),
+    max_seq_len: bool = typer.Option(False, "--max-seq-len", help="Instead of a plan: the longest sequence that fits, per mode (pins apply)."),
     model: str = typer.Option("llama-2-7b", "--model", "-m", help="Profile name (seqpar profiles list), Hub id, or a local config.json / folder."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU profile of the declared cluster, e.g. a100, h100, h200."),
     gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="GPUs per node of the declared cluster."),
@@ -125,12 +126,18 @@ def advise(
         seqpar advise --seq-len 1M --model llama-3-8b --gpu h100 --gpus 8 --nodes 2 -o plan.json
         seqpar advise --seq-len 256 --model tiny --cluster cpu:2 -o plan.json
         seqpar advise --seq-len 128k --mode zigzag_ring_attn --policy rules --json
+        seqpar advise --max-seq-len --gpu h200 --gpus 8 --optimizer adamw
     """
     from seqpar.advisor.advise import advise as run_advice, default_policy
     from seqpar.advisor.cluster import resolve_cluster
     from seqpar.advisor.request import AdviseRequest
     from seqpar.profiles import get_model
 
+    if max_seq_len:
+        return _max_seq_len_command(model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing,
+                                    sharding, optimizer, loss_impl, micro_batch, json_out)
+    if seq_len is None:
+        raise SeqparError("--seq-len is required (e.g. --seq-len 128k), unless you ask for --max-seq-len")
     n = parse_seq_len(seq_len)
     note(f"seq_len {n} ({format_tokens(n)})")
     spec = get_model(model)
@@ -168,6 +175,7 @@ def advise(
 def explain(
     plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`."),
     json_out: bool = typer.Option(False, "--json", help="Print the validated plan as JSON on stdout."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: predicted peak memory vs seq_len per mode, with the GPU's capacity."),
 ):
     """Validate a plan and explain it: workload, cluster, strategy, prediction, the rules followed and why.
 
@@ -175,14 +183,144 @@ def explain(
 
         seqpar explain plan.json
         seqpar explain plan.json --json
+        seqpar explain plan.json --plot memory.png
     """
     plan = LaunchPlan.load(plan_path)
+    if plot is not None:
+        from seqpar.advisor.explain import plot_memory
+
+        note(f"wrote {plot_memory(plan, plot)}")
     if json_out:
         print_json(plan.to_json().rstrip("\n"))
         return
     from seqpar.advisor.report import render_plan
 
     render_plan(plan, stdout())
+    from seqpar.advisor.explain import explain_tables  # the cost model's breakdowns (memory, time, alternatives)
+
+    for t in explain_tables(plan):
+        stdout().print(t)
+
+
+# --------------------------------------------------------------------------------------------- check, max context, calibrate
+
+
+@app.command()
+@handle_errors
+def check(
+    plan_path: Optional[Path] = typer.Argument(None, metavar="[PLAN.json]", help="A plan written by `seqpar advise -o`; without it, the advise flags below."),
+    seq_len: Optional[str] = typer.Option(None, "--seq-len", "-s", help="Tokens per sequence (without a plan)."),
+    model: str = typer.Option("llama-2-7b", "--model", "-m", help="Model profile (without a plan)."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Check on this GPU profile instead of the plan's (or the probed) one."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="GPUs per node."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="cpu:N for N gloo CPU ranks."),
+    host_ram_gib: Optional[float] = typer.Option(None, "--host-ram-gib", min=1, help="Host RAM per node, GiB."),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="Pin the mode (without a plan)."),
+    sp_degree: Optional[int] = typer.Option(None, "--sp-degree", min=1, help="Pin the sp degree (without a plan)."),
+    ulysses_degree: Optional[int] = typer.Option(None, "--ulysses-degree", min=1, help="Pin the Ulysses degree (without a plan)."),
+    checkpointing: Optional[Checkpointing] = typer.Option(None, "--checkpointing", help="Pin checkpointing (without a plan)."),
+    sharding: Optional[Sharding] = typer.Option(None, "--sharding", help="Pin sharding (without a plan)."),
+    optimizer: Optimizer = typer.Option("adamw", "--optimizer", help="Optimizer (without a plan)."),
+    loss_impl: Optional[LossImpl] = typer.Option(None, "--loss-impl", help="Pin the loss (without a plan)."),
+    micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="Micro-batch (without a plan)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the verdict as JSON on stdout."),
+):
+    """Pre-launch OOM gate: exit 0 when the plan fits, 1 when it risks OOM (with the cheapest fix), 2 when it is invalid.
+
+    With a plan it is re-evaluated on the plan's cluster, or on --gpu/--gpus/--nodes when given; without one, the advise
+    flags describe the configuration (the cost model picks whatever is not pinned).
+
+    **Examples**
+
+        seqpar check plan.json
+        seqpar check plan.json --gpu a100-40g --gpus 8
+        seqpar check --seq-len 64k --gpu h200 --gpus 1 --mode data_parallel --checkpointing full --sharding ddp --loss-impl hf
+    """
+    from seqpar.advisor.cluster import resolve_cluster
+    from seqpar.advisor.explain import check_lines
+    from seqpar.advisor.search import check as run_check
+
+    if plan_path is not None:
+        target = LaunchPlan.load(plan_path)
+        flags = (gpu, gpus, nodes, cluster)
+        cl = resolve_cluster(gpu, gpus or target.cluster.gpus_per_node, nodes or target.cluster.nodes, cluster, host_ram_gib)[0] if any(f is not None for f in flags) else None
+    else:
+        if seq_len is None:
+            raise SeqparError("give a plan file or --seq-len (with the advise flags); e.g. seqpar check plan.json")
+        target = _request(seq_len, model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing,
+                          sharding, optimizer, loss_impl, micro_batch)
+        cl = None
+    res = run_check(target, cl)
+    if json_out:
+        print_json({"fits": res.fits, "exit_code": res.exit_code, "reason": res.reason, "fix": res.fix,
+                    "fix_strategy": res.fix_strategy.model_dump() if res.fix_strategy else None,
+                    "biggest_terms_gib": dict(res.biggest_terms), "strategy": res.plan.strategy.model_dump(),
+                    "prediction": res.prediction.model_dump()})
+    else:
+        for line in check_lines(res):
+            (typer.echo if res.fits else note)(line)
+    raise typer.Exit(res.exit_code)
+
+
+def _request(seq_len, model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
+             optimizer, loss_impl, micro_batch):
+    from seqpar.advisor.cluster import resolve_cluster
+    from seqpar.advisor.request import AdviseRequest
+    from seqpar.profiles import get_model
+
+    cl, cluster_note = resolve_cluster(gpu, gpus, nodes, cluster, host_ram_gib)
+    note(f"cluster: {cluster_note}")
+    return AdviseRequest(model=get_model(model), seq_len=parse_seq_len(seq_len), cluster=cl, micro_batch_size=micro_batch,
+                         dtype="fp32" if cl.accelerator == "cpu" else "bf16", optimizer=optimizer, policy="cost", mode=mode,
+                         sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl)
+
+
+def _max_seq_len_command(model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
+                         optimizer, loss_impl, micro_batch, json_out) -> None:
+    """`seqpar advise --max-seq-len`: the longest sequence that fits, per mode."""
+    from seqpar.advisor.explain import max_seq_len_table
+    from seqpar.advisor.search import max_seq_len as run_max
+
+    req = _request("1024", model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
+                   optimizer, loss_impl, micro_batch)
+    pins = dict(sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,
+                optimizer=optimizer, micro_batch_size=micro_batch, dtype=req.dtype)
+    res = run_max(req.model, req.cluster, [mode] if mode else None, **pins)
+    if json_out:
+        print_json({m: {"max_seq_len": n, "strategy": s.model_dump() if s else None} for m, (n, s) in res.items()})
+    else:
+        stdout().print(max_seq_len_table(res, req.cluster.gpu.memory_gib))
+
+
+@app.command()
+@handle_errors
+def calibrate(
+    reports: list[Path] = typer.Argument(..., metavar="REPORT.json...", help="Run reports written by `seqpar launch` (or measurement CSVs)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the refitted coefficients here (load them with SEQPAR_COEFFICIENTS)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the fit (coefficients, residuals, leave-one-out) as JSON on stdout."),
+):
+    """Refit the cost model's coefficients to measured runs (plus the shipped measurements); report residuals and leave-one-out.
+
+    **Examples**
+
+        seqpar calibrate runs/*/report.json -o coefficients.json
+        seqpar calibrate report.json --json
+    """
+    from seqpar.advisor.fit import calibrate as run_calibrate
+
+    res = run_calibrate(reports, output)
+    if output is not None:
+        note(f"wrote {output}")
+    if json_out:
+        print_json({"coefficients": res.coefficients.values(), "rows": res.rows, "max_abs_residual": res.max_abs_residual,
+                    "max_abs_loo": res.max_abs_loo})
+        return
+    for e in res.rows:
+        r, l = e["tokens_residual"], e["loo_tokens_error"]
+        typer.echo(f"{e['label']:<45} tokens/s measured {e['measured_tokens_per_s'] or '-'!s:>9} predicted {e['predicted_tokens_per_s']:>10,.0f} "
+                   f"residual {'' if r is None else f'{r:+.1%}':>7} LOO {'' if l is None else f'{l:+.1%}':>7}")
+    typer.echo(f"max |residual| {res.max_abs_residual:.1%}, max |LOO| {res.max_abs_loo:.1%}")
 
 
 @app.command()
@@ -276,6 +414,59 @@ def profiles_show(
     from seqpar.advisor.report import spec_table
 
     stdout().print(spec_table(spec))
+
+
+# --------------------------------------------------------------------------------------------- launch
+
+
+@app.command()
+@handle_errors
+def launch(
+    plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Optimizer steps (default: the plan's; per stage for staged plans)."),
+    data: str = typer.Option("synthetic", "--data", help="synthetic, a .jsonl text file, a .bin/.npy token file, or a datasets folder."),
+    model_path: Optional[str] = typer.Option(None, "--model-path", help="Local Hugging Face model folder (default: the plan's model, random weights)."),
+    output: Optional[Path] = typer.Option(None, "--output", help="Checkpoints, run report, metrics and log go here (default runs/<plan name>)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output."),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="Nodes of the job (default: the plan's)."),
+    node_rank: int = typer.Option(0, "--node-rank", min=0, help="This node's rank (multi-node)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node."),
+    report_to: str = typer.Option("", "--report-to", help="tensorboard,wandb: also log metrics there (when installed)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the exact command and generated configs; run nothing."),
+    force: bool = typer.Option(False, "--force", help="Run even when the plan's cluster does not match this machine."),
+):
+    """Run a plan: torchrun (accelerate for DeepSpeed plans) starts the trainer on every rank; exit status = the job's.
+
+    Checks first (exit 2, nothing written): the plan, the data, the output folder, and that this machine is the plan's
+    cluster (`--force` skips that). Writes checkpoints, `run_report.json` (measured beside predicted), `metrics.jsonl` and
+    `train.log` into `--output`. Staged plans (`seqpar advise --recipe`) run stage by stage.
+
+    **Examples**
+
+        seqpar advise --model tiny --cluster cpu:2 --seq-len 256 -o plan.json && seqpar launch plan.json --steps 5 --data synthetic
+        seqpar launch plan.json --data tokens.npy --output runs/a --resume
+        seqpar launch plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
+        seqpar launch plan.json --dry-run
+    """
+    from seqpar.runtime.launch import LaunchOptions, check_machine
+    from seqpar.runtime.launch import launch as run_launch
+
+    plan = LaunchPlan.load(plan_path)
+    if not dry_run and not force:
+        from seqpar.advisor.probe import probe as run_probe
+
+        res = run_probe()
+        matched = res.matched_gpu()
+        diffs = check_machine(plan.cluster, gpu_names=[g.name for g in res.gpus], gpu_profile=matched.name if matched else None,
+                              cpu_count=os.cpu_count() or 1, nnodes=nnodes or plan.cluster.nodes)
+        if diffs:
+            raise SeqparError(f"plan {str(plan_path)!r} does not match this machine: {'; '.join(diffs)}; "
+                              f"advise a plan here (seqpar advise ...) or pass --force")
+    opts = LaunchOptions(steps=steps, data=data, model_path=model_path, output=str(output) if output else None, resume=resume,
+                         nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, report_to=report_to)
+    rc = run_launch(plan, plan_path, opts, dry_run=dry_run, echo=typer.echo if dry_run else note)
+    if rc:
+        raise typer.Exit(rc)
 
 
 def main() -> None:

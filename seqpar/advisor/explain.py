@@ -1,0 +1,125 @@
+"""The cost model's side of `seqpar explain` / `check` / `advise --max-seq-len`: breakdown tables, the OOM verdict, the plot.
+
+report.py renders the plan itself; these add the memory breakdown at the peak phase with every phase's total, the step time
+split, the alternatives with their predictions and why each lost, the check verdict, and the memory-vs-seq_len plot
+(matplotlib is imported only when a plot is asked for).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from rich.console import RenderableType
+from rich.table import Table
+
+from seqpar.advisor.memory import estimate_memory
+from seqpar.advisor.predict import GIB, Coefficients, load_coefficients
+from seqpar.advisor.search import CheckResult, describe
+from seqpar.schema import MODES, LaunchPlan, Strategy, format_tokens, seq_len_multiple
+
+
+def _table(title: str, *cols: str) -> Table:
+    t = Table(title=title, title_justify="left")
+    for i, c in enumerate(cols):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    return t
+
+
+def explain_tables(plan: LaunchPlan, coeffs: Optional[Coefficients] = None) -> list[RenderableType]:
+    """Memory at the peak phase (and each phase's total), the step-time split, and the alternatives."""
+    c = coeffs or load_coefficients()
+    out: list[RenderableType] = []
+    mem = estimate_memory(plan.workload, plan.cluster, plan.strategy, c)
+    t = _table(f"Memory per GPU at the peak phase ({mem.peak_phase}), GiB", "term", "GiB", "share")
+    for k, v in sorted(mem.breakdown.items(), key=lambda kv: -kv[1]):
+        t.add_row(k, f"{v / GIB:.2f}", f"{v / mem.peak_bytes:.0%}")
+    t.add_row("[bold]peak allocated[/]", f"[bold]{mem.peak_bytes / GIB:.2f}[/]", "")
+    t.add_row("reserved (+ allocator slack, CUDA context, NCCL)", f"{mem.reserved_bytes / GIB:.2f}", "")
+    t.add_row("capacity", f"{mem.capacity_bytes / GIB:.2f}", "")
+    t.add_row("phases: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.phases.items()), "", "")
+    if mem.host_bytes:
+        t.add_row("host RAM per node", f"{mem.host_bytes / GIB:.1f}", f"of {mem.host_capacity_bytes / GIB:.0f} usable")
+    out.append(t)
+    p = plan.prediction
+    if p is not None:
+        tt = _table(f"Step time ({p.step_time_s:.3f} s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%})", "part", "s", "share")
+        for k, v in p.step_time_breakdown_s.items():
+            tt.add_row(k, f"{v:.3f}", f"{v / p.step_time_s:.0%}" if p.step_time_s else "")
+        out.append(tt)
+    alts = plan.rationale.alternatives
+    if alts:
+        at = _table("Alternatives and why each lost", "strategy", "tokens/s", "peak GiB", "why")
+        for a in alts:
+            ap = a.prediction
+            at.add_row(describe(a.strategy), f"{ap.tokens_per_s:,.0f}" if ap else "-", f"{ap.peak_memory_gib:.1f}" if ap else "-", a.rejected_because)
+        out.append(at)
+    return out
+
+
+def check_lines(res: CheckResult) -> list[str]:
+    p = res.prediction
+    head = "fits" if res.fits else "RISKS OOM"
+    lines = [f"{head}: {describe(res.plan.strategy) if res.plan else ''}",
+             f"predicted peak {p.peak_memory_gib:.1f} GiB allocated, {p.reserved_memory_gib:.1f} GiB reserved, capacity {p.capacity_gib:.1f} GiB"
+             + (f", host {p.host_memory_gib:.0f} GiB" if p.host_memory_gib else ""),
+             "biggest terms (" + (p.peak_phase or "peak") + "): " + ", ".join(f"{k} {v:.1f} GiB" for k, v in res.biggest_terms)]
+    if not res.fits:
+        lines += [f"why: {res.reason}", f"cheapest fix: {res.fix}"]
+    else:
+        lines.append(f"predicted {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}")
+    return lines
+
+
+def max_seq_len_table(result: dict, capacity_gib: float) -> Table:
+    t = _table(f"Longest sequence that fits per mode ({capacity_gib:.0f} GiB GPUs)", "mode", "seq_len", "with")
+    for mode, (n, s) in result.items():
+        t.add_row(mode, f"{n} ({format_tokens(n)})" if n else "none fits", describe(s) if s else "-")
+    return t
+
+
+def plot_memory(plan: LaunchPlan, path: str | Path, coeffs: Optional[Coefficients] = None, points: int = 24) -> Path:
+    """Predicted peak allocated memory against seq_len for each mode (its largest sp degree, the plan's other choices)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    c = coeffs or load_coefficients()
+    w, cl, s = plan.workload, plan.cluster, plan.strategy
+    world = cl.world_size
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    top = max(w.seq_len * 4, 8192)
+    for mode in MODES:
+        if mode == "data_parallel":
+            st = s.model_copy(update={"mode": mode, "sp_degree": 1, "dp_degree": world, "ulysses_degree": 1, "ring_degree": 1})
+        elif world < 2 or (mode == "dist_flash_attn" and world % 2):
+            continue
+        elif mode == "usp_attn":
+            u = next((u for u in range(world // 2, 1, -1) if world % u == 0 and world // u >= 2), None)
+            if u is None:
+                continue
+            st = s.model_copy(update={"mode": mode, "sp_degree": world, "dp_degree": 1, "ulysses_degree": u, "ring_degree": world // u})
+        else:
+            st = s.model_copy(update={"mode": mode, "sp_degree": world, "dp_degree": 1, "ulysses_degree": 1, "ring_degree": 1})
+        st = Strategy.model_validate(st.model_dump())
+        mult = seq_len_multiple(st.mode, st.sp_degree, st.ulysses_degree, st.ring_degree)
+        xs, ys = [], []
+        for i in range(points):
+            n = int(1024 * (top / 1024) ** (i / (points - 1)))
+            n = max(mult, n - n % mult)
+            xs.append(n)
+            ys.append(estimate_memory(w.model_copy(update={"seq_len": n}), cl, st, c).peak_bytes / GIB)
+        ax.plot(xs, ys, marker=".", label=f"{mode} (sp {st.sp_degree})")
+    ax.axhline(cl.gpu.memory_gib, color="red", linestyle="--", label=f"{cl.gpu.name} capacity {cl.gpu.memory_gib:.0f} GiB")
+    ax.axvline(w.seq_len, color="gray", linestyle=":", label=f"plan: {format_tokens(w.seq_len)}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("seq_len (tokens)")
+    ax.set_ylabel("predicted peak allocated per GPU (GiB)")
+    ax.set_title(f"{w.model.name}, {world}x {cl.gpu.name}, ckpt={s.checkpointing}, {s.sharding}, loss={s.loss_impl}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
