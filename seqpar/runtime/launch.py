@@ -197,7 +197,7 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool) -> Non
         p = sp or plan
         open_data(opts.data, seq_len=p.workload.seq_len, vocab_size=p.workload.model.vocab_size,
                   seed=p.training.seed, tokenizer_path=opts.model_path)
-        if not opts.resume:
+        if not opts.resume and not dry_run:
             ck = job.output / "checkpoints"
             if ck.is_dir() and any(x.name.startswith("step-") for x in ck.iterdir()):
                 raise SeqparError(f"output {str(job.output)!r} already holds checkpoints; pass --resume or pick another --output")
