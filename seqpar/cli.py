@@ -114,6 +114,7 @@ def advise(
     policy: Optional[Literal["rules", "cost"]] = typer.Option(None, "--policy", help="rules: the guide's tree; cost: the cost-model search (default when installed)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the plan here (atomically; nothing is written on error)."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (only JSON)."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="Staged context extension: 1M (EasyContext's Llama-2-7B schedule) or smoke (CPU); each stage planned; seqpar launch runs them in order."),
 ):
     """Advise a launch plan: which sequence-parallel mode, degrees, checkpointing and sharding, with the reasons.
 
@@ -136,6 +137,10 @@ def advise(
     if max_seq_len:
         return _max_seq_len_command(model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing,
                                     sharding, optimizer, loss_impl, micro_batch, json_out)
+    if recipe is not None and seq_len is None:  # the recipe's last stage; every stage is planned below
+        from seqpar.advisor.recipe import recipe_seq_len
+
+        seq_len = str(recipe_seq_len(recipe))
     if seq_len is None:
         raise SeqparError("--seq-len is required (e.g. --seq-len 128k), unless you ask for --max-seq-len")
     n = parse_seq_len(seq_len)
@@ -149,7 +154,12 @@ def advise(
         mode=mode, sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,
     )
     notes: list[str] = []
-    plan = run_advice(req, cluster_note, notes)
+    if recipe is not None:
+        from seqpar.advisor.recipe import advise_recipe
+
+        plan = advise_recipe(req, recipe, cluster_note, notes)
+    else:
+        plan = run_advice(req, cluster_note, notes)
     for line in notes:
         note(f"note: {line}")
     if output is not None:
