@@ -88,7 +88,10 @@ def coefficients_from_dict(data: dict) -> Coefficients:
 
 
 def load_coefficients(path: Optional[str | Path] = None) -> Coefficients:
-    """The shipped coefficients (cached), or those in ``path`` (a file written by `seqpar calibrate`)."""
+    """Those in ``path`` (a file written by `seqpar calibrate -o`), else in $SEQPAR_COEFFICIENTS, else the shipped ones (cached)."""
+    import os
+
+    path = path or os.environ.get("SEQPAR_COEFFICIENTS") or None
     if path is None:
         return _shipped()
     p = Path(path)

@@ -1,0 +1,81 @@
+"""Fit: synthetic rows recover known coefficients; the shipped fit reproduces the published rows; calibrate from run reports."""
+
+import json
+
+import pytest
+
+from seqpar.advisor.cluster import cluster_from_flags
+from seqpar.advisor.fit import Measurement, calibrate, evaluate, fit, load_measurements, row_from_report
+from seqpar.advisor.predict import load_coefficients, predict
+from seqpar.advisor.search import advise_by_cost
+from seqpar.advisor.request import AdviseRequest
+from seqpar.advisor.throughput import estimate_time
+from seqpar.profiles import get_model
+from seqpar.schema import SeqparError, Strategy, Workload
+
+C = load_coefficients()
+
+
+def _synthetic(true):
+    m, cl = get_model("llama-2-7b"), cluster_from_flags("h200", 8)
+    rows = []
+    for mode, sp, n in (("data_parallel", 1, 32768), ("zigzag_ring_attn", 8, 131072), ("zigzag_ring_attn", 8, 524288),
+                        ("ulysses_attn", 8, 262144), ("dist_flash_attn", 4, 65536)):
+        s = Strategy(mode=mode, sp_degree=sp, dp_degree=8 // sp, sharding="zero3")
+        w = Workload(model=m, seq_len=n)
+        tps = estimate_time(w, cl, s, true).tokens_per_s
+        rows.append(Measurement(f"{mode} {n}", "synthetic", w, cl, s, tps, None, False))
+    return rows
+
+
+def test_fit_recovers_known_factors():
+    true = C.with_values(linear_time_factor=1.37, attn_time_factor=0.83)
+    got = fit(_synthetic(true), C.with_values(linear_time_factor=1.0, attn_time_factor=1.0))
+    assert got.linear_time_factor == pytest.approx(1.37, rel=1e-3)
+    assert got.attn_time_factor == pytest.approx(0.83, rel=1e-3)
+
+
+def test_fit_recovers_n0_on_a_grid():
+    true = C.with_values(linear_time_factor=1.2, attn_time_factor=1.1, attn_block_tokens=4096.0)
+    got = fit(_synthetic(true), C.with_values(attn_block_tokens=2048.0), n0_grid=(1024.0, 2048.0, 4096.0, 8192.0))
+    assert got.attn_block_tokens == 4096.0 and got.attn_time_factor == pytest.approx(1.1, rel=1e-3)
+
+
+def test_shipped_fit_reproduces_published_rows():
+    """EasyContext's five rows: four within 10%; the 128K row is inconsistent with its neighbours (see BENCHMARKS.md)."""
+    rows = [r for r in load_measurements() if r.source == "easycontext_a100.csv"]
+    assert len(rows) == 5
+    res = evaluate(rows, C)
+    for e in res.rows:
+        limit = 0.30 if e["label"].startswith("zigzag_ring_attn 131072") else 0.10
+        assert abs(e["tokens_residual"]) <= limit, e
+        assert e["loo_tokens_error"] is not None
+    for r in rows:  # the shipped coefficients are the fit's output
+        assert predict(r.workload, r.cluster, r.strategy).tokens_per_s == pytest.approx(
+            estimate_time(r.workload, r.cluster, r.strategy, res.coefficients).tokens_per_s, rel=1e-3)
+
+
+def _report(tmp_path, tokens_per_s, peak, name="report.json"):
+    plan = advise_by_cost(AdviseRequest(model=get_model("llama-2-7b"), seq_len=131072, cluster=cluster_from_flags("h200", 8)))
+    path = tmp_path / name
+    path.write_text(json.dumps({"plan": json.loads(plan.to_json()), "tokens_per_s": tokens_per_s, "peak_memory_gib": peak}))
+    return path, plan
+
+
+def test_calibrate_from_run_report(tmp_path):
+    path, plan = _report(tmp_path, 30000.0, 50.0)
+    row = row_from_report(json.loads(path.read_text()), "report.json")
+    assert row.strategy == plan.strategy and row.tokens_per_s == 30000.0
+    out = tmp_path / "coefficients.json"
+    res = calibrate([path], out)
+    again = load_coefficients(out)
+    assert again.version != C.version and again.linear_time_factor == pytest.approx(res.coefficients.linear_time_factor, rel=1e-5)
+    labels = [e["label"] for e in res.rows]
+    assert len(labels) == 6 and json.loads(out.read_text())["fit"]["rows"][-1]["measured_peak_gib"] == 50.0
+
+
+def test_report_without_plan_is_rejected(tmp_path):
+    with pytest.raises(SeqparError, match="no 'plan'"):
+        row_from_report({"tokens_per_s": 1.0}, "x.json")
+    with pytest.raises(SeqparError, match="does not exist"):
+        load_measurements([tmp_path / "missing.json"])
