@@ -182,17 +182,17 @@ def _ib_tree(root, ports):
 
 
 @pytest.mark.parametrize(
-    "env,nodes,node_rank,launcher",
+    "env,nodes,node_rank,world,rank,launcher",
     [
-        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1"}, 2, 1, "torchrun"),
-        ({"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3"}, 4, 3, "slurm"),
-        ({}, 1, 0, "none"),
+        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1", "RANK": "11"}, 2, 1, 16, 11, "torchrun"),
+        ({"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3", "SLURM_NTASKS": "32", "SLURM_PROCID": "25"}, 4, 3, 32, 25, "slurm"),
+        ({}, 1, 0, 1, 0, "none"),
     ],
 )
-def test_nodes_from_launcher_and_infiniband(tmp_path, env, nodes, node_rank, launcher):
+def test_nodes_from_launcher_and_infiniband(tmp_path, env, nodes, node_rank, world, rank, launcher):
     _ib_tree(tmp_path, [("mlx5_0", 1, "4: ACTIVE", "400 Gb/sec (4X NDR)", "InfiniBand"), ("mlx5_1", 1, "1: DOWN", "10 Gb/sec (4X SDR)", "InfiniBand")])
     res = probe(nvml=NVMLDouble("NVIDIA H100 80GB HBM3", 8, 81559, (9, 0), nvlinks=18), env=env, ib_root=tmp_path)
-    assert (res.nodes, res.node_rank, res.launcher) == (nodes, node_rank, launcher)
+    assert (res.nodes, res.node_rank, res.world_size, res.rank, res.launcher) == (nodes, node_rank, world, rank, launcher)
     c = res.to_cluster()
     assert c.nodes == nodes and c.world_size == 8 * nodes
     assert (c.inter_node_link.kind if c.inter_node_link else None) == ("ib_ndr" if nodes > 1 else None)

@@ -50,6 +50,8 @@ class ProbeResult(_Result):
     topology: list[list[str]] = Field(default_factory=list, description="Pairwise path: NVLink, PCIe switch, host bridge, cross-socket.")
     nodes: int = Field(default=1, description="Nodes of the job (torchrun or SLURM variables; 1 otherwise).")
     node_rank: int = Field(default=0, description="This node's rank in the job.")
+    world_size: int = Field(default=1, description="Processes in the job (WORLD_SIZE or SLURM_NTASKS; 1 otherwise).")
+    rank: int = Field(default=0, description="This process's global rank (RANK or SLURM_PROCID).")
     launcher: str = Field(default="none", description="torchrun, slurm or none: where nodes/ranks came from.")
     host_ram_gib: Optional[float] = Field(default=None, description="MemTotal of this host, GiB.")
     ib_ports: list[IbPort] = Field(default_factory=list, description="InfiniBand/RoCE ports from /sys/class/infiniband.")
@@ -150,15 +152,17 @@ def _visible(count: int, env: Mapping[str, str]) -> list[int]:
     return list(range(count))
 
 
-def _job(env: Mapping[str, str]) -> tuple[int, int, str]:
-    """(nodes, node_rank, launcher) from torchrun's or SLURM's variables."""
+def _job(env: Mapping[str, str]) -> dict:
+    """nodes, node_rank, world_size, rank and launcher from torchrun's or SLURM's variables (one process otherwise)."""
     if "WORLD_SIZE" in env and "LOCAL_WORLD_SIZE" in env:
         world, local = int(env["WORLD_SIZE"]), max(1, int(env["LOCAL_WORLD_SIZE"]))
-        return max(1, world // local), int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))), "torchrun"
+        return dict(nodes=max(1, world // local), node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+                    world_size=world, rank=int(env.get("RANK", 0)), launcher="torchrun")
     nn = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     if nn:
-        return max(1, int(nn)), int(env.get("SLURM_NODEID", 0)), "slurm"
-    return 1, 0, "none"
+        return dict(nodes=max(1, int(nn)), node_rank=int(env.get("SLURM_NODEID", 0)),
+                    world_size=int(env.get("SLURM_NTASKS", nn)), rank=int(env.get("SLURM_PROCID", 0)), launcher="slurm")
+    return dict(nodes=1, node_rank=0, world_size=1, rank=0, launcher="none")
 
 
 def infiniband_ports(root: str | Path = "/sys/class/infiniband") -> list[IbPort]:
@@ -187,8 +191,7 @@ def probe(
 ) -> ProbeResult:
     """Probe this machine. ``nvml``: the pynvml module (default) or a double with the same functions."""
     env = os.environ if env is None else env
-    nodes, node_rank, launcher = _job(env)
-    common = dict(nodes=nodes, node_rank=node_rank, launcher=launcher, host_ram_gib=read_host_ram(meminfo), ib_ports=infiniband_ports(ib_root))
+    common = dict(**_job(env), host_ram_gib=read_host_ram(meminfo), ib_ports=infiniband_ports(ib_root))
     if nvml is None:
         try:
             import pynvml as nvml

@@ -91,7 +91,7 @@ def render_plan(plan: LaunchPlan, console: Console) -> None:
 def probe_tables(res) -> list[RenderableType]:
     """Tables of a seqpar.advisor.probe.ProbeResult."""
     head = _kv("Probe", [("NVML", res.reason), ("driver", res.driver_version or "-"),
-                         ("nodes", f"{res.nodes} (node rank {res.node_rank}, from {res.launcher})"),
+                         ("nodes", f"{res.nodes} (node rank {res.node_rank}; rank {res.rank} of {res.world_size}; from {res.launcher})"),
                          ("host RAM", f"{res.host_ram_gib:.1f} GiB" if res.host_ram_gib else "unknown"),
                          ("InfiniBand", ", ".join(f"{p.device}/{p.port} {p.state} {p.rate_gbps:g} Gb/s {p.link_layer}" for p in res.ib_ports) or "none")])
     out: list[RenderableType] = [head]
