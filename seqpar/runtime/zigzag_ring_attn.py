@@ -5,8 +5,8 @@ Layout (seqpar.runtime.layout, ``zigzag_ring_attn``): the sequence is cut into 2
 causal work equal on every rank (ring-flash-attention's zigzag scheme, PyTorch CP's head-tail balancer):
 - step 0: own q against own k,v, causal (the diagonal);
 - step i > 0, the block of rank src = r - i (mod W):
-  src < r: both of src's chunks... only its first chunk (src < r) is in the past of both of my chunks -> full q x first half;
-  src > r: only my second chunk (2W-1-r) is after both of src's chunks -> second half of q x the whole block.
+  src < r: src's first chunk (src) precedes both of mine and its second (2W-1-src) follows both -> all of q x first half of kv;
+  src > r: my first chunk (r) precedes both of src's, my second (2W-1-r) follows both -> second half of q x all of kv.
 Each step sends the current K,V block to the next rank with ``batch_isend_irecv`` while the current block computes.
 Backward replays the ring: K,V travel again, and the dK,dV accumulated for a block travel with it one step behind, so
 after W steps every rank receives the complete gradient of its own K,V. ``causal=False`` is the plain ring (full blocks).
