@@ -1,0 +1,125 @@
+"""dist_flash_attn on real gloo groups against one process computing full attention in float64; its schedule in pure Python.
+
+One spawn per world size (W = 1, 2, 3, 4: the balanced schedule is exact for odd W too); inside it every case runs: MHA 8/8
+and GQA 8/2 heads, float32 and float64, local chunks of 3 and 5 tokens (not multiples of any kernel tile), causal and the plain
+rotation (non-causal); out, lse, dq, dk, dv are compared shard by shard. Lengths that do not split over W and malformed inputs
+must raise the same one-line error on every rank, with no hang. ``check_cases`` is shared with the Ulysses and USP tests.
+"""
+
+import pytest
+import torch
+
+from distributed import run_ranks, tolerances
+
+
+def reference(q, k, v, dout, causal, scale):
+    """Whole-sequence attention in float64 by torch autograd, K,V heads repeated for GQA: out, lse, dq, dk, dv."""
+    G = q.shape[2] // k.shape[2]
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd.repeat_interleave(G, 2)) * scale  # (B, H, S, S)
+    if causal:
+        s = s.masked_fill(torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vd.repeat_interleave(G, 2))  # (B, S, Hq, D)
+    out.backward(dout.double())
+    return out.detach(), torch.logsumexp(s, -1).detach(), qd.grad, kd.grad, vd.grad
+
+
+def check_cases(rank, W, mode, heads, chunks, ulysses_degree=None, group=None):
+    """Every case of this rank against the float64 reference; returns the list of cases run (equal on every rank).
+
+    heads: [(Hq, Hkv)]; chunks: local lengths per rank (S = W * chunk). Non-causal runs for the first chunk only.
+    """
+    from seqpar.runtime import attention, shard
+
+    results = []
+    for hq, hkv in heads:
+        for dtype in (torch.float64, torch.float32):
+            for chunk in chunks:
+                for causal in (True, False) if chunk == chunks[0] else (True,):
+                    S = W * chunk
+                    g = torch.Generator().manual_seed(1000 * hkv + 10 * chunk + causal)
+                    q = torch.randn(2, S, hq, 8, generator=g, dtype=dtype)  # (B, S, Hq, D), the same on every rank
+                    k = torch.randn(2, S, hkv, 8, generator=g, dtype=dtype)  # (B, S, Hkv, D)
+                    v = torch.randn(2, S, hkv, 8, generator=g, dtype=dtype)
+                    dout = torch.randn(2, S, hq, 8, generator=g, dtype=dtype)
+                    ref = reference(q, k, v, dout, causal, 0.35)
+                    part = lambda t, dim=1: shard(t, mode, rank, W, dim=dim, ulysses_degree=ulysses_degree)  # noqa: E731
+                    lq, lk, lv = (part(t).clone().requires_grad_() for t in (q, k, v))
+                    out, lse = attention(lq, lk, lv, mode, group=group, causal=causal, softmax_scale=0.35,
+                                         ulysses_degree=ulysses_degree)
+                    out.backward(part(dout))
+                    case = f"{mode} W={W} U={ulysses_degree} {hq}/{hkv} {dtype} S={S} causal={causal}"
+                    mine = (out, lse, lq.grad, lk.grad, lv.grad)
+                    for name, a, r, dim in zip(("out", "lse", "dq", "dk", "dv"), mine, ref, (1, 2, 1, 1, 1)):
+                        expected = part(r, dim)
+                        assert a.shape == expected.shape, (case, name, a.shape, expected.shape)
+                        torch.testing.assert_close(a.double(), expected, **tolerances(dtype),
+                                                   msg=lambda m: f"{case} {name}: {m}")
+                    assert out.dtype == dtype, case
+                    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), case
+                    results.append(case)
+    return results
+
+
+def error_messages(calls):
+    """str() of the SeqparError each call raises ('no error' when it returns)."""
+    from seqpar.schema import SeqparError
+
+    msgs = []
+    for fn in calls:
+        try:
+            fn()
+            msgs.append("no error")
+        except SeqparError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def _all(rank, W):
+    import torch.distributed as dist
+
+    from seqpar.runtime import attention, shard
+
+    z = torch.zeros
+    msgs = error_messages([  # all local checks: raised before any transfer
+        lambda: shard(z(1, W * 3 + 1, 8, 4), "dist_flash_attn", rank, W),
+        lambda: attention(z(1, 4, 6, 4), z(1, 4, 4, 4), z(1, 4, 4, 4), "dist_flash_attn"),
+        lambda: attention(z(1, 4, 8, 4), z(1, 6, 2, 4), z(1, 6, 2, 4), "dist_flash_attn"),
+    ])
+    if dist.is_initialized():
+        dist.barrier()  # every rank got past its errors: nobody is stuck in a transfer
+    return check_cases(rank, W, "dist_flash_attn", [(8, 8), (8, 2)], (3, 5)), msgs
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_dist_flash_matches_single_process(world_size):
+    # W = 1 runs here, without a process group (the single-device path); W > 1 spawns real gloo ranks
+    results = [_all(0, 1)] if world_size == 1 else run_ranks(_all, world_size, timeout=120)
+    cases = [r[0] for r in results]
+    assert all(c == cases[0] for c in cases) and len(cases[0]) == 2 * 2 * 3
+    msgs = [r[1] for r in results]
+    assert all(m == msgs[0] for m in msgs), msgs  # the same error on every rank
+    S = world_size * 3 + 1
+    if world_size > 1:  # every length splits over one rank
+        assert f"seq_len {S} is not divisible by sp_degree = {world_size}, which dist_flash_attn needs" in msgs[0][0]
+        assert f"nearest valid: {S - 1} or {S - 1 + world_size}" in msgs[0][0]
+    assert "6 query heads are not a multiple of 4 KV heads" in msgs[0][1]
+    assert "same length, got 4 and 6" in msgs[0][2]
+
+
+@pytest.mark.parametrize("P", range(1, 10))
+@pytest.mark.parametrize("causal", [True, False])
+def test_schedule_covers_every_block_once_and_balances(P, causal):
+    from seqpar.runtime.dist_flash_attn import schedule
+
+    steps = schedule(P, causal)
+    blocks = [b for step in steps for b in step if b is not None]
+    expected = {(i, j) for i in range(P) for j in range(P) if j <= i or not causal}
+    assert sorted((b.q, b.kv) for b in blocks) == sorted(expected)  # each needed block exactly once
+    assert all(b.causal == (causal and b.q == b.kv) for b in blocks)  # only the diagonal is masked
+    for r in range(P):  # a rank computes with its own query or its own K,V: one transfer in, one partial out
+        assert all(step[r] is None or r in (step[r].q, step[r].kv) for step in steps)
+    if causal:
+        assert len(steps) == P // 2 + 1  # LightSeq's P/2 + 1 steps
+        per_rank = [sum(step[r] is not None for step in steps) for r in range(P)]
+        assert max(per_rank) == P // 2 + 1 and min(per_rank) >= P // 2  # vs. 1..P blocks row by row
