@@ -11,6 +11,7 @@ _RUNTIME_API = {
     "apply": "seqpar.runtime.hf",
     "prepare_inputs": "seqpar.runtime.hf",
     "loss": "seqpar.runtime.hf",
+    "loss_from_hidden": "seqpar.runtime.hf",
     "prepare_seq_parallel_inputs": "seqpar.runtime.hf",
     "apply_seq_parallel_monkey_patch": "seqpar.runtime.hf",
 }

@@ -1,0 +1,231 @@
+"""The transformers integration: any Hugging Face causal LM that uses the AttentionInterface, in any seqpar mode.
+
+``apply(model, mode)`` registers the mode's sequence-parallel attention with transformers' ``AttentionInterface`` (and a
+mask function with ``AttentionMaskInterface``, so no mask is ever materialised: causality comes from the kernels) and
+switches the model to it. Only the attention call changes: the model's own projections, RoPE, q/k norms and MLPs run as
+they are, on this rank's shard of the sequence (RoPE is right because the shard carries global position ids, see
+``prepare_inputs``). Features a mode cannot reproduce exactly are refused with a SeqparError naming the model and the
+feature: a model that bypasses the interface, sliding windows shorter than the sequence, logit soft-capping, attention
+dropout, padding masks and attention biases.
+
+Layouts: transformers hands the attention function q (B, Hq, S, D), k/v (B, Hkv, S, D) after RoPE and expects
+(out (B, S, Hq, D), weights); seqpar.runtime.attention speaks (B, S, H, D), so only transposed views cross the boundary.
+
+Works on transformers 5.x and on 4.48+ (4.x before 4.53 has no AttentionMaskInterface: there the model builds its local
+causal mask itself and the attention function ignores it; padding is still refused by a pre-hook on the model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqpar.runtime.hf_inputs import apply_seq_parallel_monkey_patch, prepare_inputs, prepare_seq_parallel_inputs
+from seqpar.runtime.hf_loss import loss, loss_from_hidden
+from seqpar.runtime.kernels import _error
+from seqpar.runtime.layout import MODES, degrees
+
+__all__ = [
+    "IMPLEMENTATIONS", "apply", "prepare_inputs", "loss", "loss_from_hidden",
+    "prepare_seq_parallel_inputs", "apply_seq_parallel_monkey_patch",
+]
+
+# attn_implementation names: never containing "flash" (transformers 5 takes such a name for a hub kernel request).
+IMPLEMENTATIONS = {
+    "data_parallel": "seqpar_local",
+    "zigzag_ring_attn": "seqpar_zigzag_ring",
+    "dist_flash_attn": "seqpar_lightseq",
+    "ulysses_attn": "seqpar_ulysses",
+    "usp_attn": "seqpar_usp",
+}
+_MODE_OF = {name: mode for mode, name in IMPLEMENTATIONS.items()}
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What the attention function needs and cannot get from transformers; stored on every module of the model."""
+
+    mode: str
+    group: Any  # torch.distributed ProcessGroup or None (the default group)
+    ulysses_degree: int | None
+    backend: str | None
+    model_name: str
+    sliding_window: int | None  # the config's active window, checked against the global length at run time
+
+
+def _has_mask_interface() -> bool:
+    try:
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: F401  (4.53+)
+    except ImportError:
+        return False
+    return True
+
+
+def _refuse(model_name: str, feature: str, fix: str) -> Exception:
+    return _error(f"{model_name}: {feature} cannot run under seqpar's sequence-parallel attention; {fix}")
+
+
+def _global_len(ctx: _Context, local_len: int) -> int:
+    if ctx.mode == "data_parallel":
+        return local_len
+    import torch.distributed as dist
+
+    return local_len * (dist.get_world_size(ctx.group) if dist.is_initialized() else 1)
+
+
+def _seqpar_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out (B, S, Hq, D), None)."""
+    ctx: _Context | None = getattr(module, "_seqpar_ctx", None)
+    if ctx is None:
+        raise _error(
+            f"{type(module).__name__} reached seqpar's attention without seqpar.apply; call seqpar.apply(model, mode) "
+            "on the whole model (it sets the mode, the group and the checks)"
+        )
+    name = ctx.model_name
+    if attention_mask is not None and _has_mask_interface():
+        raise _refuse(name, "an attention mask or bias (padding, packed documents or a custom 4D mask)",
+                      "pass attention_mask=None with one unpadded document per row")
+    if kwargs.get("softcap") is not None:
+        raise _refuse(name, f"attention logit soft-capping (softcap={kwargs['softcap']})", "train it without seqpar (plain transformers eager attention)")
+    if kwargs.get("s_aux") is not None:
+        raise _refuse(name, "attention sinks (s_aux)", "use a model without attention sinks")
+    if any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q")):
+        raise _refuse(name, "packed sequences (cu_seq_lens)", "pass one document per row")
+    if dropout and module.training:
+        raise _refuse(name, f"attention dropout {dropout}", "set config.attention_dropout = 0.0")
+    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+        raise _refuse(name, "bidirectional (non-causal) attention", "seqpar trains causal language models only")
+    window = kwargs.get("sliding_window") or ctx.sliding_window
+    total = _global_len(ctx, query.shape[2])
+    if window is not None and window < total:
+        raise _refuse(name, f"sliding window attention (window {window} < sequence length {total})",
+                      f"set config.sliding_window = None for full attention, or train at most {window} tokens")
+    from seqpar.runtime.attention import attention
+
+    # (B, S, H, D). v is usually already contiguous that way (a projection viewed and transposed); q and k after
+    # RoPE are not, and ring/all-to-all buffers must be, so they are copied once here.
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+    out, _lse = attention(q, k, v, ctx.mode, group=ctx.group, causal=True, softmax_scale=scaling,
+                          ulysses_degree=ctx.ulysses_degree, backend=ctx.backend)  # out (B, S, Hq, D)
+    return out, None
+
+
+def _no_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
+             attention_mask=None, **kwargs):
+    """AttentionMaskInterface function: never builds a mask; refuses a 2D mask with padding in it."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        config = kwargs.get("config")
+        name = getattr(config, "model_type", "the model") if config is not None else "the model"
+        raise _refuse(name, "a padding attention_mask (it has zeros)", "pass unpadded rows and attention_mask=None")
+    return None
+
+
+def _refuse_padding_hook(model_name: str):
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask.all())):
+            raise _refuse(model_name, "an attention_mask with padding or a 4D mask/bias",
+                          "pass unpadded rows and attention_mask=None")
+        return None
+
+    return hook
+
+
+def _register(name: str) -> None:
+    try:
+        from transformers import AttentionInterface  # 4.50+
+
+        AttentionInterface.register(name, _seqpar_attention)
+    except ImportError:  # 4.48/4.49: a plain dict
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        ALL_ATTENTION_FUNCTIONS[name] = _seqpar_attention
+    if _has_mask_interface():
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register(name, _no_mask)
+
+
+def _active_sliding_window(config) -> int | None:
+    """The window some layer applies, or None: layer_types (5.x, late 4.x) first, then use_sliding_window (Qwen2)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if getattr(config, "use_sliding_window", None) is False:
+        return None
+    return window
+
+
+def _enable_checkpointing(model, kwargs: dict) -> None:
+    enable = getattr(model, "activation_checkpointing_enable", None)  # 5.x name; the old one warns there
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _offloaded_checkpoint(function, *args, **kwargs):
+    """Checkpoint one layer with its inputs kept in (pinned) host memory until backward (the Unsloth variant).
+
+    Reentrant checkpointing saves exactly the layer inputs with save_for_backward, so save_on_cpu moves just those
+    (B, S, hidden) tensors to the host; the recomputation in backward brings them back."""
+    kwargs.pop("use_reentrant", None)
+    pin = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True, **kwargs)
+
+
+def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = None,
+          offload_checkpoints: bool = False, backend: str | None = None) -> nn.Module:
+    """Switch a transformers causal LM to the mode's sequence-parallel attention (in place; returns the model).
+
+    group: the sequence-parallel process group (None = the default group). ulysses_degree: usp_attn's Ulysses degree.
+    offload_checkpoints: enable gradient checkpointing with each layer's input kept in pinned host memory.
+    backend: kernels backend override (see seqpar.runtime.kernels.select_backend)."""
+    if mode not in MODES:
+        raise _error(f"mode {mode!r} is unknown; use one of {', '.join(MODES)}")
+    config = getattr(model, "config", None)
+    name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
+    if config is None or not getattr(type(model), "_supports_attention_backend", False):
+        raise _refuse(name, "attention that does not go through transformers' AttentionInterface",
+                      "use a model whose modeling code calls ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, Qwen3, ...)")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise _refuse(name, f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})",
+                      "use a model without soft-capping")
+    if ulysses_degree is not None or mode == "usp_attn":
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # validates the degrees now rather than at the first forward
+            degrees(mode, dist.get_world_size(group), ulysses_degree)
+
+    impl = IMPLEMENTATIONS[mode]
+    _register(impl)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:  # 4.x before set_attn_implementation
+        config._attn_implementation = impl
+    if getattr(model.config, "_attn_implementation", None) != impl:
+        raise _refuse(name, "attention that transformers cannot switch dynamically", "use a model that supports "
+                      "set_attn_implementation (AttentionInterface-based modeling code)")
+
+    ctx = _Context(mode, group, ulysses_degree, backend, name, _active_sliding_window(config))
+    for module in model.modules():
+        object.__setattr__(module, "_seqpar_ctx", ctx)  # plain attribute: not a parameter, buffer or submodule
+    if not getattr(model, "_seqpar_hooked", False):
+        model.register_forward_pre_hook(_refuse_padding_hook(name), with_kwargs=True)
+        model._seqpar_hooked = True
+
+    if offload_checkpoints:
+        _enable_checkpointing(model, {"use_reentrant": True})
+        for module in model.modules():
+            if hasattr(module, "gradient_checkpointing"):
+                module._gradient_checkpointing_func = _offloaded_checkpoint
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embeddings is not None and not embeddings.weight.requires_grad:
+            model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+    return model
+
