@@ -3,7 +3,7 @@
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
-from seqpar.advisor.memory import estimate_memory, kept_bytes_per_token, layer_params, model_states, saved_bytes_per_token
+from seqpar.advisor.memory import estimate_memory, kept_bytes_per_token, layer_params, model_states, precision, saved_bytes_per_token
 from seqpar.advisor.predict import load_coefficients, predict
 from seqpar.profiles import get_model
 from seqpar.schema import ModelSpec, Strategy, Workload
@@ -47,23 +47,42 @@ def test_saved_bytes_per_token_by_hand():
     # norms 2*(4+2*2)*64 = 1024; attention 3*2*4*16 + 2*2*2*16 + 4*4 = 384 + 128 + 16; SwiGLU 4*2*128 = 1024
     assert saved_bytes_per_token(TINY, "bf16") == 1024 + 384 + 128 + 16 + 1024
     assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="full")) == 2 * 64
-    assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="selective")) == 128 + 2 * 64 + 16
+    assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="selective")) == 2 * 64  # runs as full
+    # autocast over fp32 parameters: fp32 residual stream; each norm saves 4h + 4h + 4h + the bf16 cast 2h
+    assert saved_bytes_per_token(TINY, "bf16", residual=4) == 2 * (4 + 8 + 2) * 64 + 384 + 128 + 16 + 1024
+    assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="full"), residual=4) == 4 * 64
     assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="offload")) == 0
 
 
 def test_llama7b_h200_64k_loss_phase_terms():
-    """The anchor configuration: Llama-2-7B, 64K, one H200, full checkpointing, DDP, optimizer none, hf loss."""
+    """The anchor configuration: Llama-2-7B, 64K, one H200, full checkpointing, DDP, optimizer none, hf loss.
+
+    seqpar.runtime keeps fp32 parameters under bf16 autocast for DDP (engine.compute_dtype), so the peak is the loss's
+    forward: fp32 weights, fp32 layer inputs, the autocast cache of bf16 weights, bf16 + fp32 logits + log_softmax."""
     m, cl = get_model("llama-2-7b"), cluster_from_flags("h200", 1)
     p = predict(Workload(model=m, seq_len=65536, optimizer="none"), cl,
                 Strategy(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="hf"))
     b = p.memory_breakdown_gib
     assert p.peak_phase == "loss"
-    assert b["checkpointed_activations"] == pytest.approx(32 * 65536 * 4096 * 2 / GIB)  # 16 GiB of layer inputs
-    assert b["logits"] == pytest.approx(65536 * 32000 * 2 / GIB, abs=1e-3)  # (S, V) bf16
-    assert b["loss_fp32"] == pytest.approx(65536 * 32000 * 12 / GIB, abs=1e-3)  # fp32 copy, log_softmax, its grad in and out
-    assert b["weights"] == pytest.approx(m.num_params * 2 / GIB, abs=1e-3)
+    assert b["checkpointed_activations"] == pytest.approx(32 * 65536 * 4096 * 4 / GIB)  # 32 GiB of fp32 layer inputs
+    matmul = 32 * (layer_params(m) - 2 * 4096) + 32000 * 4096
+    assert b["autocast_weight_cache"] == pytest.approx(2 * matmul / GIB, abs=1e-3)
+    assert b["loss_fp32_logits"] == pytest.approx(65536 * 32000 * 10 / GIB, abs=1e-3)  # bf16 + fp32 copy + log_softmax
+    assert b["weights"] == pytest.approx(m.num_params * 4 / GIB, abs=1e-3)
     assert sum(b.values()) == pytest.approx(p.peak_memory_gib, abs=0.01)
     assert not p.oom_risk and p.reserved_memory_gib > p.peak_memory_gib
+
+
+def test_precision_regimes_follow_the_runtime():
+    m = get_model("llama-2-7b")
+    w = Workload(model=m, seq_len=4096)
+    assert precision(w, Strategy(mode="data_parallel", sharding="ddp")).regime.startswith("fp32 parameters, autocast")
+    assert precision(w, Strategy(mode="data_parallel", sharding="fsdp")).residual == 2
+    assert precision(w.model_copy(update={"optimizer": "adamw-bf16"}), Strategy(mode="data_parallel")).weight == 2
+    assert precision(w, Strategy(mode="data_parallel"), accelerator="cpu").compute == 4
+    # DDP + adamw under autocast: 4 + 4 + 8 = 16 bytes per parameter, the same total as the ZeRO paper's 2 + 2 + 12
+    st = model_states(m, "ddp", "adamw", "bf16", 1, precision(w, Strategy(mode="data_parallel", sharding="ddp")))
+    assert st == {"weights": 4 * m.num_params, "gradients": 4 * m.num_params, "optimizer_states": 8 * m.num_params}
 
 
 def test_chunked_loss_is_smaller_than_hf():

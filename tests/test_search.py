@@ -76,9 +76,11 @@ def test_max_seq_len_is_the_edge():
 def test_check_fits_and_fix():
     ok = check(AdviseRequest(model=M7, seq_len=65536, cluster=cluster_from_flags("h200", 1), mode="data_parallel",
                              checkpointing="full", sharding="ddp", optimizer="none", loss_impl="hf"))
-    assert ok.fits and ok.exit_code == 0 and ok.biggest_terms[0][0] == "loss_fp32"
+    assert ok.fits and ok.exit_code == 0 and ok.biggest_terms[0][0] == "checkpointed_activations"
     bad = check(AdviseRequest(model=M7, seq_len=196608, cluster=cluster_from_flags("h200", 1), mode="data_parallel",
                               checkpointing="full", sharding="ddp", optimizer="none", loss_impl="hf"))
     assert not bad.fits and bad.exit_code == 1 and bad.fix and bad.fix_strategy is not None
     assert estimate_memory(bad.plan.workload, bad.plan.cluster, bad.fix_strategy, C).fits
-    assert "chunked" in bad.fix  # dropping the fp32 logits is the cheapest way out here
+    assert "-> fits" in bad.fix and bad.fix_strategy != bad.plan.strategy
+    slower = check(bad.plan.model_copy(update={"strategy": bad.fix_strategy.model_copy(update={"checkpointing": "offload"})}))
+    assert slower.prediction.tokens_per_s <= check(bad.plan.model_copy(update={"strategy": bad.fix_strategy})).prediction.tokens_per_s

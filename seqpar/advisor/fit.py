@@ -84,7 +84,7 @@ def row_from_report(report: dict, source: str) -> Measurement:
     plan = LaunchPlan.model_validate(report["plan"])
     meas = report.get("measured", report)
     tps, mem = meas.get("tokens_per_s"), meas.get("peak_memory_gib")
-    oom = bool(meas.get("oom", False))
+    oom = bool(meas.get("oom", report.get("oom", False)))
     if tps is None and mem is None and not oom:
         raise SeqparError(f"run report {source!r} has neither tokens_per_s nor peak_memory_gib nor oom; nothing to fit")
     s = plan.strategy
@@ -178,7 +178,7 @@ def fit(rows: list[Measurement], base: Optional[Coefficients] = None, n0_grid: O
     """Best coefficients for the rows with a measured tokens/s (least squares for the factors; a grid for n0 when given)."""
     base = base or load_coefficients()
     n0_grid = (base.attn_block_tokens,) if n0_grid is None else n0_grid
-    timed = [r for r in rows if r.tokens_per_s]
+    timed = [r for r in rows if r.tokens_per_s and r.cluster.accelerator == "cuda"]  # CPU smoke runs say nothing about GPUs
     if not timed:
         return base
     best, best_err = base, float("inf")
@@ -195,7 +195,7 @@ def evaluate(rows: list[Measurement], base: Optional[Coefficients] = None) -> Fi
     from seqpar.advisor.predict import predict
 
     c = fit(rows, base)
-    timed = [r for r in rows if r.tokens_per_s]
+    timed = [r for r in rows if r.tokens_per_s and r.cluster.accelerator == "cuda"]
     out = []
     for r in rows:
         p = predict(r.workload, r.cluster, r.strategy, c)
@@ -204,7 +204,7 @@ def evaluate(rows: list[Measurement], base: Optional[Coefficients] = None) -> Fi
                    "measured_peak_gib": r.peak_memory_gib, "predicted_peak_gib": p.peak_memory_gib,
                    "memory_residual": (p.peak_memory_gib / r.peak_memory_gib - 1) if r.peak_memory_gib else None,
                    "measured_oom": r.oom, "predicted_oom": p.oom_risk, "loo_tokens_error": None}
-        if r.tokens_per_s and len(timed) > 2:
+        if r in timed and len(timed) > 2:
             loo_c = fit([q for q in timed if q is not r], base)
             e["loo_tokens_error"] = estimate_time(r.workload, r.cluster, r.strategy, loo_c).tokens_per_s / r.tokens_per_s - 1
         out.append(e)

@@ -13,12 +13,17 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
     SwiGLU MLP: gate, silu(gate), up, their product                                   -> 4p*I
   This is Korthikanti et al. 2022 ("Reducing Activation Recomputation", eq. 2) specialised to this block: no dropout masks,
   flash-style attention (no 5as^2b term), SwiGLU instead of GeLU.
-* Checkpointing: ``full`` keeps each layer's input (B, S, h) in the model dtype, and recomputes one layer at a time in
-  backward (its saved tensors above plus the gradients flowing through it); ``selective`` also keeps the attention output and
-  lse so attention is not recomputed; ``offload`` moves the layer inputs to host RAM (two in flight on the GPU);
-  ``dist_flash_attn`` + full checkpoints at the attention output as LightSeq does (Li et al. 2023, sec. 3.3).
-* The loss: ``hf`` = transformers' ForCausalLMLoss: bf16 logits (t, V) kept by the model output, ``logits.float()``
-  (4V), log_softmax output (4V), and in backward its incoming gradient (4V) and result (4V): peak t*V*(p + 12).
+* Checkpointing: ``full`` keeps each layer's input (B, S, h) and recomputes one layer at a time in backward (its saved
+  tensors above plus the gradients flowing through it); ``offload`` moves the layer inputs to host RAM (two in flight on the
+  GPU); ``selective`` runs as ``full`` in seqpar.runtime, and so does dist_flash_attn (Hugging Face checkpointing, not
+  LightSeq's attention-output checkpoint).
+* Precision (``precision()``, mirroring seqpar.runtime.engine.compute_dtype): DDP keeps fp32 parameters and autocasts, so
+  weights, gradients and the residual stream (hence the checkpointed layer inputs) are fp32 and a bf16 copy of every matmul
+  weight is cached while the forward runs; FSDP2 keeps an fp32 sharded master and computes in bf16; ZeRO follows the paper;
+  adamw-bf16 keeps everything in the model dtype.
+* The loss: ``hf`` = transformers' ForCausalLMLoss: forward holds the bf16 logits (t, V), ``logits.float()`` and the
+  log_softmax output (10 bytes per token and vocabulary entry); backward the saved output, its incoming gradient and the
+  result (12). seqpar's LossModule returns only the loss, so no logits outlive it.
   ``chunked`` = seqpar's runtime: logits one chunk at a time, recomputed in backward; the fp32 gradient of the final hidden.
 * Mode buffers: ring (zigzag, usp's ring part): K,V blocks double-buffered, fp32 out and lse accumulators, in backward
   dq / dk / dv fp32 accumulators plus dk, dv in flight; Ulysses: the all-to-all send/receive copies of q, k, v, o at full
@@ -56,6 +61,36 @@ class MemoryEstimate:
     reason: str  # empty when it fits
 
 
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of what the runtime keeps, mirroring seqpar.runtime.engine.compute_dtype."""
+
+    weight: float  # per parameter on the GPU (before sharding)
+    grad: float
+    optim: float  # optimizer state per parameter (master copy + moments)
+    compute: int  # activations of matmuls and attention
+    residual: int  # the residual stream, hence checkpointed layer inputs
+    autocast_cache: bool  # bf16 copies of fp32 weights cached while the forward runs under autocast
+    regime: str
+
+
+def precision(w: Workload, s: Strategy, accelerator: str = "cuda") -> Precision:
+    """fp32 on CPU; adamw-bf16: everything in the model dtype; fsdp: fp32 sharded master, FSDP2 computes in bf16;
+    ZeRO: DeepSpeed's bf16 params + fp32 master (ZeRO paper); otherwise (DDP): fp32 parameters under autocast, so the
+    residual stream (embedding output + fp32 adds) and the checkpointed layer inputs are fp32 while matmuls run in bf16."""
+    p = DTYPE_BYTES[w.dtype]
+    adam = 8 if w.optimizer == "adamw" else 2 * p if w.optimizer == "adamw-bf16" else 0
+    if accelerator != "cuda" or w.dtype == "fp32":
+        return Precision(4, 4, adam, 4, 4, False, "fp32")
+    if w.optimizer == "adamw-bf16":
+        return Precision(p, p, 2 * p, p, p, False, f"{w.dtype} parameters and moments")
+    if s.sharding == "fsdp":
+        return Precision(4, 4, adam, p, p, False, f"fp32 sharded master, FSDP2 computes in {w.dtype}")
+    if s.sharding.startswith("zero"):
+        return Precision(p, p, optimizer_bytes_per_param(w.optimizer, w.dtype), p, p, False, f"DeepSpeed {w.dtype} + fp32 master")
+    return Precision(4, 4, adam, p, 4, True, f"fp32 parameters, autocast to {w.dtype}")
+
+
 def optimizer_bytes_per_param(optimizer: str, dtype: str) -> int:
     if optimizer == "adamw-bf16":
         return 2 * DTYPE_BYTES[dtype]  # two moments in the parameter dtype, no master copy
@@ -68,41 +103,50 @@ def layer_params(m: ModelSpec) -> int:
     return attn + 3 * h * m.intermediate_size + 2 * h
 
 
-def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world: int) -> dict[str, float]:
-    """GPU bytes of weights, gradients and optimizer state at rest (ZeRO paper, sec. 5), plus ZeRO-3's gathered layers."""
-    psi, p, n = m.num_params, DTYPE_BYTES[dtype], world
-    k = optimizer_bytes_per_param(optimizer, dtype)
+def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world: int, prec: "Precision | None" = None) -> dict[str, float]:
+    """GPU bytes of weights, gradients and optimizer state at rest (ZeRO paper, sec. 5), plus ZeRO-3's gathered layers.
+
+    Without ``prec``: the ZeRO paper's mixed-precision accounting (2 + 2 + K bytes); with it, the runtime's regime."""
+    psi, n = m.num_params, world
+    p = prec.compute if prec else DTYPE_BYTES[dtype]
+    wb, gb, k = (prec.weight, prec.grad, prec.optim) if prec else (p, p, optimizer_bytes_per_param(optimizer, dtype))
     lp = layer_params(m)
     if sharding == "ddp":
-        return {"weights": psi * p, "gradients": psi * p, "optimizer_states": psi * k}
+        return {"weights": psi * wb, "gradients": psi * gb, "optimizer_states": psi * k}
     if sharding == "zero2":
-        return {"weights": psi * p, "gradients": psi * p / n, "optimizer_states": psi * k / n}
+        return {"weights": psi * wb, "gradients": psi * gb / n, "optimizer_states": psi * k / n}
     if sharding in ("zero3", "fsdp"):
         # unsharded copies of the current and the prefetched layer live while they are used
-        return {"weights": psi * p / n, "gradients": psi * p / n, "optimizer_states": psi * k / n, "gathered_params": 2 * lp * p}
+        return {"weights": psi * wb / n, "gradients": psi * gb / n, "optimizer_states": psi * k / n, "gathered_params": 2 * lp * p}
     if sharding == "zero3_offload":  # params, grads and optimizer in host RAM; only the gathered layers on the GPU
         return {"weights": 0.0, "gradients": 0.0, "optimizer_states": 0.0, "gathered_params": 2 * lp * p}
     raise ValueError(sharding)
 
 
-def saved_bytes_per_token(m: ModelSpec, dtype: str) -> float:
-    """Tensors one decoder layer saves for backward, bytes per token (see the module docstring)."""
+def saved_bytes_per_token(m: ModelSpec, dtype: str, residual: int | None = None) -> float:
+    """Tensors one decoder layer saves for backward, bytes per token (see the module docstring).
+
+    ``residual``: bytes of the residual stream (4 under autocast with fp32 parameters: the norms then also save the bf16
+    cast autocast makes for the next matmul)."""
     h, d, a, kv, i = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size
     p = DTYPE_BYTES[dtype]
-    return 2 * (4 + 2 * p) * h + 3 * p * a * d + 2 * p * kv * d + 4 * a + 4 * p * i
+    r = residual or p
+    norms = 2 * (4 + 2 * r + (p if r != p else 0)) * h
+    return norms + 3 * p * a * d + 2 * p * kv * d + 4 * a + 4 * p * i
 
 
-def kept_bytes_per_token(m: ModelSpec, dtype: str, strategy: Strategy) -> float:
-    """What each layer keeps between its forward and its backward, per token, on the GPU."""
-    p, h, a, d = DTYPE_BYTES[dtype], m.hidden_size, m.num_attention_heads, m.head_dim
+def kept_bytes_per_token(m: ModelSpec, dtype: str, strategy: Strategy, residual: int | None = None) -> float:
+    """What each layer keeps between its forward and its backward, per token, on the GPU.
+
+    seqpar.runtime runs ``selective`` as ``full`` (transformers has no attention-output checkpoint; runtime/train.py), and
+    dist_flash_attn through the same Hugging Face checkpointing, so both keep only the layer input."""
+    r = residual or DTYPE_BYTES[dtype]
     ck = strategy.checkpointing
     if ck == "none":
-        return saved_bytes_per_token(m, dtype)
+        return saved_bytes_per_token(m, dtype, residual)
     if ck == "offload":
         return 0.0
-    if ck == "selective" or strategy.mode == "dist_flash_attn":
-        return p * h + p * a * d + 4 * a  # layer input + attention output + lse (attention is not recomputed)
-    return p * h  # full: the layer input (B, S, h)
+    return r * m.hidden_size  # full / selective: the layer input (B, S, h)
 
 
 def _ulysses(strategy: Strategy) -> int:
@@ -136,14 +180,16 @@ def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tupl
     return fwd, bwd
 
 
-def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: "Coefficients") -> tuple[dict, float]:
-    """(terms during the loss's backward, bf16 logits held afterwards through the layers' backward)."""
+def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: "Coefficients", r: int) -> dict:
+    """Terms at the loss's peak. hf: forward holds bf16 logits + fp32 copy + log_softmax output (10 B/token/vocab), its
+    backward the saved output + incoming grad + result (12); seqpar's LossModule returns only the loss, so nothing of the
+    logits outlives the loss. chunked: one (chunk, V) block in both dtypes and its fp32 grads, the fp32 grad of the hidden."""
     p, v, h = DTYPE_BYTES[dtype], m.vocab_size, m.hidden_size
-    final_norm = t * (4 + 2 * p) * h
+    final_norm = t * (4 + 2 * r + (p if r != p else 0)) * h
     if strategy.loss_impl == "hf":
-        return {"final_norm": final_norm, "logits": t * v * p, "loss_fp32": t * v * 12}, t * v * p
+        return {"final_norm": final_norm, "loss_fp32_logits": t * v * 12}
     chunk = min(t, c.loss_chunk_tokens)
-    return {"final_norm": final_norm, "hidden_grad_fp32": t * h * 4, "loss_chunk": chunk * v * (p + 12)}, 0.0
+    return {"final_norm": final_norm, "hidden_grad_fp32": t * h * 4, "loss_chunk": chunk * v * (p + 12)}
 
 
 def _nccl_groups(strategy: Strategy, world: int) -> int:
@@ -153,43 +199,55 @@ def _nccl_groups(strategy: Strategy, world: int) -> int:
 
 
 def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> MemoryEstimate:
-    m, dtype, p = w.model, w.dtype, DTYPE_BYTES[w.dtype]
+    m, dtype = w.model, w.dtype
+    prec = precision(w, s, cluster.accelerator)
+    p, r = prec.compute, prec.residual
+    if cluster.accelerator != "cuda":
+        dtype = "fp32"
     world, L = s.world_size, m.num_layers
     t = w.micro_batch_size * w.seq_len / s.sp_degree
     h, i = m.hidden_size, m.intermediate_size
     accum = s.gradient_accumulation_steps
-    states = model_states(m, s.sharding, w.optimizer, dtype, world)
+    states = model_states(m, s.sharding, w.optimizer, dtype, world, prec)
     grads_full = states["gradients"]
     opt = {"weights": states["weights"], "optimizer_states": states["optimizer_states"]}
     gathered = states.get("gathered_params", 0.0)
-    kept = kept_bytes_per_token(m, dtype, s) * t
-    offload_inflight = 2 * p * h * t if s.checkpointing == "offload" else 0.0
+    kept = kept_bytes_per_token(m, dtype, s, r) * t
+    offload_inflight = 2 * r * h * t if s.checkpointing == "offload" else 0.0
+    # autocast caches a bf16 copy of every fp32 matmul weight until the forward's autocast region exits (before backward)
+    cache = 2 * (L * (layer_params(m) - 2 * h) + m.vocab_size * h) if prec.autocast_cache else 0.0
     fwd_buf, bwd_buf = mode_buffers(m, dtype, s, t)
     carried_grads = grads_full if accum > 1 else 0.0  # gradient accumulation keeps them between micro-batches
 
     # forward, at the end of the last layer: every layer's kept tensors plus the working set of one layer
     work_fwd = t * (2 * p * h + 3 * p * i) if s.checkpointing != "none" else t * 2 * p * h
-    forward = {**opt, "gradients": carried_grads, "gathered_params": gathered, "checkpointed_activations": L * kept + offload_inflight,
-               "layer_working_set": work_fwd, "mode_buffers": fwd_buf}
+    forward = {**opt, "gradients": carried_grads, "gathered_params": gathered, "autocast_weight_cache": cache,
+               "checkpointed_activations": L * kept + offload_inflight, "layer_working_set": work_fwd, "mode_buffers": fwd_buf}
     # the loss's backward: logits and their fp32 copies; the head's gradient appears
-    loss_terms, held_logits = _loss_bytes(m, dtype, s, t, c)
-    head_grad = 0.0 if m.tie_word_embeddings else m.vocab_size * h * p * (grads_full / max(m.num_params * p, 1))
-    loss = {**opt, "gradients": max(carried_grads, head_grad), "gathered_params": (m.vocab_size * h * p if gathered else 0.0),
-            "checkpointed_activations": L * kept + offload_inflight, **loss_terms}
+    loss_terms = _loss_bytes(m, dtype, s, t, c, r)
+    share = grads_full / max(m.num_params, 1)  # gradient bytes per parameter on this GPU
+    head_grad = 0.0 if m.tie_word_embeddings else m.vocab_size * h * share
+    # the loss's forward runs inside the autocast region (weight cache live, 10 of the 12 bytes), its backward after it
+    base_loss = {**opt, "gathered_params": (m.vocab_size * h * p if gathered else 0.0), "checkpointed_activations": L * kept + offload_inflight}
+    loss_bwd = {**base_loss, "gradients": max(carried_grads, head_grad), **loss_terms}
+    loss_fwd = {**base_loss, "gradients": carried_grads, "autocast_weight_cache": cache, **loss_terms}
+    if "loss_fp32_logits" in loss_fwd:
+        loss_fwd["loss_fp32_logits"] *= 10 / 12
+    loss = max(loss_fwd, loss_bwd, key=lambda d: sum(d.values()))
     # backward of layer j, recomputing it: linear in j, so its maximum is at the top (j = L-1) or the bottom (j = 0) layer
-    recompute = saved_bytes_per_token(m, dtype) * t if s.checkpointing != "none" else 0.0
-    grad_flow = t * (2 * p * h + 2 * p * i)  # gradient of the hidden state in and out, of two MLP intermediates
-    per_layer_grad = layer_params(m) * p * (grads_full / max(m.num_params * p, 1))
+    recompute = saved_bytes_per_token(m, dtype, r) * t if s.checkpointing != "none" else 0.0
+    grad_flow = t * (2 * r * h + 2 * p * i)  # gradient of the hidden state in and out, of two MLP intermediates
+    per_layer_grad = layer_params(m) * share
     backward = {}
     for j in (L - 1, 0):
         g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (layer_params(m) * p if gathered else 0.0))
         cand = {**opt, "gradients": g, "gathered_params": gathered, "checkpointed_activations": (j + 1) * kept + offload_inflight,
-                "layer_recompute": recompute, "gradient_flow": grad_flow, "mode_buffers": bwd_buf, "held_logits": held_logits}
+                "layer_recompute": recompute, "gradient_flow": grad_flow, "mode_buffers": bwd_buf}
         if sum(cand.values()) > sum(backward.values()):
             backward = cand
     # optimizer step: the states plus one fp32 temporary of the largest local tensor (per-tensor update)
     largest = max(m.vocab_size * h, h * i) * (1.0 if s.sharding in ("ddp",) else 1.0 / world)
-    optimizer = {**opt, "gradients": grads_full, "optimizer_temporaries": (8 * largest if w.optimizer != "none" else 0.0)}
+    optimizer = {**opt, "gradients": grads_full, "optimizer_temporaries": (2 * prec.grad * largest if w.optimizer != "none" else 0.0)}
     if s.sharding == "zero3_offload":
         optimizer["optimizer_temporaries"] = 0.0  # the update runs on the CPU
 

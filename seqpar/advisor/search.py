@@ -23,7 +23,7 @@ from seqpar.schema import (
     check_heads, check_split, format_tokens, seq_len_multiple,
 )
 
-CHECKPOINTING = ("full", "selective", "none", "offload")
+CHECKPOINTING = ("full", "none", "offload")  # selective runs as full in seqpar.runtime: searched only when pinned
 SHARDING = ("ddp", "zero2", "zero3", "zero3_offload")  # fsdp costs the same as zero3 in this model; searched when pinned
 LOSS = ("chunked", "hf")
 GIB = 2**30

@@ -4,8 +4,8 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
 * Linear part (Kaplan et al. 2020; Narayanan et al. 2021, eq. 3): 2*N_lin FLOPs per token forward, 6*N_lin forward +
   backward, +2*N_lin per token for the decoder layers when checkpointing recomputes them (Korthikanti et al. 2022).
 * Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x
-  forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes attention (not for selective, nor for
-  dist_flash_attn which checkpoints at the attention output). Sequence parallelism divides it by sp_degree, times the
+  forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (any checkpointing in
+  seqpar.runtime). Sequence parallelism divides it by sp_degree, times the
   mode's imbalance: zigzag and Ulysses are balanced; dist flash runs P/2+1 steps where P/2+1/2 would be ideal.
 * Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors; the
   attention rate falls for short kernel calls, eff(n) ~ n/(n+n0) (n = query tokens per call: S for data parallel and Ulysses,
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from seqpar.advisor.memory import layer_params, optimizer_bytes_per_param
+from seqpar.advisor.memory import layer_params, optimizer_bytes_per_param, precision
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
 
 if TYPE_CHECKING:
@@ -63,7 +63,9 @@ def attention_fwd_flops(m: ModelSpec, seq_len: int) -> float:
 
 
 def recomputes_attention(s: Strategy) -> bool:
-    return s.checkpointing in ("full", "offload") and s.mode != "dist_flash_attn"
+    """Every checkpointing but none recomputes the whole layer in seqpar.runtime (selective runs as full, dist flash uses
+    Hugging Face checkpointing, not LightSeq's attention-output checkpoint)."""
+    return s.checkpointing != "none"
 
 
 def attention_multiplier(s: Strategy) -> float:
@@ -152,8 +154,9 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficien
     if world > 1:
         bw = _bw(cluster, world, c)
         frac = (world - 1) / world
-        if s.sharding == "ddp":
-            grad_exposed = _hidden(2 * frac * psi * p / bw, bwd_compute * accum, c.grad_comm_overlap)
+        if s.sharding == "ddp":  # DDP all-reduces the gradients in their dtype: fp32 under autocast (memory.precision)
+            gb = precision(w, s, cluster.accelerator).grad
+            grad_exposed = _hidden(2 * frac * psi * gb / bw, bwd_compute * accum, c.grad_comm_overlap)
         elif s.sharding == "zero2":
             grad_exposed = _hidden(frac * psi * p / bw, bwd_compute * accum, c.grad_comm_overlap) + frac * psi * p / bw
         else:  # zero3 / fsdp / zero3_offload: gathers in forward and backward + reduce-scatter, every micro-batch
