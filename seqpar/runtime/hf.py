@@ -98,6 +98,9 @@ def _seqpar_attention(module: nn.Module, query, key, value, attention_mask, scal
         raise _refuse(name, f"attention dropout {dropout}", "set config.attention_dropout = 0.0")
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
         raise _refuse(name, "bidirectional (non-causal) attention", "seqpar trains causal language models only")
+    if key.shape[2] != query.shape[2]:
+        raise _refuse(name, f"a KV cache ({key.shape[2]} keys for {query.shape[2]} queries, as in generation)",
+                      "call the model with use_cache=False; generate with a plain copy of the model")
     window = kwargs.get("sliding_window") or ctx.sliding_window
     total = _global_len(ctx, query.shape[2])
     if window is not None and window < total:
