@@ -1,7 +1,7 @@
 """zigzag_ring_attn and data_parallel on real gloo groups against one process computing full attention in float64.
 
-One spawn per world size (W = 1, 2, 3, 4); inside it every case runs: MHA 8/8 and GQA 8/2 heads, float32 and float64,
-two valid lengths (local chunks of 3 and 5 tokens: not powers of two), causal and plain (non-causal) ring; out, lse,
+One spawn per world size (W = 1, 2, 3, 4); inside it every case runs: MHA 8/8 and GQA 8/2 heads; float64 with two
+valid lengths (chunks of 3 and 5 tokens: not powers of two) and the plain (non-causal) ring; float32 causal; out, lse,
 dq, dk, dv are compared shard by shard. Invalid inputs must raise the same one-line error on every rank, with no hang.
 The communication layer (ring p2p, all-to-all forward and backward) is checked in the same processes.
 """
@@ -77,7 +77,7 @@ def _cases(rank, W):
     for mode in ("zigzag_ring_attn", "data_parallel"):
         for hq, hkv in ((8, 8), (8, 2)):
             for dtype in (torch.float64, torch.float32):
-                for chunk in (3, 5):
+                for chunk in (3, 5) if dtype == torch.float64 else (5,):
                     for causal in (True, False) if chunk == 3 else (True,):
                         S = 2 * W * chunk
                         g = torch.Generator().manual_seed(1000 * hkv + 10 * chunk + causal)
@@ -113,7 +113,7 @@ def _all(rank, W):
 def test_zigzag_and_data_parallel_match_single_process(world_size):
     results = run_ranks(_all, world_size, timeout=90)
     cases = [r[0] for r in results]
-    assert all(c == cases[0] for c in cases) and len(cases[0]) == 2 * 2 * 2 * 3
+    assert all(c == cases[0] for c in cases) and len(cases[0]) == 2 * 2 * (3 + 1)
     msgs = [r[1] for r in results]
     assert all(m == msgs[0] for m in msgs), msgs  # the same error on every rank
     S = 2 * world_size * 3 + 1
