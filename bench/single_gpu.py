@@ -1,0 +1,225 @@
+"""One GPU: stock transformers, stock + Liger kernels, and `seqpar launch`, on the same model shapes (issue 7).
+
+Each (variant, shape, seq_len) runs in its own subprocess so an OOM in one leaves the others' memory statistics clean.
+Results are JSON rows with the fields the cost model's measurement files use (tokens_per_s, peak_memory_gib, ...).
+
+    PYTHONPATH=. python3 bench/single_gpu.py --shape llama-2-7b --seq 32k,64k,128k --variants stock,liger,seqpar \
+        --steps 2 --out $OUT/single_gpu.json
+    PYTHONPATH=. python3 bench/single_gpu.py --shape llama-3.2-1b --max-seq --start 64k --step 16k --variants stock
+
+Model FLOPs per step (for MFU): 6*N*T for the matrix products (N = parameters without the input embedding) plus causal attention
+3.5 * 2*S^2*h per layer per sequence (anchors.md: fwd = 2*s^2*h, fwd+bwd = 3.5x fwd); recompute is not counted (MFU, not HFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+H200_DATASHEET_TFLOPS = 989.0  # dense bf16, NVIDIA H200 SXM datasheet
+H200_MATMUL_TFLOPS = 773.0  # measured bf16 8192^3 matmul on our H200, December 2026 (shared/reference/hardware.md)
+
+
+def parse_len(text: str) -> int:
+    text = text.strip().lower()
+    mult = {"k": 1024, "m": 1024**2}.get(text[-1], 1)
+    return int(float(text.rstrip("km")) * mult)
+
+
+def model_flops_per_step(spec: dict, seq_len: int, batch: int = 1) -> float:
+    h, layers, vocab = spec["hidden_size"], spec["num_layers"], spec["vocab_size"]
+    n_matmul = spec["num_params"] - vocab * h  # the input embedding is a gather, not a product
+    return 6.0 * n_matmul * seq_len * batch + 3.5 * 2.0 * seq_len**2 * h * layers * batch
+
+
+def shape_spec(name: str) -> dict:
+    from seqpar.profiles import get_model
+
+    m = get_model(name)
+    d = m.model_dump()
+    d["num_params"] = m.num_params
+    return d
+
+
+def hf_config(spec: dict):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        head_dim=spec["head_dim"],
+        vocab_size=spec["vocab_size"],
+        tie_word_embeddings=spec["tie_word_embeddings"],
+        rope_theta=spec["rope_theta"],
+        max_position_embeddings=max(spec["max_position_embeddings"], 1 << 21),
+        use_cache=False,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ worker (one run)
+
+
+def run_baseline(variant: str, spec: dict, seq_len: int, steps: int, warmup: int, optimizer: str) -> dict:
+    import torch
+
+    if variant == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = hf_config(spec)
+    cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if optimizer == "adamw-bf16" else None
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {
+        "loss": float(loss),
+        "step_times_s": times,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "reserved_memory_gib": torch.cuda.max_memory_reserved() / 2**30,
+    }
+
+
+def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer: str, extra: list[str]) -> dict:
+    """`seqpar advise` a pinned data_parallel plan for one H200, then `seqpar launch` it and read the run report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = Path(tmp) / "plan.json"
+        out = Path(tmp) / "run"
+        adv = [sys.executable, "-m", "seqpar.cli", "advise", "--model", spec_name, "--gpu", "h200", "--gpus", "1",
+               "--seq-len", str(seq_len), "--mode", "data_parallel", "--sharding", "ddp", "--optimizer", optimizer,
+               "-o", str(plan), *extra]
+        subprocess.run(adv, check=True, stdout=subprocess.DEVNULL)
+        cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan), "--steps", str(warmup + steps), "--data", "synthetic",
+               "--output", str(out), "--force"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        reports = sorted(out.rglob("report*.json"))
+        if proc.returncode != 0 or not reports:
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            raise RuntimeError("OutOfMemoryError" if "OutOfMemory" in tail or "out of memory" in tail else tail)
+        rep = json.loads(reports[-1].read_text())
+        plan_json = json.loads(plan.read_text())
+    times = rep.get("step_times_s", [])[warmup:]
+    return {
+        "loss": rep.get("final_loss"),
+        "step_times_s": times,
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in rep["ranks"]),
+        "reserved_memory_gib": max(r["reserved_memory_gib"] for r in rep["ranks"]),
+        "predicted": plan_json.get("prediction"),
+        "strategy": plan_json.get("strategy"),
+        "report": rep,
+    }
+
+
+def worker(args) -> None:
+    spec = shape_spec(args.shape)
+    row = {"variant": args.variant, "model": args.shape, "seq_len": args.seq_len, "optimizer": args.optimizer,
+           "options": args.seqpar_args}
+    try:
+        if args.variant == "seqpar":
+            res = run_seqpar(args.shape, args.seq_len, args.steps, args.warmup, args.optimizer, args.seqpar_args.split())
+        else:
+            res = run_baseline(args.variant, spec, args.seq_len, args.steps, args.warmup, args.optimizer)
+        t = sorted(res["step_times_s"])[len(res["step_times_s"]) // 2]
+        flops = model_flops_per_step(spec, args.seq_len)
+        row.update(res, ok=True, step_time_s=t, tokens_per_s=args.seq_len / t,
+                   mfu_datasheet=flops / t / (H200_DATASHEET_TFLOPS * 1e12),
+                   mfu_matmul_ceiling=flops / t / (H200_MATMUL_TFLOPS * 1e12))
+    except Exception as e:  # OOM is a result here, not a failure of the bench
+        msg = str(e)
+        row.update(ok=False, oom="out of memory" in msg.lower() or "OutOfMemory" in type(e).__name__ + msg, error=msg[-500:])
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def one(variant: str, shape: str, seq_len: int, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--shape", shape, "--seq-len", str(seq_len),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--optimizer", args.optimizer,
+           "--seqpar-args", args.seqpar_args]
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"variant": variant, "model": shape, "seq_len": seq_len, "ok": False, "oom": False,
+            "error": (proc.stdout + proc.stderr)[-1500:]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="stock")
+    p.add_argument("--variants", default="stock,liger,seqpar")
+    p.add_argument("--shape", default="llama-2-7b")
+    p.add_argument("--seq", default="32k,64k")
+    p.add_argument("--seq-len", type=int, default=0)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--optimizer", default="none", choices=["none", "adamw-bf16"])
+    p.add_argument("--seqpar-args", default="", help="extra `seqpar advise` flags for the seqpar variant")
+    p.add_argument("--max-seq", action="store_true", help="search the longest trainable length in --step increments")
+    p.add_argument("--start", default="64k")
+    p.add_argument("--step", default="16k")
+    p.add_argument("--limit", default="2m")
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    rows = []
+    for variant in args.variants.split(","):
+        if args.max_seq:
+            s, step, best = parse_len(args.start), parse_len(args.step), 0
+            while s <= parse_len(args.limit):
+                r = one(variant, args.shape, s, argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0}))
+                r["search"] = "max_seq"
+                rows.append(r)
+                print(json.dumps({k: r.get(k) for k in ("variant", "seq_len", "ok", "peak_memory_gib", "step_time_s")}), flush=True)
+                if not r["ok"]:
+                    break
+                best, s = s, s + step
+            rows.append({"variant": variant, "model": args.shape, "max_seq_len": best, "step": step, "search": "result"})
+        else:
+            for s in (parse_len(x) for x in args.seq.split(",")):
+                r = one(variant, args.shape, s, args)
+                rows.append(r)
+                print(json.dumps({k: r.get(k) for k in ("variant", "seq_len", "ok", "tokens_per_s", "peak_memory_gib",
+                                                         "reserved_memory_gib", "mfu_datasheet", "error")}), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
