@@ -168,7 +168,8 @@ def one(variant: str, shape: str, seq_len: int, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--shape", shape, "--seq-len", str(seq_len),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--optimizer", args.optimizer,
            "--seqpar-args", args.seqpar_args]
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    # Baselines run with the default allocator settings users get; seqpar launch sets its own (expandable segments).
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
