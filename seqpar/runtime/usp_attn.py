@@ -1,0 +1,80 @@
+"""usp_attn: Unified Sequence Parallelism, Ulysses inside groups of consecutive ranks and a zigzag ring across the groups.
+
+Layout (seqpar.runtime.layout, ``usp_attn``): W = R x U ranks; the sequence is split zigzag over the R ring ranks (2R chunks,
+ring rank i holds chunks i and 2R-1-i), then that part is split contiguously over the U Ulysses ranks of ring rank i;
+group rank = ring_rank * U + ulysses_rank, so a Ulysses group is U consecutive ranks (the NVLink-near ones of one node under
+torchrun's numbering) and a ring group is every U-th rank.
+q (B, S/W, Hq, D); k, v (B, S/W, Hkv, D); out like q; lse (B, Hq, S/W).
+
+Forward (Fang & Zhao, "USP: A Unified Sequence Parallelism Approach", arXiv:2405.07719; yunchang's LongContextAttention):
+an all-to-all inside the Ulysses group turns (B, S/W, H, D) into (B, S/R, H/U, D), which is exactly ring rank i's zigzag part
+of the sequence for H/U heads; zigzag ring attention (seqpar.runtime.zigzag_ring_attn) runs over the ring group on those heads;
+an all-to-all brings out and lse back. Heads: Hq % U == 0; KV heads split over U or, when Hkv < U with U % Hkv == 0, are
+replicated (see ulysses_attn). U = 1 is zigzag_ring_attn and U = W is ulysses_attn with the same layouts, so those run directly.
+The sub-groups are created once per (group, U) with torch.distributed.new_group and cached; creation is collective over the
+members of each sub-group (``use_local_synchronization``), so it works for any parent group, and every rank creates its two
+groups in the same order (Ulysses group, then ring group), so no two ranks wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpar.runtime import kernels
+from seqpar.runtime.comm import group_rank, group_size
+from seqpar.runtime.layout import check_length, degrees
+from seqpar.runtime.ulysses_attn import (
+    check_heads,
+    heads_to_seq,
+    lse_to_seq_split,
+    replicate_kv,
+    seq_to_heads,
+    ulysses_attn_attention,
+)
+from seqpar.runtime.zigzag_ring_attn import zigzag_ring_attn_attention
+
+_SUBGROUPS: dict[tuple[tuple[int, ...], int], tuple] = {}  # (global ranks of the parent group, U) -> (ulysses, ring)
+
+
+def subgroups(group, ulysses_degree: int):
+    """(Ulysses group, ring group) of this rank inside ``group``: U consecutive ranks, and every U-th rank. Cached."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    key = (ranks, ulysses_degree)
+    if key not in _SUBGROUPS:
+        ring_rank, uly_rank = divmod(group_rank(group), ulysses_degree)
+        backend = dist.get_backend(group)  # gloo parent -> gloo sub-groups (host staging for CUDA tensors keeps working)
+        uly = dist.new_group(list(ranks[ring_rank * ulysses_degree : (ring_rank + 1) * ulysses_degree]),
+                             backend=backend, use_local_synchronization=True)
+        ring = dist.new_group(list(ranks[uly_rank::ulysses_degree]), backend=backend, use_local_synchronization=True)
+        _SUBGROUPS[key] = (uly, ring)
+    return _SUBGROUPS[key]
+
+
+def usp_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None,
+                       ulysses_degree: int | None = None) -> tuple[Tensor, Tensor]:
+    """Exact attention over a sequence in the usp_attn layout; returns (out, lse) in this rank's layout.
+
+    q (B, S/W, Hq, D); k, v (B, S/W, Hkv, D) -> out (B, S/W, Hq, D), lse (B, Hq, S/W). ulysses_degree U must divide W.
+    """
+    W = group_size(group)
+    R, U = degrees("usp_attn", W, ulysses_degree)  # SeqparError naming the valid degrees
+    kernels._check(q, k, v, causal=False)  # all checks are local and equal on every rank: all raise, none hangs
+    if q.shape[1] != k.shape[1]:
+        raise kernels._error(
+            f"usp_attn needs q and k,v chunks of the same length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
+        )
+    check_heads(q.shape[2], k.shape[2], U, "usp_attn")
+    if causal:  # the ring's zigzag halves must be whole: S % (2 R U) == 0
+        check_length("usp_attn", q.shape[1] * W, W, U)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    if U == 1:
+        return zigzag_ring_attn_attention(q, k, v, group=group, **kw)
+    if R == 1:
+        return ulysses_attn_attention(q, k, v, group=group, **kw)
+    uly_group, ring_group = subgroups(group, U)
+    qh = heads_to_seq(q, uly_group)  # (B, S/R, Hq/U, D): this ring rank's zigzag part, for Hq/U heads
+    kh = heads_to_seq(replicate_kv(k, U), uly_group)  # (B, S/R, max(Hkv/U, 1), D)
+    vh = heads_to_seq(replicate_kv(v, U), uly_group)
+    out, lse = zigzag_ring_attn_attention(qh, kh, vh, group=ring_group, **kw)  # (B, S/R, Hq/U, D), (B, Hq/U, S/R)
+    return seq_to_heads(out, uly_group), lse_to_seq_split(lse, uly_group)  # (B, S/W, Hq, D), (B, Hq, S/W)

@@ -1,0 +1,71 @@
+"""usp_attn on real gloo groups against one process computing full attention in float64.
+
+The hybrid proper is W = 4 with ulysses_degree 2 (two Ulysses pairs of consecutive ranks, two rings of every other rank, the
+sub-groups built collectively with new_group): MHA 8/8, GQA 8/2 (KV heads split) and 8/1 (the one KV head replicated inside
+each pair). The degenerate degrees (U = 1: zigzag_ring_attn; U = W: ulysses_attn) run at W = 1..4 as far as heads allow.
+float32 and float64, local chunks of 2 and 6 tokens (S must be a multiple of 2W), causal and non-causal; out, lse, dq, dk, dv
+compared shard by shard. Bad degrees, heads and lengths raise the same one-line error on every rank, before any transfer.
+"""
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from test_dist_flash import check_cases, error_messages
+
+MHA_GQA = [(8, 8), (8, 2)]
+PLAN = {  # W -> [(ulysses_degree, heads, local chunk lengths)]
+    1: [(1, MHA_GQA, (2, 6))],
+    2: [(2, MHA_GQA, (2, 6)), (1, MHA_GQA[1:], (2,))],
+    3: [(1, MHA_GQA, (2, 6))],
+    4: [(2, MHA_GQA + [(8, 1)], (2, 6)), (4, MHA_GQA[1:], (2,)), (1, MHA_GQA[1:], (2,))],
+}
+
+
+def _all(rank, W):
+    import torch.distributed as dist
+
+    from seqpar.runtime import attention, shard
+
+    z = torch.zeros
+    U = 2 if W % 2 == 0 else 1
+    msgs = error_messages([  # all local checks: raised before any transfer
+        lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn"),  # no ulysses_degree
+        lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn", ulysses_degree=W + 1),
+        lambda: shard(z(1, 2 * W + 1, 8, 4), "usp_attn", rank, W, ulysses_degree=U),
+        lambda: attention(z(1, 3, 8, 4), z(1, 3, 8, 4), z(1, 3, 8, 4), "usp_attn", ulysses_degree=U),  # S = 3W
+        lambda: attention(z(1, 2, 6, 4), z(1, 2, 6, 4), z(1, 2, 6, 4), "usp_attn", ulysses_degree=W),  # 6 heads / W
+        lambda: attention(z(1, 2, 12, 4), z(1, 2, 3, 4), z(1, 2, 3, 4), "usp_attn", ulysses_degree=U),
+    ])
+    if dist.is_initialized():
+        dist.barrier()  # every rank got past its errors: nobody is stuck in a transfer
+    cases = []
+    for u, heads, chunks in PLAN[W]:
+        cases += check_cases(rank, W, "usp_attn", heads, chunks, ulysses_degree=u)
+    return cases, msgs
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_usp_matches_single_process(world_size):
+    W = world_size
+    results = [_all(0, 1)] if W == 1 else run_ranks(_all, W, timeout=120)
+    cases = [r[0] for r in results]
+    expected = sum(len(heads) * 2 * (len(chunks) + 1) for _, heads, chunks in PLAN[W])
+    assert all(c == cases[0] for c in cases) and len(cases[0]) == expected
+    msgs = [r[1] for r in results]
+    assert all(m == msgs[0] for m in msgs), msgs  # the same error on every rank
+    divisors = [u for u in range(1, W + 1) if W % u == 0]
+    assert msgs[0][0] == f"usp_attn needs ulysses_degree dividing world_size {W}, got None; pick one of {divisors}"
+    assert msgs[0][1] == f"usp_attn needs ulysses_degree dividing world_size {W}, got {W + 1}; pick one of {divisors}"
+    S = 2 * W + 1
+    assert f"seq_len {S} is not divisible by 2*ring_degree*ulysses_degree = {2 * W}, which usp_attn needs" in msgs[0][2]
+    assert f"nearest valid: {S - 1} or {S - 1 + 2 * W}" in msgs[0][2]
+    assert f"seq_len {3 * W} is not divisible by 2*ring_degree*ulysses_degree = {2 * W}" in msgs[0][3]
+    if W == 4:
+        assert "usp_attn splits heads over 4 ranks but there are 6 query heads (6 % 4 != 0)" in msgs[0][4]
+    else:
+        assert msgs[0][4] == "no error"
+    if W % 2 == 0:
+        assert "usp_attn over 2 ranks can neither split nor replicate 3 KV heads" in msgs[0][5]
+    else:
+        assert msgs[0][5] == "no error"
