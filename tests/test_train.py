@@ -1,0 +1,170 @@
+"""The trainer against a reference: every mode, 2 and 4 gloo ranks, 20 steps, equal to the data_parallel run.
+
+The reference is data_parallel over the same W ranks (dp = W, one window per rank per step); each sequence-parallel run
+uses sp = W and W gradient-accumulation micro-batches, so it reads the same W windows per step (data.py's window order)
+and must reach the same losses and gradient norms (fp32, relative 1e-4). The gradient norm is compared too because
+AdamW is blind to a constant gradient scale: a wrong sum-vs-mean over the sequence-parallel group shows only there.
+Hybrid runs (sp x dp), FSDP2, the chunked loss and gradient checkpointing are covered in the same spawns.
+Helpers here are shared with test_launch.py and test_recipe.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from seqpar.advisor.cluster import cpu_cluster
+from seqpar.profiles import get_model
+from seqpar.schema import LaunchPlan, Rationale, Strategy, TrainingSpec, Workload
+
+SEQ = 64  # divisible by 2 * 4 (zigzag and usp on 4 ranks)
+
+
+def make_plan(world: int, mode: str = "data_parallel", sp: int = 1, *, ulysses: int = 1, ga: int = 1, sharding: str = "ddp",
+              checkpointing: str = "none", loss_impl: str = "hf", steps: int = 20, seq_len: int = SEQ,
+              checkpoint_every: int = 0, lr: float = 1e-2) -> LaunchPlan:
+    """A pinned plan for the tiny model on ``world`` gloo CPU ranks (fp32, AdamW, warmup then constant LR)."""
+    strategy = Strategy(
+        mode=mode, sp_degree=sp, dp_degree=world // sp, gradient_accumulation_steps=ga, sharding=sharding,
+        checkpointing=checkpointing, loss_impl=loss_impl,
+        ulysses_degree=ulysses if mode == "usp_attn" else 1, ring_degree=sp // ulysses if mode == "usp_attn" else 1,
+    )
+    return LaunchPlan(
+        workload=Workload(model=get_model("tiny"), seq_len=seq_len, dtype="fp32"),
+        cluster=cpu_cluster(world),
+        strategy=strategy,
+        rationale=Rationale(policy="pinned"),
+        training=TrainingSpec(steps=steps, learning_rate=lr, warmup_steps=2, seed=3, checkpoint_every=checkpoint_every),
+    )
+
+
+def read_metrics(out: str | Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def learnable_tokens(path: Path, n: int = 40_000) -> str:
+    """A token file with structure (a noisy arithmetic progression), so 20 steps visibly lower the loss."""
+    rng = np.random.default_rng(0)
+    ids = (np.arange(n) * 7 + (rng.random(n) < 0.1) * rng.integers(0, 256, n)) % 256
+    np.save(path, ids.astype(np.uint16))
+    return str(path)
+
+
+def train_cases(rank: int, world: int, cases: list[tuple[str, LaunchPlan]], tmp: str, data: str = "synthetic") -> dict:
+    """Rank body: run the trainer in-process once per case (one spawn, many runs); rank 0 returns each run's metrics."""
+    import torch.distributed as dist
+
+    from seqpar.runtime.train import parser, run
+
+    results = {}
+    for name, plan in cases:
+        plan_file = Path(tmp) / f"{name}.json"
+        if rank == 0:
+            plan.write(plan_file)
+        dist.barrier()
+        run(parser().parse_args(["--plan", str(plan_file), "--output", str(Path(tmp) / name), "--data", data]))
+        dist.barrier()
+        if rank == 0:
+            results[name] = read_metrics(Path(tmp) / name)
+    return results
+
+
+# --------------------------------------------------------------------------------------------- the mode matrix
+
+MODES = ["zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"]
+
+
+def _compare(results: dict, ref: str = "ref") -> None:
+    want = results[ref]
+    assert len(want) == 20
+    for name, got in results.items():
+        assert [r["step"] for r in got] == list(range(1, 21)), name
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-4, err_msg=f"{name}: {key}")
+    # The run must have learned something, or equality would prove little.
+    assert want[-1]["loss"] < want[0]["loss"] - 0.5
+
+
+def test_every_mode_matches_data_parallel_on_2_ranks(tmp_path):
+    from distributed import run_ranks
+
+    w = 2
+    cases = [("ref", make_plan(w))]
+    cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, ga=w)) for m in MODES]
+    cases += [
+        ("usp_ring", make_plan(w, "usp_attn", w, ulysses=1, ga=w)),  # usp as a pure ring of 2
+        ("fsdp_zigzag", make_plan(w, "zigzag_ring_attn", w, ga=w, sharding="fsdp")),
+        ("chunked_ckpt", make_plan(w, "zigzag_ring_attn", w, ga=w, loss_impl="chunked", checkpointing="full")),
+        ("fsdp_dp", make_plan(w, sharding="fsdp")),
+    ]
+    data = learnable_tokens(tmp_path / "tokens.npy")
+    results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]
+    _compare(results)
+
+
+def test_every_mode_matches_data_parallel_on_4_ranks(tmp_path):
+    from distributed import run_ranks
+
+    w = 4
+    cases = [("ref", make_plan(w))]
+    cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, ga=w)) for m in MODES]
+    cases.append(("hybrid", make_plan(w, "zigzag_ring_attn", 2, ga=2)))  # sp 2 x dp 2: sum over sp, mean over dp
+    data = learnable_tokens(tmp_path / "tokens.npy")
+    results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]
+    _compare(results)
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+def test_token_files_pack_into_windows(tmp_path):
+    from seqpar.runtime.data import open_data
+
+    tokens = np.arange(100, dtype=np.uint16) % 50
+    tokens.tofile(tmp_path / "t.bin")
+    np.save(tmp_path / "t.npy", tokens.astype(np.uint32))
+    for name in ("t.bin", "t.npy"):
+        d = open_data(str(tmp_path / name), seq_len=9, vocab_size=50)
+        assert d.num_windows == 10
+        b = d.batch(1, 0, 1, grad_accum=1, dp_degree=2, micro_batch=2)  # windows 6 and 7
+        np.testing.assert_array_equal(b.numpy(), np.stack([tokens[60:70], tokens[70:80]]).astype(np.int64))
+    syn = open_data("synthetic", seq_len=9, vocab_size=50, seed=1)
+    np.testing.assert_array_equal(syn.window(5), open_data("synthetic", seq_len=9, vocab_size=50, seed=1).window(5))
+    assert not np.array_equal(syn.window(5), syn.window(6))
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("missing", "does not exist"),
+    ("short", "shorter than one window of seq_len \\+ 1 = 65"),
+    ("vocab", "outside the model's vocabulary of 256"),
+    ("text", "needs a tokenizer"),
+    ("datasets", "needs the datasets package|save_to_disk"),
+    ("suffix", "unknown type"),
+])
+def test_bad_data_is_one_clear_error(tmp_path, kind, match):
+    from seqpar.runtime.data import open_data
+    from seqpar.schema import SeqparError
+
+    p = tmp_path / "d"
+    if kind == "short":
+        p = tmp_path / "d.npy"
+        np.save(p, np.arange(10, dtype=np.uint16))
+    elif kind == "vocab":
+        p = tmp_path / "d.npy"
+        np.save(p, np.full(200, 999, dtype=np.uint16))
+    elif kind == "text":
+        p = tmp_path / "d.jsonl"
+        p.write_text('{"text": "hello"}\n')
+    elif kind == "datasets":
+        p.mkdir()
+        (p / "dataset_info.json").write_text("{}")
+        (p / "state.json").write_text("{}")
+    elif kind == "suffix":
+        p = tmp_path / "d.csv"
+        p.write_text("1,2,3")
+    with pytest.raises(SeqparError, match=match):
+        d = open_data(str(p), seq_len=64, vocab_size=256)
+        d.window(0)
