@@ -197,7 +197,9 @@ def test_offload_checkpoints_moves_layer_inputs_through_the_offload_hook(monkeyp
     model = seqpar.apply(make_model("llama"), "data_parallel", offload_checkpoints=True)
     model.train()
     model(input_ids=torch.zeros(2, 16, dtype=torch.long)).logits.sum().backward()
-    assert packed == [(2, 16, 32), (2, 16, 32)]  # exactly each layer's input hidden states (B, S, hidden)
+    # each layer's input hidden states (B, S, hidden) went through the offload hook (4.x before 4.52 also passes the
+    # mask and position ids positionally: those are offloaded too)
+    assert packed.count((2, 16, 32)) == 2, packed
 
 
 # ------------------------------------------------------------------ EasyContext's monkey patch by family name
@@ -217,7 +219,7 @@ def test_monkey_patch_by_family_name_reaches_models_loaded_afterwards(tmp_path):
     finally:
         hf_inputs._PATCHED_MODE.clear()
     assert transformers.LlamaForCausalLM(make_model("llama").config).config._attn_implementation == "sdpa"
-    model = make_model("qwen3")
+    model = make_model("qwen2")
     assert seqpar.apply_seq_parallel_monkey_patch("ulysses_attn", model) is model
     assert model.config._attn_implementation == "seqpar_ulysses"
     with pytest.raises(SeqparError, match=r"model 'qwen' is not one of EasyContext's names"):

@@ -17,6 +17,7 @@ causal mask itself and the attention function ignores it; padding is still refus
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,16 @@ def _active_sliding_window(config) -> int | None:
     return window
 
 
+def _uses_attention_interface(model: nn.Module) -> bool:
+    """transformers' own flag where it exists (PreTrainedModel defines it, False by default); before it (4.48/4.49)
+    the modeling module importing ALL_ATTENTION_FUNCTIONS is the sign that its attention dispatches through it."""
+    from transformers import PreTrainedModel
+
+    if hasattr(PreTrainedModel, "_supports_attention_backend"):
+        return bool(getattr(type(model), "_supports_attention_backend", False))
+    return hasattr(sys.modules.get(type(model).__module__), "ALL_ATTENTION_FUNCTIONS")
+
+
 def _enable_checkpointing(model, kwargs: dict) -> None:
     enable = getattr(model, "activation_checkpointing_enable", None)  # 5.x name; the old one warns there
     if enable is not None:
@@ -193,12 +204,12 @@ def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = 
         raise _error(f"mode {mode!r} is unknown; use one of {', '.join(MODES)}")
     config = getattr(model, "config", None)
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
-    if config is None or not getattr(type(model), "_supports_attention_backend", False):
-        raise _refuse(name, "attention that does not go through transformers' AttentionInterface",
-                      "use a model whose modeling code calls ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, Qwen3, ...)")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise _refuse(name, f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})",
                       "use a model without soft-capping")
+    if config is None or not _uses_attention_interface(model):
+        raise _refuse(name, "attention that does not go through transformers' AttentionInterface",
+                      "use a model whose modeling code calls ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, Qwen3, ...)")
     if ulysses_degree is not None or mode == "usp_attn":
         import torch.distributed as dist
 

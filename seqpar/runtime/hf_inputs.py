@@ -124,6 +124,16 @@ def _patch_class(cls: type, mode: str) -> None:
     __init__._seqpar_wrapped = True
     __init__.__wrapped__ = original
     cls.__init__ = __init__
+    autoset = getattr(cls, "_autoset_attn_implementation", None)
+    if autoset is not None:  # 4.x: from_pretrained validates the request before __init__; switch it there too
+        def _autoset_attn_implementation(klass, config, *args, **kwargs):
+            patched = _PATCHED_MODE.get(klass)
+            if patched is not None:
+                _register(IMPLEMENTATIONS[patched])
+                config._attn_implementation_internal = IMPLEMENTATIONS[patched]
+            return autoset.__func__(klass, config, *args, **kwargs)
+
+        cls._autoset_attn_implementation = classmethod(_autoset_attn_implementation)
 
 
 def apply_seq_parallel_monkey_patch(seq_algo: str, model):
