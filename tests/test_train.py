@@ -1,7 +1,8 @@
 """The trainer against a reference: every mode, 2 and 4 gloo ranks, 20 steps, equal to the data_parallel run.
 
 The reference is data_parallel over the same W ranks (dp = W, one window per rank per step); each sequence-parallel run
-uses sp = W and W gradient-accumulation micro-batches, so it reads the same W windows per step (data.py's window order)
+uses sp = W and a micro-batch of W windows (or W accumulation steps), so it reads the same W windows per step (data.py's
+window order)
 and must reach the same losses and gradient norms (fp32, relative 1e-4). The gradient norm is compared too because
 AdamW is blind to a constant gradient scale: a wrong sum-vs-mean over the sequence-parallel group shows only there.
 Hybrid runs (sp x dp), FSDP2, the chunked loss and gradient checkpointing are covered in the same spawns.
@@ -23,7 +24,7 @@ from seqpar.schema import LaunchPlan, Rationale, Strategy, TrainingSpec, Workloa
 SEQ = 64  # divisible by 2 * 4 (zigzag and usp on 4 ranks)
 
 
-def make_plan(world: int, mode: str = "data_parallel", sp: int = 1, *, ulysses: int = 1, ga: int = 1, sharding: str = "ddp",
+def make_plan(world: int, mode: str = "data_parallel", sp: int = 1, *, ulysses: int = 1, ga: int = 1, mbs: int = 1, sharding: str = "ddp",
               checkpointing: str = "none", loss_impl: str = "hf", steps: int = 20, seq_len: int = SEQ,
               checkpoint_every: int = 0, lr: float = 1e-2) -> LaunchPlan:
     """A pinned plan for the tiny model on ``world`` gloo CPU ranks (fp32, AdamW, warmup then constant LR)."""
@@ -33,7 +34,7 @@ def make_plan(world: int, mode: str = "data_parallel", sp: int = 1, *, ulysses: 
         ulysses_degree=ulysses if mode == "usp_attn" else 1, ring_degree=sp // ulysses if mode == "usp_attn" else 1,
     )
     return LaunchPlan(
-        workload=Workload(model=get_model("tiny"), seq_len=seq_len, dtype="fp32"),
+        workload=Workload(model=get_model("tiny"), seq_len=seq_len, micro_batch_size=mbs, dtype="fp32"),
         cluster=cpu_cluster(world),
         strategy=strategy,
         rationale=Rationale(policy="pinned"),
@@ -93,10 +94,10 @@ def test_every_mode_matches_data_parallel_on_2_ranks(tmp_path):
 
     w = 2
     cases = [("ref", make_plan(w))]
-    cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, ga=w)) for m in MODES]
+    cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, mbs=w)) for m in MODES]
     cases += [
-        ("usp_ring", make_plan(w, "usp_attn", w, ulysses=1, ga=w)),  # usp as a pure ring of 2
-        ("fsdp_zigzag", make_plan(w, "zigzag_ring_attn", w, ga=w, sharding="fsdp")),
+        ("usp_ring", make_plan(w, "usp_attn", w, ulysses=1, mbs=w)),  # usp as a pure ring of 2
+        ("fsdp_zigzag", make_plan(w, "zigzag_ring_attn", w, mbs=w, sharding="fsdp")),
         ("chunked_ckpt", make_plan(w, "zigzag_ring_attn", w, ga=w, loss_impl="chunked", checkpointing="full")),
         ("fsdp_dp", make_plan(w, sharding="fsdp")),
     ]
@@ -110,7 +111,7 @@ def test_every_mode_matches_data_parallel_on_4_ranks(tmp_path):
 
     w = 4
     cases = [("ref", make_plan(w))]
-    cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, ga=w)) for m in MODES]
+    cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, mbs=w)) for m in MODES]
     cases.append(("hybrid", make_plan(w, "zigzag_ring_attn", 2, ga=2)))  # sp 2 x dp 2: sum over sp, mean over dp
     data = learnable_tokens(tmp_path / "tokens.npy")
     results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]
