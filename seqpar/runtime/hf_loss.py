@@ -97,20 +97,23 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         hidden, weight, targets = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        d_hidden = torch.empty_like(hidden) if need_h else None  # (N, H)
+        d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None  # (N, H)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # (V, H)
         for i in range(0, hidden.shape[0], ctx.chunk):
             h, y = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk]  # (c, H), (c,)
-            d_logits = torch.softmax((h @ weight.t()).float(), dim=-1)  # (c, V) fp32: dCE/dlogits = p - onehot
-            valid = y != IGNORE_INDEX
-            rows = valid.nonzero().squeeze(1)
-            d_logits[rows, y[rows]] -= 1.0
-            d_logits[~valid] = 0.0
-            d_logits = (d_logits * grad).to(hidden.dtype)
+            valid = (y != IGNORE_INDEX)[:, None]  # (c, 1)
+            d_logits = torch.softmax((h @ weight.t()).float(), dim=-1)  # (c, V) fp32: dCE/dlogits = p - onehot(y)
+            # sync-free (no boolean indexing): subtract the one-hot, zero the ignored rows, scale by the upstream grad
+            d_logits.scatter_add_(1, y.clamp_min(0)[:, None], -valid.to(d_logits.dtype))
+            d_logits.masked_fill_(~valid, 0.0).mul_(grad)
+            d_logits = d_logits.to(hidden.dtype)
             if need_h:
-                d_hidden[i:i + ctx.chunk] = d_logits @ weight  # (c, H)
+                torch.mm(d_logits, weight, out=d_hidden[i:i + ctx.chunk])  # (c, H)
             if need_w:
-                d_weight += (d_logits.t() @ h).float()  # (V, H), accumulated in fp32
+                if d_weight.dtype == d_logits.dtype:
+                    d_weight.addmm_(d_logits.t(), h)  # (V, H) in place
+                else:
+                    d_weight += d_logits.t() @ h  # (V, H) bf16 product accumulated in fp32 across chunks
         return d_hidden, (d_weight.to(weight.dtype) if need_w else None), None, None
 
 
