@@ -1,0 +1,203 @@
+"""`seqpar launch`: refusals before anything runs, the generated commands, and real torchrun jobs that fail and resume.
+
+The end-to-end part starts `seqpar launch` twice on 2 gloo ranks: the first run checkpoints at step 4 and has rank 1 raise
+at step 6 (SEQPAR_FAULT_* hook): every process must exit non-zero within 60 s and the output must name rank 1. The second
+run (`--resume`) continues from step 4; the 8 steps of metrics must equal an uninterrupted in-process run of the same plan.
+That in-process run also checks that a crash while a checkpoint is being written leaves the previous one in place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from seqpar.cli import app
+from seqpar.runtime.launch import LaunchOptions, build_job, check_machine, deepspeed_config, jobs_for
+from seqpar.schema import ClusterSpec, LaunchPlan
+from test_train import make_plan, read_metrics
+
+runner = CliRunner()
+
+
+def _gpu_plan(tmp_path: Path, gpus: int = 8, sharding: str = "fsdp") -> Path:
+    """A plan for one node of ``gpus`` H100s (built from the CPU plan's fields, so no advisor run is needed)."""
+    from seqpar.profiles import get_gpu
+
+    data = json.loads(make_plan(2, "zigzag_ring_attn", 2).model_dump_json())
+    data["cluster"].update(accelerator="cuda", gpus_per_node=gpus, gpu=json.loads(get_gpu("h100").model_dump_json()))
+    data["strategy"].update(sp_degree=gpus, sharding=sharding)
+    data["workload"]["dtype"] = "bf16"
+    p = tmp_path / "gpu_plan.json"
+    p.write_text(json.dumps(data))
+    return p
+
+
+def _one_error_line(r) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------- refusals (exit 2, nothing written)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("malformed", "is not valid JSON"),
+    ("missing_data", "does not exist"),
+    ("short_data", "shorter than one window"),
+    ("eight_gpus", "does not match this machine: the plan needs 8 x h100"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case, match):
+    plan = tmp_path / "plan.json"
+    make_plan(2, "zigzag_ring_attn", 2).write(plan)
+    data = "synthetic"
+    if case == "malformed":
+        plan.write_text('{"workload": ')
+    elif case == "missing_data":
+        data = str(tmp_path / "nope.npy")
+    elif case == "short_data":
+        data = str(tmp_path / "short.npy")
+        np.save(data, np.arange(20, dtype=np.uint16))  # fewer than seq_len + 1 = 65 tokens
+    elif case == "eight_gpus":
+        plan = _gpu_plan(tmp_path)
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["launch", str(plan), "--data", data, "--output", str(out), "--steps", "2"])
+    assert r.exit_code == 2, r.output
+    assert match in _one_error_line(r)
+    assert not out.exists()
+
+
+def test_output_with_checkpoints_needs_resume(tmp_path):
+    plan = tmp_path / "plan.json"
+    make_plan(2, "zigzag_ring_attn", 2).write(plan)
+    (tmp_path / "out" / "checkpoints" / "step-000001").mkdir(parents=True)
+    r = runner.invoke(app, ["launch", str(plan), "--output", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "pass --resume" in _one_error_line(r)
+
+
+def test_machine_check():
+    cpu4 = make_plan(4, "zigzag_ring_attn", 4).cluster
+    assert check_machine(cpu4, gpu_names=[], gpu_profile=None, cpu_count=2, nnodes=1) == []  # oversubscribed gloo is fine
+    cpu64 = make_plan(64).cluster
+    assert "more than 4 x the 2 cores" in check_machine(cpu64, gpu_names=[], gpu_profile=None, cpu_count=2, nnodes=1)[0]
+    gpu = ClusterSpec.model_validate({**cpu4.model_dump(), "accelerator": "cuda", "gpus_per_node": 8})
+    name = gpu.gpu.name
+    assert check_machine(gpu, gpu_names=["X"] * 8, gpu_profile=name, cpu_count=64, nnodes=1) == []
+    diffs = check_machine(gpu, gpu_names=["NVIDIA L4"] * 4, gpu_profile="l4", cpu_count=64, nnodes=2)
+    assert len(diffs) == 3 and "1 node(s)" in diffs[0] and "has 4" in diffs[1] and "l4" in diffs[2]
+
+
+# --------------------------------------------------------------------------------------------- commands
+
+
+def test_dry_run_prints_the_torchrun_command_and_runs_nothing(tmp_path):
+    plan = tmp_path / "plan.json"
+    make_plan(2, "zigzag_ring_attn", 2).write(plan)
+    r = runner.invoke(app, ["launch", str(plan), "--dry-run", "--output", str(tmp_path / "o"), "--steps", "3"])
+    assert r.exit_code == 0, r.output
+    cmd = [ln for ln in r.stdout.splitlines() if "torch.distributed.run" in ln]
+    assert len(cmd) == 1
+    assert "--nproc-per-node 2 --max-restarts 0 --standalone -m seqpar.runtime.train" in cmd[0]
+    assert f"--plan {plan}" in cmd[0] and "--steps 3" in cmd[0]
+    assert "export SEQPAR_PG_TIMEOUT_S=60" in r.stdout
+    assert not (tmp_path / "o").exists()
+
+
+def test_multi_node_and_deepspeed_commands(tmp_path):
+    plan = make_plan(2, "zigzag_ring_attn", 2)
+    job = build_job(plan, Path("p.json"), LaunchOptions(nnodes=1, node_rank=0, rdzv_endpoint="node0:29400"), output=tmp_path)
+    argv = " ".join(job.argv)
+    assert "--node-rank 0 --rdzv-backend c10d --rdzv-endpoint node0:29400" in argv and "--standalone" not in argv
+    gplan = _gpu_plan(tmp_path, sharding="zero3_offload")
+    r = runner.invoke(app, ["launch", str(gplan), "--dry-run", "--output", str(tmp_path / "ds")])
+    assert r.exit_code == 0, r.output
+    assert "accelerate.commands.launch --config_file" in r.stdout
+    ds = deepspeed_config(LaunchPlan.load(gplan))
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["bf16"]["enabled"] is True
+    assert '"stage": 3' in r.stdout
+    if importlib.util.find_spec("deepspeed") is None:  # not installed here: refused with the reason
+        r = runner.invoke(app, ["launch", str(gplan), "--force", "--output", str(tmp_path / "ds")])
+        assert r.exit_code == 2 and "deepspeed is not installed" in _one_error_line(r)
+
+
+def test_staged_plan_makes_one_job_per_stage(tmp_path):
+    from seqpar.schema import Stage
+
+    base = make_plan(2, "zigzag_ring_attn", 2)
+    stages = [Stage(seq_len=32, rope_theta=1e4, steps=2, strategy=make_plan(2).strategy),
+              Stage(seq_len=64, rope_theta=1e5, steps=3, strategy=base.strategy)]
+    plan = LaunchPlan.model_validate({**base.model_dump(), "stages": [s.model_dump() for s in stages]})
+    jobs = jobs_for(plan, tmp_path / "p.json", LaunchOptions(output=str(tmp_path / "o")))
+    assert [sp.workload.seq_len for _, sp in jobs] == [32, 64]
+    assert [sp.training.rope_theta for _, sp in jobs] == [1e4, 1e5]
+    assert "--init-from" not in jobs[0][0].argv
+    assert jobs[1][0].argv[jobs[1][0].argv.index("--init-from") + 1] == str(tmp_path / "o" / "stage-0")
+
+
+# --------------------------------------------------------------------------------------------- real jobs
+
+
+def _reference_and_torn_checkpoint(rank, world, plan_file, out):
+    """Uninterrupted run; then a crash inside the step-8 checkpoint write (both ranks) must keep step-4 as the latest."""
+    import torch.distributed as dist
+
+    from seqpar.runtime.checkpoint import latest
+    from seqpar.runtime.train import parser, run
+
+    run(parser().parse_args(["--plan", plan_file, "--output", out]))
+    dist.barrier()
+    torn = out + "-torn"
+    os.environ.update(SEQPAR_FAULT_PHASE="checkpoint", SEQPAR_FAULT_RANK=str(rank), SEQPAR_FAULT_STEP="8")
+    try:
+        run(parser().parse_args(["--plan", plan_file, "--output", torn]))
+        raised = False
+    except RuntimeError:
+        raised = True
+    finally:
+        for k in ("SEQPAR_FAULT_PHASE", "SEQPAR_FAULT_RANK", "SEQPAR_FAULT_STEP"):
+            os.environ.pop(k)
+    return raised, str(latest(Path(torn) / "checkpoints")), sorted(p.name for p in (Path(torn) / "checkpoints").iterdir())
+
+
+def test_fault_names_the_rank_and_resume_continues_exactly(tmp_path):
+    from distributed import run_ranks
+
+    plan_file = tmp_path / "plan.json"
+    make_plan(2, "zigzag_ring_attn", 2, steps=8, checkpoint_every=4).write(plan_file)
+    ref = tmp_path / "ref"
+    results = run_ranks(_reference_and_torn_checkpoint, 2, str(plan_file), str(ref), timeout=120)
+    for raised, last, names in results:
+        assert raised
+        assert last.endswith("step-000004") and ".step-000008.tmp" in names and "step-000008" not in names
+
+    out = tmp_path / "job"
+    env = dict(os.environ, SEQPAR_FAULT_RANK="1", SEQPAR_FAULT_STEP="6")
+    cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan_file), "--output", str(out), "--data", "synthetic"]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert time.monotonic() - t0 < 60 + 30  # 60 s to stop after the fault, plus process start-up on a busy machine
+    assert "seqpar launch: the job failed" in r.stderr and "rank 1" in r.stderr.split("first failure:")[1], r.stderr[-2000:]
+    assert (out / "checkpoints" / "step-000004" / "trainer_state.json").is_file()
+
+    env.pop("SEQPAR_FAULT_RANK"), env.pop("SEQPAR_FAULT_STEP")
+    r = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = read_metrics(out), read_metrics(ref)
+    assert [m["step"] for m in got] == list(range(1, 9))
+    for key in ("loss", "grad_norm", "lr"):
+        np.testing.assert_allclose([m[key] for m in got], [m[key] for m in want], rtol=1e-6, err_msg=key)
+    report = json.loads((out / "run_report.json").read_text())
+    assert report["plan"]["strategy"]["mode"] == "zigzag_ring_attn"
+    assert set(report["measured"]) >= {"tokens_per_s", "peak_memory_gib", "mfu", "step_time_s"}
+    assert len(report["per_rank"]) == 2 and report["measured"]["tokens_per_s"] > 0
