@@ -17,6 +17,7 @@ causal mask itself and the attention function ignores it; padding is still refus
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,7 @@ class _Context:
     sliding_window: int | None  # the config's active window, checked against the global length at run time
 
 
+@functools.lru_cache(maxsize=None)
 def _has_mask_interface() -> bool:
     try:
         from transformers.masking_utils import AttentionMaskInterface  # noqa: F401  (4.53+)
@@ -198,7 +200,8 @@ def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = 
     """Switch a transformers causal LM to the mode's sequence-parallel attention (in place; returns the model).
 
     group: the sequence-parallel process group (None = the default group). ulysses_degree: usp_attn's Ulysses degree.
-    offload_checkpoints: enable gradient checkpointing with each layer's input kept in pinned host memory.
+    offload_checkpoints: enable gradient checkpointing with each layer's input kept in pinned host memory (call
+    apply after any gradient_checkpointing_enable(): that call would put the plain checkpoint function back).
     backend: kernels backend override (see seqpar.runtime.kernels.select_backend)."""
     if mode not in MODES:
         raise _error(f"mode {mode!r} is unknown; use one of {', '.join(MODES)}")
