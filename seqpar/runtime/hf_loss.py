@@ -31,9 +31,12 @@ class _SumOverGroup(torch.autograd.Function):
     def forward(ctx, x: Tensor, group) -> Tensor:
         import torch.distributed as dist
 
-        y = x.clone()
+        from seqpar.runtime.comm import _staged
+
+        staged = _staged(x, group)  # gloo ranks sharing a GPU: reduce the two numbers in host memory
+        y = x.detach().cpu() if staged else x.clone()
         dist.all_reduce(y, group=group)
-        return y
+        return y.to(x.device) if staged else y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
