@@ -100,6 +100,8 @@ def test_every_mode_matches_data_parallel_on_2_ranks(tmp_path):
         ("fsdp_zigzag", make_plan(w, "zigzag_ring_attn", w, mbs=w, sharding="fsdp")),
         ("chunked_ckpt", make_plan(w, "zigzag_ring_attn", w, ga=w, loss_impl="chunked", checkpointing="full")),
         ("fsdp_dp", make_plan(w, sharding="fsdp")),
+        ("zero3_offload_on_cpu", make_plan(w, "zigzag_ring_attn", w, mbs=w, sharding="zero3_offload")),  # runs as FSDP2
+        ("zero2_on_cpu", make_plan(w, sharding="zero2")),
     ]
     data = learnable_tokens(tmp_path / "tokens.npy")
     results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]

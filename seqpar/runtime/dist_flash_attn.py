@@ -61,10 +61,11 @@ def schedule(world_size: int, causal: bool = True) -> list[list[Block | None]]:
     return steps
 
 
-def _post_inputs(step, me, group, mine: dict[str, torch.Tensor], q_names, like: dict[str, torch.Tensor]):
-    """Send my q-side / kv-side tensors to ranks that need them at this step; receive what my block needs.
+def _post_inputs(step: list[Block | None], me: int, group, mine: dict[str, Tensor], q_names: list[str]):
+    """Post this step's input transfers: my query-side tensors (q_names) and K,V to the ranks whose block uses them,
+    and receives for what my own block needs from others (buffers shaped like mine: every chunk has the same shape).
 
-    Returns (handle, received) where received maps 'q'/'kv' to the tensors (valid after handle.wait()).
+    Returns (handle, received): received["q"] / received["kv"] are filled once handle.wait() returns.
     """
     sends, recvs, received = [], [], {}
     for c, blk in enumerate(step):  # order per peer: q side, then kv side (the receiver posts in the same order)
@@ -77,10 +78,10 @@ def _post_inputs(step, me, group, mine: dict[str, torch.Tensor], q_names, like: 
     blk = step[me]
     if blk is not None:
         if blk.q != me:
-            received["q"] = [_buffer(like[n]) for n in q_names]
+            received["q"] = [_buffer(mine[n]) for n in q_names]
             recvs += [(t, blk.q) for t in received["q"]]
         if blk.kv != me:
-            received["kv"] = [_buffer(like["k"]), _buffer(like["v"])]
+            received["kv"] = [_buffer(mine["k"]), _buffer(mine["v"])]
             recvs += [(t, blk.kv) for t in received["kv"]]
     return exchange(sends, recvs, group), received
 
@@ -90,12 +91,12 @@ def _forward(q, k, v, group, causal, scale, backend):
     steps = schedule(p, causal)
     mine = {"q": q, "k": k, "v": v}
     out = lse = None  # fp32 (float64 for float64) accumulators of my rows
-    pending = _post_inputs(steps[0], me, group, mine, ["q"], mine)
+    pending = _post_inputs(steps[0], me, group, mine, ["q"])
     for s, step in enumerate(steps):
         handle, received = pending
         handle.wait()
         if s + 1 < len(steps):  # next step's inputs travel while this step computes
-            pending = _post_inputs(steps[s + 1], me, group, mine, ["q"], mine)
+            pending = _post_inputs(steps[s + 1], me, group, mine, ["q"])
         blk = step[me]
         partial = None
         if blk is not None:
@@ -127,12 +128,12 @@ def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     mine = {"q": q, "dout": dout, "out": out, "lse": lse, "k": k, "v": v}
     q_names = ["q", "dout", "out", "lse"]
-    pending = _post_inputs(steps[0], me, group, mine, q_names, mine)
+    pending = _post_inputs(steps[0], me, group, mine, q_names)
     for s, step in enumerate(steps):
         handle, received = pending
         handle.wait()
         if s + 1 < len(steps):
-            pending = _post_inputs(steps[s + 1], me, group, mine, q_names, mine)
+            pending = _post_inputs(steps[s + 1], me, group, mine, q_names)
         blk = step[me]
         sends = []
         if blk is not None:

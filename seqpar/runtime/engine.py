@@ -118,19 +118,27 @@ def wrap(module: LossModule, plan: LaunchPlan, topo: Topology, *, cpu_offload: b
 
         ids = [topo.local_rank] if topo.device.type == "cuda" else None
         return DDP(module, device_ids=ids)
-    if sharding == "fsdp":
+    if sharding == "fsdp" or (sharding.startswith("zero") and topo.device.type == "cpu"):
+        # On CPU ranks DeepSpeed has nothing to run on; ZeRO-3 is FSDP's full sharding and ZeRO-2 its SHARD_GRAD_OP
+        # (parameters kept after forward), so FSDP2 runs the same algorithm. Offload is moot when parameters live in RAM.
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mesh = init_device_mesh(topo.device.type, (topo.world_size,))
         mixed = plan.workload.dtype == "bf16" and plan.workload.optimizer == "adamw" and topo.device.type == "cuda"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
-        off = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        off = CPUOffloadPolicy() if cpu_offload and topo.device.type == "cuda" else OffloadPolicy()
+        reshard = sharding != "zero2"
         for layer in module.model.model.layers:  # one all-gather per decoder layer
-            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off)
-        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=off)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
         return module
     raise SeqparError(f"sharding {sharding!r} runs through DeepSpeed; the trainer handles it with accelerate (see deepspeed_engine)")
+
+
+def uses_deepspeed(plan: LaunchPlan) -> bool:
+    """ZeRO plans run on DeepSpeed on GPUs; on CPU ranks they run as FSDP2 (see wrap)."""
+    return plan.strategy.sharding.startswith("zero") and plan.cluster.accelerator == "cuda"
 
 
 def deepspeed_available() -> bool:

@@ -143,7 +143,7 @@ def build_job(plan: LaunchPlan, plan_file: Path, opts: LaunchOptions, *, output:
         train += ["--report-to", opts.report_to]
     train += opts.extra
     configs: dict[str, str] = {}
-    if plan.strategy.sharding.startswith("zero"):
+    if plan.strategy.sharding.startswith("zero") and plan.cluster.accelerator == "cuda":  # CPU ranks run ZeRO as FSDP2
         ds_path, acc_path = output / "deepspeed.json", output / "accelerate.yaml"
         configs[ds_path.name] = json.dumps(deepspeed_config(plan), indent=2) + "\n"
         configs[acc_path.name] = accelerate_config(plan, ds_path, nnodes, opts.node_rank, opts.rdzv_endpoint)
@@ -201,7 +201,7 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool) -> Non
             ck = job.output / "checkpoints"
             if ck.is_dir() and any(x.name.startswith("step-") for x in ck.iterdir()):
                 raise SeqparError(f"output {str(job.output)!r} already holds checkpoints; pass --resume or pick another --output")
-        if p.strategy.sharding.startswith("zero") and not dry_run:
+        if p.strategy.sharding.startswith("zero") and p.cluster.accelerator == "cuda" and not dry_run:
             import importlib.util
 
             if importlib.util.find_spec("deepspeed") is None:
@@ -271,9 +271,15 @@ def run_job(job: Job) -> int:
 
 def failure_message(job: Job, rc: int) -> str:
     """Name the rank that failed first (the trainer leaves failed-rank<R>.txt), else point at torchrun's summary."""
-    files = sorted(job.output.glob("failed-rank*.txt"), key=lambda p: p.stat().st_mtime)
+    def key(p: Path):
+        stamp, _, line = p.read_text().strip().partition(" ")
+        # A rank whose peer died fails too ("connection closed/reset by peer"): a consequence, never the cause.
+        consequence = any(w in line.lower() for w in ("closed by peer", "reset by peer", "connection closed", "broken pipe"))
+        return consequence, float(stamp or 0), line
+
+    files = sorted(job.output.glob("failed-rank*.txt"), key=key)
     if files:
-        first = files[0].read_text().strip()
+        first = key(files[0])[2]
         others = [p.stem.removeprefix("failed-rank") for p in files[1:]]
         tail = f" (then rank(s) {', '.join(others)} stopped)" if others else ""
         return f"seqpar launch: the job failed with exit status {rc}; first failure: {first}{tail}"

@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> dict:
                      tokenizer_path=args.tokenizer or args.model_path)
     out = Path(args.output)
     check_output(out, args.resume)
-    if s.sharding.startswith("zero"):
+    deepspeed = engine.uses_deepspeed(plan)
+    if deepspeed:
         engine.require_deepspeed(s.sharding)
 
     topo = engine.init_distributed(plan)
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     model.to(device=topo.device, dtype=param_dtype)
     module = engine.LossModule(model, s.loss_impl, topo.sp_group)
     optimizer = scheduler = None
-    if s.sharding.startswith("zero"):
+    if deepspeed:
         from seqpar.runtime.deepspeed import prepare
 
         module.to(topo.device)
@@ -131,10 +132,11 @@ def run(args: argparse.Namespace) -> dict:
     if resume_from is not None:
         ckpt.load_training_state(resume_from, wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, rank=rank)
 
+    engine_name = ENGINES[s.sharding] if deepspeed or not s.sharding.startswith("zero") else f"fsdp2 ({s.sharding} on CPU ranks)"
     backend = _backend(topo.device, param_dtype if autocast_dtype is None else autocast_dtype)
-    log.info("plan %s: %s sp=%d dp=%d sharding=%s checkpointing=%s loss=%s; %s; attention backend %s; %d steps from %d",
-             args.plan, s.mode, s.sp_degree, s.dp_degree, s.sharding, s.checkpointing, s.loss_impl, dtype_reason, backend,
-             steps, start)
+    log.info("plan %s: %s sp=%d dp=%d engine=%s checkpointing=%s loss=%s; %s; attention backend %s; %d steps from %d%s",
+             args.plan, s.mode, s.sp_degree, s.dp_degree, engine_name, s.checkpointing, s.loss_impl, dtype_reason, backend,
+             steps, start, f"; weights from {init}" if init and resume_from is None else "")
 
     # ----- loop
     ga, mbs = s.gradient_accumulation_steps, w.micro_batch_size
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         bar.close()
     report = write_report(out, plan, step_times=step_times, tokens_per_step=tokens_per_step,
                           sequences_per_step=mbs * ga * s.dp_degree, device=topo.device, backend=backend,
-                          dtype_reason=dtype_reason, engine=ENGINES[s.sharding], steps_done=steps, rank=rank)
+                          dtype_reason=dtype_reason, engine=engine_name, steps_done=steps, rank=rank)
     if rank == 0:
         log.info("done: %d steps; run report %s", steps, out / "run_report.json")
     return {"losses": losses, "report": report, "output": str(out)}
@@ -219,7 +221,7 @@ def _fail(rank: str, msg: str, out: str | None) -> None:
     if out:
         try:
             Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / f"failed-rank{rank}.txt").write_text(line + "\n")
+            (Path(out) / f"failed-rank{rank}.txt").write_text(f"{time.time():.6f} {line}\n")
         except OSError:
             pass
 
