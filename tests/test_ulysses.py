@@ -1,45 +1,43 @@
 """ulysses_attn on real gloo groups against one process computing full attention in float64.
 
-W = 1 (no process group), 2 and 4 with MHA 8/8 and GQA 8/2 heads (at W = 4 the two KV heads are replicated to four and
-their gradients summed back), W = 3 with heads that split over three (6/6, 6/3) and with 8 heads that do not (the error);
-float32 and float64, local chunks of 3 and 5 tokens, causal and non-causal; out, lse, dq, dk, dv compared shard by shard.
-Invalid heads and lengths raise the same one-line error on every rank, before any all-to-all.
+W = 1 runs in the test process without a process group; W = 2, 3, 4 run on sub-groups of one 4-process gloo spawn.
+MHA 8/8 and GQA 8/2 heads at W = 1, 2, 4 (at W = 4 the two KV heads are replicated to four and their gradients summed
+back); at W = 3 heads that split over three (6/6, 6/3), and 8 heads, which do not, must fail. float64 with local chunks of
+3 and 5 tokens, causal and non-causal, float32 causal; out, lse, dq, dk, dv compared shard by shard. Invalid heads and
+lengths raise the same one-line error on every rank, before any all-to-all.
 """
 
-import pytest
 import torch
 
 from distributed import run_ranks
-from test_dist_flash import check_cases, error_messages
+from test_dist_flash import check_cases, error_messages, gather_by_size, n_cases, on_subgroups
 
 HEADS = {1: [(8, 8), (8, 2)], 2: [(8, 8), (8, 2)], 3: [(6, 6), (6, 3)], 4: [(8, 8), (8, 2)]}
+CHUNKS = (3, 5)
 
 
-def _all(rank, W):
-    import torch.distributed as dist
-
+def _mode_cases(rank, W, group):
     from seqpar.runtime import attention, shard
 
     z = torch.zeros
     msgs = error_messages([  # all local checks: raised before any transfer
         lambda: shard(z(1, W * 3 + 1, 8, 4), "ulysses_attn", rank, W),
-        lambda: attention(z(1, 3, 8, 4), z(1, 3, 8, 4), z(1, 3, 8, 4), "ulysses_attn"),  # 8 heads over W
-        lambda: attention(z(1, 3, 12, 4), z(1, 3, 3, 4), z(1, 3, 3, 4), "ulysses_attn"),  # 3 KV heads over W
-        lambda: attention(z(1, 4, 8, 4), z(1, 6, 2, 4), z(1, 6, 2, 4), "ulysses_attn"),
+        lambda: attention(z(1, 3, 8, 4), z(1, 3, 8, 4), z(1, 3, 8, 4), "ulysses_attn", group=group),  # 8 heads over W
+        lambda: attention(z(1, 3, 12, 4), z(1, 3, 3, 4), z(1, 3, 3, 4), "ulysses_attn", group=group),  # 3 KV heads
+        lambda: attention(z(1, 4, 8, 4), z(1, 6, 2, 4), z(1, 6, 2, 4), "ulysses_attn", group=group),
     ])
-    if dist.is_initialized():
-        dist.barrier()  # every rank got past its errors: nobody is stuck in a transfer
-    return check_cases(rank, W, "ulysses_attn", HEADS[W], (3, 5)), msgs
+    return check_cases(rank, W, "ulysses_attn", HEADS[W], CHUNKS, group=group), msgs
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_ulysses_matches_single_process(world_size):
-    results = [_all(0, 1)] if world_size == 1 else run_ranks(_all, world_size, timeout=120)
+def _spawned(rank, world):
+    return on_subgroups(rank, world, _mode_cases)
+
+
+def _check(W, results):
     cases = [r[0] for r in results]
-    assert all(c == cases[0] for c in cases) and len(cases[0]) == 2 * 2 * 3
+    assert all(c == cases[0] for c in cases) and len(cases[0]) == n_cases(HEADS[W], CHUNKS)
     msgs = [r[1] for r in results]
     assert all(m == msgs[0] for m in msgs), msgs  # the same error on every rank
-    W = world_size
     if W > 1:
         S = W * 3 + 1
         assert f"seq_len {S} is not divisible by sp_degree = {W}, which ulysses_attn needs" in msgs[0][0]
@@ -55,6 +53,17 @@ def test_ulysses_matches_single_process(world_size):
         assert f"ulysses_attn over {W} ranks can neither split nor replicate 3 KV heads" in msgs[0][2]
         assert "use usp_attn with a ulysses_degree dividing 3, or zigzag_ring_attn" in msgs[0][2]
     assert "same length, got 4 and 6" in msgs[0][3]
+
+
+def test_ulysses_one_rank_without_process_group():
+    _check(1, [_mode_cases(0, 1, None)])
+
+
+def test_ulysses_matches_single_process_on_2_3_4_ranks():
+    by_size = gather_by_size(run_ranks(_spawned, 4, timeout=150))
+    assert {W: len(r) for W, r in by_size.items()} == {2: 4, 3: 3, 4: 4}
+    for W, results in by_size.items():
+        _check(W, results)
 
 
 def test_replicated_kv_heads_are_the_ones_each_rank_needs():

@@ -3,15 +3,15 @@
 The hybrid proper is W = 4 with ulysses_degree 2 (two Ulysses pairs of consecutive ranks, two rings of every other rank, the
 sub-groups built collectively with new_group): MHA 8/8, GQA 8/2 (KV heads split) and 8/1 (the one KV head replicated inside
 each pair). The degenerate degrees (U = 1: zigzag_ring_attn; U = W: ulysses_attn) run at W = 1..4 as far as heads allow.
-float32 and float64, local chunks of 2 and 6 tokens (S must be a multiple of 2W), causal and non-causal; out, lse, dq, dk, dv
-compared shard by shard. Bad degrees, heads and lengths raise the same one-line error on every rank, before any transfer.
+W = 1 runs in the test process without a process group; W = 2, 3, 4 on sub-groups of one 4-process gloo spawn.
+float64 with local chunks of 2 and 6 tokens (S must be a multiple of 2W), causal and non-causal, float32 causal; out, lse,
+dq, dk, dv compared shard by shard. Bad degrees, heads and lengths raise the same one-line error on every rank, before any transfer.
 """
 
-import pytest
 import torch
 
 from distributed import run_ranks
-from test_dist_flash import check_cases, error_messages
+from test_dist_flash import check_cases, error_messages, gather_by_size, n_cases, on_subgroups
 
 MHA_GQA = [(8, 8), (8, 2)]
 PLAN = {  # W -> [(ulysses_degree, heads, local chunk lengths)]
@@ -22,36 +22,33 @@ PLAN = {  # W -> [(ulysses_degree, heads, local chunk lengths)]
 }
 
 
-def _all(rank, W):
-    import torch.distributed as dist
-
+def _mode_cases(rank, W, group):
     from seqpar.runtime import attention, shard
 
     z = torch.zeros
     U = 2 if W % 2 == 0 else 1
+    kw = dict(group=group)
     msgs = error_messages([  # all local checks: raised before any transfer
-        lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn"),  # no ulysses_degree
-        lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn", ulysses_degree=W + 1),
+        lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn", **kw),  # no ulysses_degree
+        lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn", ulysses_degree=W + 1, **kw),
         lambda: shard(z(1, 2 * W + 1, 8, 4), "usp_attn", rank, W, ulysses_degree=U),
-        lambda: attention(z(1, 3, 8, 4), z(1, 3, 8, 4), z(1, 3, 8, 4), "usp_attn", ulysses_degree=U),  # S = 3W
-        lambda: attention(z(1, 2, 6, 4), z(1, 2, 6, 4), z(1, 2, 6, 4), "usp_attn", ulysses_degree=W),  # 6 heads / W
-        lambda: attention(z(1, 2, 12, 4), z(1, 2, 3, 4), z(1, 2, 3, 4), "usp_attn", ulysses_degree=U),
+        lambda: attention(z(1, 3, 8, 4), z(1, 3, 8, 4), z(1, 3, 8, 4), "usp_attn", ulysses_degree=U, **kw),  # S = 3W
+        lambda: attention(z(1, 2, 6, 4), z(1, 2, 6, 4), z(1, 2, 6, 4), "usp_attn", ulysses_degree=W, **kw),  # 6 heads / W
+        lambda: attention(z(1, 2, 12, 4), z(1, 2, 3, 4), z(1, 2, 3, 4), "usp_attn", ulysses_degree=U, **kw),
     ])
-    if dist.is_initialized():
-        dist.barrier()  # every rank got past its errors: nobody is stuck in a transfer
     cases = []
     for u, heads, chunks in PLAN[W]:
-        cases += check_cases(rank, W, "usp_attn", heads, chunks, ulysses_degree=u)
+        cases += check_cases(rank, W, "usp_attn", heads, chunks, ulysses_degree=u, group=group)
     return cases, msgs
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_usp_matches_single_process(world_size):
-    W = world_size
-    results = [_all(0, 1)] if W == 1 else run_ranks(_all, W, timeout=120)
+def _spawned(rank, world):
+    return on_subgroups(rank, world, _mode_cases)
+
+
+def _check(W, results):
     cases = [r[0] for r in results]
-    expected = sum(len(heads) * 2 * (len(chunks) + 1) for _, heads, chunks in PLAN[W])
-    assert all(c == cases[0] for c in cases) and len(cases[0]) == expected
+    assert all(c == cases[0] for c in cases) and len(cases[0]) == sum(n_cases(h, c) for _, h, c in PLAN[W])
     msgs = [r[1] for r in results]
     assert all(m == msgs[0] for m in msgs), msgs  # the same error on every rank
     divisors = [u for u in range(1, W + 1) if W % u == 0]
@@ -69,3 +66,14 @@ def test_usp_matches_single_process(world_size):
         assert "usp_attn over 2 ranks can neither split nor replicate 3 KV heads" in msgs[0][5]
     else:
         assert msgs[0][5] == "no error"
+
+
+def test_usp_one_rank_without_process_group():
+    _check(1, [_mode_cases(0, 1, None)])
+
+
+def test_usp_matches_single_process_on_2_3_4_ranks():
+    by_size = gather_by_size(run_ranks(_spawned, 4, timeout=150))
+    assert {W: len(r) for W, r in by_size.items()} == {2: 4, 3: 3, 4: 4}
+    for W, results in by_size.items():
+        _check(W, results)

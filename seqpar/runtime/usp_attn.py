@@ -11,9 +11,8 @@ an all-to-all inside the Ulysses group turns (B, S/W, H, D) into (B, S/R, H/U, D
 of the sequence for H/U heads; zigzag ring attention (seqpar.runtime.zigzag_ring_attn) runs over the ring group on those heads;
 an all-to-all brings out and lse back. Heads: Hq % U == 0; KV heads split over U or, when Hkv < U with U % Hkv == 0, are
 replicated (see ulysses_attn). U = 1 is zigzag_ring_attn and U = W is ulysses_attn with the same layouts, so those run directly.
-The sub-groups are created once per (group, U) with torch.distributed.new_group and cached; creation is collective over the
-members of each sub-group (``use_local_synchronization``), so it works for any parent group, and every rank creates its two
-groups in the same order (Ulysses group, then ring group), so no two ranks wait on each other in a cycle.
+The sub-groups are created once per (group, U) with torch.distributed.new_group, collectively and in the same order on every
+rank, and cached (see ``subgroups``).
 """
 
 from __future__ import annotations
@@ -38,16 +37,29 @@ _SUBGROUPS: dict[tuple[tuple[int, ...], int], tuple] = {}  # (global ranks of th
 
 
 def subgroups(group, ulysses_degree: int):
-    """(Ulysses group, ring group) of this rank inside ``group``: U consecutive ranks, and every U-th rank. Cached."""
+    """(Ulysses group, ring group) of this rank inside ``group``: U consecutive ranks, and every U-th rank. Cached.
+
+    Collective on first use for a (group, U). When ``group`` spans every process, every rank creates every sub-group in
+    the same order (plain new_group, the robust form). Otherwise only the group's members call, so the sub-groups use
+    ``use_local_synchronization``; torch names such groups from their ranks and the number of groups the calling
+    process already knows, so the members must have created the same number of process groups before (true when
+    every rank builds the same mesh of groups, as launchers do).
+    """
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     key = (ranks, ulysses_degree)
     if key not in _SUBGROUPS:
-        ring_rank, uly_rank = divmod(group_rank(group), ulysses_degree)
+        U, R = ulysses_degree, len(ranks) // ulysses_degree
+        ring_rank, uly_rank = divmod(group_rank(group), U)
+        uly_sets = [list(ranks[i * U : (i + 1) * U]) for i in range(R)]
+        ring_sets = [list(ranks[u::U]) for u in range(U)]
         backend = dist.get_backend(group)  # gloo parent -> gloo sub-groups (host staging for CUDA tensors keeps working)
-        uly = dist.new_group(list(ranks[ring_rank * ulysses_degree : (ring_rank + 1) * ulysses_degree]),
-                             backend=backend, use_local_synchronization=True)
-        ring = dist.new_group(list(ranks[uly_rank::ulysses_degree]), backend=backend, use_local_synchronization=True)
-        _SUBGROUPS[key] = (uly, ring)
+        if len(ranks) == dist.get_world_size():
+            made = [dist.new_group(r, backend=backend) for r in uly_sets + ring_sets]  # same order on every rank
+            pair = (made[ring_rank], made[R + uly_rank])
+        else:
+            pair = tuple(dist.new_group(r, backend=backend, use_local_synchronization=True)
+                         for r in (uly_sets[ring_rank], ring_sets[uly_rank]))
+        _SUBGROUPS[key] = pair
     return _SUBGROUPS[key]
 
 
