@@ -15,7 +15,10 @@ Rank i owns row i (i + 1 blocks); run row by row, the last rank does P blocks wh
 So floor(P/2) + 1 steps, at most floor(P/2) + 1 blocks per rank; for odd P every rank does exactly (P + 1)/2 (perfect balance),
 which is why odd P works here exactly as even P does. The backward follows the same schedule: owners receive K,V again and send
 dk, dv partials back to the K,V owner; helpers receive q, dout, out, lse and send dq partials back. The inputs of step t + 1 are in
-flight while step t computes. Non-causal attention uses the plain rotation (every rank computes its whole row, one block a step).
+flight while step t computes, and the partials of step t are folded in after step t + 1 computes, so neither transfer stalls
+the kernels. Non-causal attention uses the plain rotation (every rank computes its whole row, one block a step).
+Transfers are batches of arbitrary-peer p2p (seqpar.runtime.comm.exchange); the schedule is the same pure function on every
+rank, so each rank knows whom to send to and receive from without asking.
 """
 
 from __future__ import annotations
@@ -86,83 +89,106 @@ def _post_inputs(step: list[Block | None], me: int, group, mine: dict[str, Tenso
     return exchange(sends, recvs, group), received
 
 
+def _from_others(step: list[Block | None], me: int, side: str) -> list[int]:
+    """Ranks that compute a block of mine at this step (side 'q': my query rows, 'kv': my K,V): their partials come back."""
+    return [c for c, blk in enumerate(step) if blk is not None and c != me and getattr(blk, side) == me]
+
+
 def _forward(q, k, v, group, causal, scale, backend):
     p, me = group_size(group), group_rank(group)
     steps = schedule(p, causal)
     mine = {"q": q, "k": k, "v": v}
     out = lse = None  # fp32 (float64 for float64) accumulators of my rows
+    deferred = None  # (handle, [(out, lse) buffers]) of the previous step's partials from helpers
     pending = _post_inputs(steps[0], me, group, mine, ["q"])
     for s, step in enumerate(steps):
         handle, received = pending
         handle.wait()
         if s + 1 < len(steps):  # next step's inputs travel while this step computes
             pending = _post_inputs(steps[s + 1], me, group, mine, ["q"])
-        blk = step[me]
-        partial = None
+        blk, sends = step[me], []
         if blk is not None:
             bq = received["q"][0] if blk.q != me else q  # (B, S/P, Hq, D)
             bk, bv = received["kv"] if blk.kv != me else (k, v)  # (B, S/P, Hkv, D)
             b_out, b_lse = kernels.attn_forward(bq, bk, bv, causal=blk.causal, softmax_scale=scale, backend=backend)
             if blk.q == me:
                 out, lse = kernels.merge(out, lse, b_out, b_lse)
-            else:
-                partial = (b_out, b_lse, blk.q)
-        # helpers return partial (out, lse) to the query's owner, who merges them
-        sends = [(partial[0], partial[2]), (partial[1], partial[2])] if partial else []
-        recvs = []
-        for c, cblk in enumerate(step):
-            if cblk is not None and c != me and cblk.q == me:
-                recvs.append((c, _buffer(q), _buffer(lse)))
-        exchange(sends, [(t, c) for c, o, l in recvs for t in (o, l)], group).wait()
-        for _, o, l in recvs:
-            out, lse = kernels.merge(out, lse, o, l)
+            else:  # a helper returns the partial (out, lse) to the query's owner
+                sends = [(b_out, blk.q), (b_lse, blk.q)]
+        helpers = _from_others(step, me, "q")
+        bufs = [(_buffer(q), _buffer(lse)) for _ in helpers]  # (B, S/P, Hq, D), (B, Hq, S/P)
+        results = exchange(sends, [(t, c) for c, pair in zip(helpers, bufs) for t in pair], group)
+        # partials are merged one step later, so their transfer overlaps this rank's next block
+        out, lse = _merge_partials(deferred, out, lse)
+        deferred = (results, bufs)
+    out, lse = _merge_partials(deferred, out, lse)
     return out.to(q.dtype), lse
+
+
+def _merge_partials(deferred, out, lse):
+    if deferred is not None:
+        handle, bufs = deferred
+        handle.wait()
+        for b_out, b_lse in bufs:
+            out, lse = kernels.merge(out, lse, b_out, b_lse)
+    return out, lse
+
+
+def _add_partials(deferred, grads: dict[str, Tensor]) -> None:
+    if deferred is not None:
+        handle, bufs = deferred
+        handle.wait()
+        for name, t in bufs:
+            grads[name].add_(t)
 
 
 def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
     p, me = group_size(group), group_rank(group)
     steps = schedule(p, causal)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # partial gradients add up in fp32
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, S/P, Hq, D)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, S/P, Hkv, D)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    grads = {
+        "q": torch.zeros(q.shape, dtype=acc, device=q.device),  # (B, S/P, Hq, D)
+        "k": torch.zeros(k.shape, dtype=acc, device=k.device),  # (B, S/P, Hkv, D)
+        "v": torch.zeros(v.shape, dtype=acc, device=v.device),
+    }
     mine = {"q": q, "dout": dout, "out": out, "lse": lse, "k": k, "v": v}
     q_names = ["q", "dout", "out", "lse"]
+    deferred = None  # (handle, [(name, buffer)]) of the previous step's gradient partials from other ranks
     pending = _post_inputs(steps[0], me, group, mine, q_names)
     for s, step in enumerate(steps):
         handle, received = pending
         handle.wait()
         if s + 1 < len(steps):
             pending = _post_inputs(steps[s + 1], me, group, mine, q_names)
-        blk = step[me]
-        sends = []
+        blk, sends = step[me], []
         if blk is not None:
             bq, bdo, bo, bl = received["q"] if blk.q != me else (q, dout, out, lse)
             bk, bv = received["kv"] if blk.kv != me else (k, v)
-            g_q, g_k, g_v = kernels.attn_backward(
-                bdo, bq, bk, bv, bo, bl, causal=blk.causal, softmax_scale=scale, backend=backend
-            )
+            g_q, g_k, g_v = kernels.attn_backward(bdo, bq, bk, bv, bo, bl, causal=blk.causal, softmax_scale=scale, backend=backend)
             if blk.q == me:
-                dq += g_q
+                grads["q"] += g_q
             else:
                 sends.append((g_q, blk.q))
             if blk.kv == me:
-                dk += g_k
-                dv += g_v
+                grads["k"] += g_k
+                grads["v"] += g_v
             else:
                 sends += [(g_k, blk.kv), (g_v, blk.kv)]
-        recvs = []  # per peer: dq first, then dk, dv (the sender's order above)
+        bufs, peers = [], []  # per peer: dq first, then dk, dv (the sender's order above)
         for c, cblk in enumerate(step):
             if cblk is None or c == me:
                 continue
             if cblk.q == me:
-                recvs.append(("q", _buffer(q), c))
+                bufs.append(("q", _buffer(q)))
+                peers.append(c)
             if cblk.kv == me:
-                recvs += [("k", _buffer(k), c), ("v", _buffer(v), c)]
-        exchange(sends, [(t, c) for _, t, c in recvs], group).wait()
-        for name, t, _ in recvs:
-            {"q": dq, "k": dk, "v": dv}[name].add_(t)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+                bufs += [("k", _buffer(k)), ("v", _buffer(v))]
+                peers += [c, c]
+        results = exchange(sends, [(t, c) for (_, t), c in zip(bufs, peers)], group)
+        _add_partials(deferred, grads)  # one step late: the transfer overlaps this rank's next block
+        deferred = (results, bufs)
+    _add_partials(deferred, grads)
+    return grads["q"].to(q.dtype), grads["k"].to(k.dtype), grads["v"].to(v.dtype)
 
 
 class _DistFlashAttn(torch.autograd.Function):
