@@ -1,9 +1,9 @@
 """dist_flash_attn on real gloo groups against one process computing full attention in float64; its schedule in pure Python.
 
 W = 1 runs in the test process without a process group; W = 2, 3, 4 run on sub-groups of one 4-process gloo spawn (the
-balanced schedule is exact for odd W too). Every case: MHA 8/8 and GQA 8/2 heads, float64 with local chunks of 3 and 5
-tokens (not multiples of any kernel tile), causal and the plain rotation (non-causal), float32 causal; out, lse, dq, dk, dv
-are compared shard by shard. Lengths that do not split over W and malformed inputs must raise the same one-line error on
+balanced schedule is exact for odd W too). Every case: MHA 8/8 and GQA 8/2 heads, float64 with local chunks of 3, 2 and 1
+tokens (not multiples of any kernel tile; 1 cannot be split in half), causal and the plain rotation (non-causal), float32
+causal; out, lse, dq, dk, dv are compared shard by shard. Lengths that do not split over W and malformed inputs must raise the same one-line error on
 every rank, with no hang. ``check_cases`` and ``on_subgroups`` are shared with the Ulysses and USP tests.
 """
 
@@ -104,7 +104,8 @@ def error_messages(calls):
     return msgs
 
 
-HEADS, CHUNKS = [(8, 8), (8, 2)], (3, 5)  # MHA and GQA; local lengths that are not powers of two
+# MHA and GQA; local lengths: 3 (the split last step gets unequal halves of 1 and 2 rows), 2, and 1 (too short to split)
+HEADS, CHUNKS = [(8, 8), (8, 2)], (3, 2, 1)
 
 
 def _mode_cases(rank, W, group):
@@ -148,18 +149,27 @@ def test_dist_flash_matches_single_process_on_2_3_4_ranks():
 
 
 @pytest.mark.parametrize("P", range(1, 10))
-@pytest.mark.parametrize("causal", [True, False])
-def test_schedule_covers_every_block_once_and_balances(P, causal):
+@pytest.mark.parametrize("causal,split", [(True, True), (True, False), (False, False)])
+def test_schedule_covers_every_block_once_and_balances(P, causal, split):
     from seqpar.runtime.dist_flash_attn import schedule
 
-    steps = schedule(P, causal)
+    steps = schedule(P, causal, split_last=split)
     blocks = [b for step in steps for b in step if b is not None]
-    expected = {(i, j) for i in range(P) for j in range(P) if j <= i or not causal}
-    assert sorted((b.q, b.kv) for b in blocks) == sorted(expected)  # each needed block exactly once
+    covered = {}  # (q, kv) -> share of its query rows computed
+    for b in blocks:
+        covered[(b.q, b.kv)] = covered.get((b.q, b.kv), 0) + (1 if b.half is None else 0.5)
+    halves = sorted((b.q, b.kv, b.half) for b in blocks if b.half is not None)
+    assert halves == sorted({(q, kv, h) for q, kv, _ in halves for h in (0, 1)})  # both halves, each once
+    expected = {(i, j): 1 for i in range(P) for j in range(P) if j <= i or not causal}
+    assert covered == expected  # each needed block exactly once
     assert all(b.causal == (causal and b.q == b.kv) for b in blocks)  # only the diagonal is masked
     for r in range(P):  # a rank computes with its own query or its own K,V: one transfer in, one partial out
         assert all(step[r] is None or r in (step[r].q, step[r].kv) for step in steps)
     if causal:
         assert len(steps) == P // 2 + 1  # LightSeq's P/2 + 1 steps
-        per_rank = [sum(step[r] is not None for step in steps) for r in range(P)]
-        assert max(per_rank) == P // 2 + 1 and min(per_rank) >= P // 2  # vs. 1..P blocks row by row
+        work = [sum(0 if b is None else 0.5 if (b.causal or b.half is not None) else 1 for b in (s[r] for s in steps))
+                for r in range(P)]  # in full-block units: the diagonal and a half block are 1/2
+        if split or P % 2:
+            assert work == [P / 2] * P  # every rank the same work: the average
+        else:
+            assert max(work) == P / 2 + 0.5  # LightSeq's even-P schedule: the busiest rank does half a block more

@@ -38,30 +38,48 @@ def _buffer(like: Tensor) -> Tensor:
 
 
 class Block(NamedTuple):
-    """One attention block: query chunk of rank `q`, key/value chunk of rank `kv`; causal only on the diagonal."""
+    """One attention block: query chunk of rank `q` against the key/value chunk of rank `kv`; causal only on the
+    diagonal; `half` None = every query row of the chunk, 0 / 1 = its first / second half of rows (see `rows`)."""
 
     q: int
     kv: int
     causal: bool
+    half: int | None = None
 
 
-def schedule(world_size: int, causal: bool = True) -> list[list[Block | None]]:
-    """steps[s][r] = the block rank r computes at step s (None = idle). Pure Python, the same on every rank."""
+def rows(half: int | None, n: int) -> slice:
+    """The query rows of a block in a chunk of n rows: all, or the first n // 2 (half 0) or the rest (half 1)."""
+    return slice(None) if half is None else slice(0, n // 2) if half == 0 else slice(n // 2, n)
+
+
+def schedule(world_size: int, causal: bool = True, split_last: bool = True) -> list[list[Block | None]]:
+    """steps[s][r] = the block rank r computes at step s (None = idle). Pure Python, the same on every rank.
+
+    split_last (even P): the last step has P/2 blocks at distance P/2 and P/2 idle ranks, each idle rank being the K,V
+    owner of one of those blocks; it takes the block's second half of query rows, so every rank does exactly P/2 block
+    units (1/2 diagonal + P/2 - 1 full + 1/2 split) instead of P/2 + 1/2 for the busiest: perfect balance, as for odd P.
+    """
     p = world_size
     if not causal:  # plain rotation: rank r sees every key chunk, one per step
         return [[Block(r, (r - t) % p, False) for r in range(p)] for t in range(p)]
     steps: list[list[Block | None]] = [[Block(r, r, True) for r in range(p)]]
     for t in range(1, p // 2 + 1):
+        last_even = p - t == t  # distance P/2: nothing left for helpers
         step: list[Block | None] = []
         for r in range(p):
-            if r >= t:
-                step.append(Block(r, r - t, False))  # own block at distance t
-            elif p - t != t:
-                step.append(Block(p - t + r, r, False))  # helper: rank p-t+r's block at distance p-t, against own K,V
-            else:
-                step.append(None)  # even P, last step: every distance is covered
+            if r >= t:  # own block at distance t (first half of rows only when the last step is split)
+                step.append(Block(r, r - t, False, 0 if last_even and split_last else None))
+            elif not last_even:  # helper: rank p-t+r's block at distance p-t, against own K,V
+                step.append(Block(p - t + r, r, False))
+            else:  # K,V owner of rank r+t's block: its second half of rows, or idle
+                step.append(Block(r + t, r, False, 1) if split_last else None)
         steps.append(step)
     return steps
+
+
+def _q_side(name: str, t: Tensor, sl: slice) -> Tensor:
+    """Rows sl of a query-side tensor: q, dout, out are (B, S, H, D) (rows on dim 1), lse is (B, H, S) (rows last)."""
+    return t[..., sl] if name == "lse" else t[:, sl]
 
 
 def _post_inputs(step: list[Block | None], me: int, group, mine: dict[str, Tensor], q_names: list[str]):
@@ -71,17 +89,18 @@ def _post_inputs(step: list[Block | None], me: int, group, mine: dict[str, Tenso
     Returns (handle, received): received["q"] / received["kv"] are filled once handle.wait() returns.
     """
     sends, recvs, received = [], [], {}
+    n_rows = mine["q"].shape[1]
     for c, blk in enumerate(step):  # order per peer: q side, then kv side (the receiver posts in the same order)
         if blk is None or c == me:
             continue
         if blk.q == me:
-            sends += [(mine[n], c) for n in q_names]
+            sends += [(_q_side(n, mine[n], rows(blk.half, n_rows)), c) for n in q_names]
         if blk.kv == me:
             sends += [(mine["k"], c), (mine["v"], c)]
     blk = step[me]
     if blk is not None:
         if blk.q != me:
-            received["q"] = [_buffer(mine[n]) for n in q_names]
+            received["q"] = [_buffer(_q_side(n, mine[n], rows(blk.half, n_rows))) for n in q_names]
             recvs += [(t, blk.q) for t in received["q"]]
         if blk.kv != me:
             received["kv"] = [_buffer(mine["k"]), _buffer(mine["v"])]
@@ -89,17 +108,30 @@ def _post_inputs(step: list[Block | None], me: int, group, mine: dict[str, Tenso
     return exchange(sends, recvs, group), received
 
 
-def _from_others(step: list[Block | None], me: int, side: str) -> list[int]:
-    """Ranks that compute a block of mine at this step (side 'q': my query rows, 'kv': my K,V): their partials come back."""
-    return [c for c, blk in enumerate(step) if blk is not None and c != me and getattr(blk, side) == me]
+def _merge_rows(out, lse, b_out, b_lse, sl: slice):
+    """Fold a block's partial into query rows sl of the running (out, lse); in place on rows (no autograd in here)."""
+    if sl == slice(None):
+        return kernels.merge(out, lse, b_out, b_lse)
+    o, l = kernels.merge(out[:, sl], lse[..., sl], b_out, b_lse)  # (B, rows, Hq, D), (B, Hq, rows)
+    out[:, sl], lse[..., sl] = o, l
+    return out, lse
+
+
+def _merge_partials(deferred, out, lse):
+    if deferred is not None:
+        handle, bufs = deferred
+        handle.wait()
+        for b_out, b_lse, sl in bufs:
+            out, lse = _merge_rows(out, lse, b_out, b_lse, sl)
+    return out, lse
 
 
 def _forward(q, k, v, group, causal, scale, backend):
-    p, me = group_size(group), group_rank(group)
-    steps = schedule(p, causal)
+    p, me, n = group_size(group), group_rank(group), q.shape[1]
+    steps = schedule(p, causal, split_last=n >= 2)  # n is the same on every rank, so is the schedule
     mine = {"q": q, "k": k, "v": v}
     out = lse = None  # fp32 (float64 for float64) accumulators of my rows
-    deferred = None  # (handle, [(out, lse) buffers]) of the previous step's partials from helpers
+    deferred = None  # (handle, [(out, lse, rows) buffers]) of the previous step's partials from other ranks
     pending = _post_inputs(steps[0], me, group, mine, ["q"])
     for s, step in enumerate(steps):
         handle, received = pending
@@ -108,16 +140,21 @@ def _forward(q, k, v, group, causal, scale, backend):
             pending = _post_inputs(steps[s + 1], me, group, mine, ["q"])
         blk, sends = step[me], []
         if blk is not None:
-            bq = received["q"][0] if blk.q != me else q  # (B, S/P, Hq, D)
+            sl = rows(blk.half, n)
+            bq = received["q"][0] if blk.q != me else q[:, sl]  # (B, rows, Hq, D)
             bk, bv = received["kv"] if blk.kv != me else (k, v)  # (B, S/P, Hkv, D)
             b_out, b_lse = kernels.attn_forward(bq, bk, bv, causal=blk.causal, softmax_scale=scale, backend=backend)
             if blk.q == me:
-                out, lse = kernels.merge(out, lse, b_out, b_lse)
+                out, lse = _merge_rows(out, lse, b_out, b_lse, sl)
             else:  # a helper returns the partial (out, lse) to the query's owner
                 sends = [(b_out, blk.q), (b_lse, blk.q)]
-        helpers = _from_others(step, me, "q")
-        bufs = [(_buffer(q), _buffer(lse)) for _ in helpers]  # (B, S/P, Hq, D), (B, Hq, S/P)
-        results = exchange(sends, [(t, c) for c, pair in zip(helpers, bufs) for t in pair], group)
+        bufs, recvs = [], []
+        for c, cblk in enumerate(step):  # partials of my rows computed elsewhere (step 0 has none: lse exists after it)
+            if cblk is not None and c != me and cblk.q == me:
+                sl = rows(cblk.half, n)
+                bufs.append((_buffer(q[:, sl]), _buffer(lse[..., sl]), sl))
+                recvs += [(bufs[-1][0], c), (bufs[-1][1], c)]
+        results = exchange(sends, recvs, group)
         # partials are merged one step later, so their transfer overlaps this rank's next block
         out, lse = _merge_partials(deferred, out, lse)
         deferred = (results, bufs)
@@ -125,26 +162,17 @@ def _forward(q, k, v, group, causal, scale, backend):
     return out.to(q.dtype), lse
 
 
-def _merge_partials(deferred, out, lse):
-    if deferred is not None:
-        handle, bufs = deferred
-        handle.wait()
-        for b_out, b_lse in bufs:
-            out, lse = kernels.merge(out, lse, b_out, b_lse)
-    return out, lse
-
-
 def _add_partials(deferred, grads: dict[str, Tensor]) -> None:
     if deferred is not None:
         handle, bufs = deferred
         handle.wait()
-        for name, t in bufs:
-            grads[name].add_(t)
+        for name, t, sl in bufs:
+            grads[name][:, sl] += t
 
 
 def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
-    p, me = group_size(group), group_rank(group)
-    steps = schedule(p, causal)
+    p, me, n = group_size(group), group_rank(group), q.shape[1]
+    steps = schedule(p, causal, split_last=n >= 2)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # partial gradients add up in fp32
     grads = {
         "q": torch.zeros(q.shape, dtype=acc, device=q.device),  # (B, S/P, Hq, D)
@@ -153,7 +181,8 @@ def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
     }
     mine = {"q": q, "dout": dout, "out": out, "lse": lse, "k": k, "v": v}
     q_names = ["q", "dout", "out", "lse"]
-    deferred = None  # (handle, [(name, buffer)]) of the previous step's gradient partials from other ranks
+    every = slice(None)
+    deferred = None  # (handle, [(name, buffer, rows)]) of the previous step's gradient partials from other ranks
     pending = _post_inputs(steps[0], me, group, mine, q_names)
     for s, step in enumerate(steps):
         handle, received = pending
@@ -162,11 +191,15 @@ def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
             pending = _post_inputs(steps[s + 1], me, group, mine, q_names)
         blk, sends = step[me], []
         if blk is not None:
-            bq, bdo, bo, bl = received["q"] if blk.q != me else (q, dout, out, lse)
+            sl = rows(blk.half, n)
+            if blk.q != me:
+                bq, bdo, bo, bl = received["q"]
+            else:
+                bq, bdo, bo, bl = (_q_side(name, mine[name], sl) for name in q_names)
             bk, bv = received["kv"] if blk.kv != me else (k, v)
             g_q, g_k, g_v = kernels.attn_backward(bdo, bq, bk, bv, bo, bl, causal=blk.causal, softmax_scale=scale, backend=backend)
             if blk.q == me:
-                grads["q"] += g_q
+                grads["q"][:, sl] += g_q
             else:
                 sends.append((g_q, blk.q))
             if blk.kv == me:
@@ -174,17 +207,18 @@ def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
                 grads["v"] += g_v
             else:
                 sends += [(g_k, blk.kv), (g_v, blk.kv)]
-        bufs, peers = [], []  # per peer: dq first, then dk, dv (the sender's order above)
+        bufs, recvs = [], []  # per peer: dq first, then dk, dv (the sender's order above)
         for c, cblk in enumerate(step):
             if cblk is None or c == me:
                 continue
             if cblk.q == me:
-                bufs.append(("q", _buffer(q)))
-                peers.append(c)
+                sl = rows(cblk.half, n)
+                bufs.append(("q", _buffer(q[:, sl]), sl))
+                recvs.append((bufs[-1][1], c))
             if cblk.kv == me:
-                bufs += [("k", _buffer(k)), ("v", _buffer(v))]
-                peers += [c, c]
-        results = exchange(sends, [(t, c) for (_, t), c in zip(bufs, peers)], group)
+                bufs += [("k", _buffer(k), every), ("v", _buffer(v), every)]
+                recvs += [(bufs[-2][1], c), (bufs[-1][1], c)]
+        results = exchange(sends, recvs, group)
         _add_partials(deferred, grads)  # one step late: the transfer overlaps this rank's next block
         deferred = (results, bufs)
     _add_partials(deferred, grads)
