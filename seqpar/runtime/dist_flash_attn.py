@@ -11,9 +11,11 @@ Rank i owns row i (i + 1 blocks); run row by row, the last rank does P blocks wh
                          rank i < t, which has no block of its own at distance t, helps rank P - t + i: it receives that rank's
                          query and computes block (P - t + i, i) against its own K,V, then sends the partial (out, lse) back to be
                          merged with kernels.merge. Distances t and P - t together cover every off-diagonal block exactly once;
-                         for even P the last step (t = P/2) has nothing left for helpers.
-So floor(P/2) + 1 steps, at most floor(P/2) + 1 blocks per rank; for odd P every rank does exactly (P + 1)/2 (perfect balance),
-which is why odd P works here exactly as even P does. The backward follows the same schedule: owners receive K,V again and send
+                         for even P the last step (t = P/2) has nothing left for helpers, so (unlike LightSeq, whose
+                         busiest rank does half a block more than the average) its P/2 blocks are split by query rows:
+                         the owner computes the first half, the idle K,V owner the second half and returns it.
+So floor(P/2) + 1 steps and exactly P/2 block units per rank for every P (a diagonal or a half block counts 1/2): perfect
+balance, and odd P works exactly as even P does. The backward follows the same schedule: owners receive K,V again and send
 dk, dv partials back to the K,V owner; helpers receive q, dout, out, lse and send dq partials back. The inputs of step t + 1 are in
 flight while step t computes, and the partials of step t are folded in after step t + 1 computes, so neither transfer stalls
 the kernels. Non-causal attention uses the plain rotation (every rank computes its whole row, one block a step).
