@@ -49,6 +49,8 @@ def init_distributed(plan: LaunchPlan) -> Topology:
     cpu = plan.cluster.accelerator == "cpu"
     if not cpu and not torch.cuda.is_available():
         raise SeqparError("the plan's cluster is accelerator 'cuda' but torch sees no CUDA device; run on the GPU machine or use a --cluster cpu:N plan")
+    if not cpu:  # before the NCCL communicator exists, so it binds to this rank's GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m seqpar.runtime.train`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -67,7 +69,6 @@ def init_distributed(plan: LaunchPlan) -> Topology:
     if cpu:
         device = torch.device("cpu")
     else:
-        torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     # new_group is collective: every rank creates every group, in the same order.
     mine = None
@@ -101,7 +102,7 @@ class LossModule(nn.Module):
         from seqpar.runtime import hf
 
         if self.loss_impl == "chunked":
-            hidden = self.model.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state  # (B, s, h)
+            hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state  # (B, s, h)
             head = self.model.get_output_embeddings().weight  # (V, h)
             return hf.loss_from_hidden(hidden, head, labels, self.group, self.chunk_size)
         logits = self.model(input_ids=input_ids, position_ids=position_ids).logits  # (B, s, V)
@@ -129,7 +130,7 @@ def wrap(module: LossModule, plan: LaunchPlan, topo: Topology, *, cpu_offload: b
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
         off = CPUOffloadPolicy() if cpu_offload and topo.device.type == "cuda" else OffloadPolicy()
         reshard = sharding != "zero2"
-        for layer in module.model.model.layers:  # one all-gather per decoder layer
+        for layer in module.model.base_model.layers:  # one all-gather per decoder layer
             fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
         return module
