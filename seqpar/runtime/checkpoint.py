@@ -55,13 +55,19 @@ def save(root: Path, step: int, *, wrapped, hf_model, optimizer, scheduler, stat
         shutil.rmtree(tmp, ignore_errors=True)  # left over by an earlier crash
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd = get_model_state_dict(wrapped, options=FULL)  # collective under FSDP2; keys relative to the loss module
-    optim_sd = get_optimizer_state_dict(wrapped, optimizer, options=FULL) if optimizer is not None else None
+    ds = _deepspeed(wrapped)
+    if ds is not None:  # DeepSpeed keeps its own sharded optimizer state: its checkpoint format, written by every rank
+        wrapped.save_checkpoint(str(tmp / "deepspeed"), tag="state")
+        model_sd, optim_sd = ds.full_weights(wrapped), None
+    else:
+        model_sd = get_model_state_dict(wrapped, options=FULL)  # collective under FSDP2; keys relative to the loss module
+        optim_sd = get_optimizer_state_dict(wrapped, optimizer, options=FULL) if optimizer is not None else None
     if rank == 0:
         weights = {k.removeprefix("model."): v for k, v in model_sd.items()}
         hf_model.save_pretrained(tmp / "model", state_dict=weights)
-        torch.save(optim_sd, tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict() if scheduler is not None else None, tmp / "scheduler.pt")
+        if ds is None:
+            torch.save(optim_sd, tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict() if scheduler is not None else None, tmp / "scheduler.pt")
     torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
     _fault("checkpoint", step, rank)
     _barrier()
@@ -92,10 +98,12 @@ def read_state(folder: Path) -> dict:
 
 def load_training_state(folder: Path, *, wrapped, optimizer, scheduler, rank: int) -> None:
     """Optimizer, scheduler and this rank's RNG states (the model weights were loaded before wrapping)."""
-    if optimizer is not None:
+    if _deepspeed(wrapped) is not None:
+        wrapped.load_checkpoint(str(folder / "deepspeed"), tag="state")  # model, optimizer and scheduler
+    elif optimizer is not None:
         osd = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
         set_optimizer_state_dict(wrapped, optimizer, osd, options=StateDictOptions(full_state_dict=True))
-    if scheduler is not None:
+    if scheduler is not None and (folder / "scheduler.pt").is_file():
         scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     rng = folder / f"rng-{rank}.pt"
     if not rng.is_file():
@@ -111,6 +119,13 @@ def check_compatible(state: dict, expect: dict, folder: Path) -> None:
                 f"checkpoint {str(folder)!r} was written with {key} = {state.get(key)}, this run has {want}; "
                 f"resume with the plan that wrote it, or start a new --output"
             )
+
+
+def _deepspeed(wrapped):
+    """seqpar.runtime.deepspeed when ``wrapped`` is a DeepSpeed engine, else None (deepspeed is optional)."""
+    from seqpar.runtime import deepspeed
+
+    return deepspeed if deepspeed.is_engine(wrapped) else None
 
 
 def _rng_state() -> dict:

@@ -120,10 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     if deepspeed:
         from seqpar.runtime.deepspeed import prepare
 
-        module.to(topo.device)
-        optimizer = engine.make_optimizer(module, plan)
-        scheduler = engine.make_scheduler(optimizer, plan, steps)
-        wrapped, optimizer, scheduler, backward = prepare(module, optimizer, scheduler, plan)
+        wrapped, optimizer, scheduler, backward = prepare(module, plan, steps)
     else:
         wrapped = engine.wrap(module, plan, topo, cpu_offload=args.fsdp_cpu_offload)
         optimizer = engine.make_optimizer(wrapped, plan)
