@@ -5,7 +5,9 @@ sub-groups built collectively with new_group): MHA 8/8, GQA 8/2 (KV heads split)
 each pair). The degenerate degrees (U = 1: zigzag_ring_attn; U = W: ulysses_attn) run at W = 1..4 as far as heads allow.
 W = 1 runs in the test process without a process group; W = 2, 3, 4 on sub-groups of one 4-process gloo spawn.
 float64 with local chunks of 2 and 6 tokens (S must be a multiple of 2W), causal and non-causal, float32 causal; out, lse,
-dq, dk, dv compared shard by shard. Bad degrees, heads and lengths raise the same one-line error on every rank, before any transfer.
+dq, dk, dv compared shard by shard. Bad degrees, heads and lengths raise the same one-line error on every rank, before any
+transfer. On 6 processes, sp groups that do not span the job (dp x sp): sub-groups made from inside a group, the clear error
+where that would hang, and create_subgroups, its fix.
 """
 
 import torch
@@ -77,3 +79,36 @@ def test_usp_matches_single_process_on_2_3_4_ranks():
     assert {W: len(r) for W, r in by_size.items()} == {2: 4, 3: 3, 4: 4}
     for W, results in by_size.items():
         _check(W, results)
+
+
+def _dp_sp(rank, world):
+    """Sequence-parallel groups that do not span the job (the dp x sp case), on 6 processes."""
+    import torch.distributed as dist
+
+    from seqpar.runtime.usp_attn import create_subgroups
+
+    def cases(ranks, group):
+        return check_cases(ranks.index(rank), len(ranks), "usp_attn", [(8, 2)], (2,), ulysses_degree=2, group=group)
+
+    out = {}
+    a, c = dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5])
+    # members of a 4-rank group create its sub-groups by themselves (use_local_synchronization)
+    out["local"] = cases([0, 1, 2, 3], a) if rank < 4 else cases([4, 5], c)
+    dist.new_group([0, 1, 2])  # now ranks 0 and 1 know one group more than ranks 4 and 5
+    d = dist.new_group([0, 1, 4, 5])
+    if rank in (0, 1, 4, 5):  # creating sub-groups from inside d would hang: every member must raise instead
+        out["error"] = error_messages([lambda: cases([0, 1, 4, 5], d)])[0]
+    create_subgroups([[0, 1, 4, 5]], 2)  # the fix the message names: every process, up front
+    if rank in (0, 1, 4, 5):
+        out["created"] = cases([0, 1, 4, 5], d)
+    return out
+
+
+def test_usp_groups_that_do_not_span_the_job():
+    results = run_ranks(_dp_sp, 6, timeout=150)
+    assert all(len(r["local"]) == n_cases([(8, 2)], (2,)) for r in results)
+    members = [results[r] for r in (0, 1, 4, 5)]
+    assert all(m["error"] == members[0]["error"] for m in members)
+    assert members[0]["error"].startswith("usp_attn cannot create the sub-groups of group [0, 1, 4, 5] from inside it")
+    assert "create_subgroups" in members[0]["error"]
+    assert all(len(m["created"]) == n_cases([(8, 2)], (2,)) for m in members)

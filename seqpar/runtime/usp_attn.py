@@ -36,30 +36,56 @@ from seqpar.runtime.zigzag_ring_attn import zigzag_ring_attn_attention
 _SUBGROUPS: dict[tuple[tuple[int, ...], int], tuple] = {}  # (global ranks of the parent group, U) -> (ulysses, ring)
 
 
+def _split(ranks: tuple[int, ...], U: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Ulysses sets (U consecutive ranks each) and ring sets (every U-th rank) of one sequence-parallel group."""
+    return [list(ranks[i : i + U]) for i in range(0, len(ranks), U)], [list(ranks[u::U]) for u in range(U)]
+
+
+def create_subgroups(sp_groups: list[list[int]], ulysses_degree: int, backend: str | None = None) -> None:
+    """Create and cache the sub-groups of every sequence-parallel group of the job at once (plain new_group, the same
+    order everywhere). Call it on every process with the same arguments, right after creating the sp groups, when
+    they do not span the job (dp x sp): then one group's ranks cannot safely create them by themselves."""
+    me = dist.get_rank()
+    for ranks in (tuple(sorted(g)) for g in sp_groups):
+        uly_sets, ring_sets = _split(ranks, ulysses_degree)
+        made = [dist.new_group(r, backend=backend) for r in uly_sets + ring_sets]  # every process, every group
+        if me in ranks:
+            ring_rank, uly_rank = divmod(ranks.index(me), ulysses_degree)
+            _SUBGROUPS[(ranks, ulysses_degree)] = (made[ring_rank], made[len(uly_sets) + uly_rank])
+
+
 def subgroups(group, ulysses_degree: int):
     """(Ulysses group, ring group) of this rank inside ``group``: U consecutive ranks, and every U-th rank. Cached.
 
-    Collective on first use for a (group, U). When ``group`` spans every process, every rank creates every sub-group in
-    the same order (plain new_group, the robust form). Otherwise only the group's members call, so the sub-groups use
-    ``use_local_synchronization``; torch names such groups from their ranks and the number of groups the calling
-    process already knows, so the members must have created the same number of process groups before (true when
-    every rank builds the same mesh of groups, as launchers do).
+    Collective on first use for a (group, U), unless ``create_subgroups`` made them. When ``group`` spans every process,
+    every rank creates every sub-group in the same order (plain new_group). Otherwise only the group's members take
+    part, with ``use_local_synchronization``: torch names such groups from their ranks and the number of groups the
+    process already knows, so members that know different numbers would wait on each other forever; that is checked
+    first and raised on every member with the fix (``create_subgroups``).
     """
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     key = (ranks, ulysses_degree)
     if key not in _SUBGROUPS:
         U, R = ulysses_degree, len(ranks) // ulysses_degree
         ring_rank, uly_rank = divmod(group_rank(group), U)
-        uly_sets = [list(ranks[i * U : (i + 1) * U]) for i in range(R)]
-        ring_sets = [list(ranks[u::U]) for u in range(U)]
+        uly_sets, ring_sets = _split(ranks, U)
         backend = dist.get_backend(group)  # gloo parent -> gloo sub-groups (host staging for CUDA tensors keeps working)
         if len(ranks) == dist.get_world_size():
             made = [dist.new_group(r, backend=backend) for r in uly_sets + ring_sets]  # same order on every rank
-            pair = (made[ring_rank], made[R + uly_rank])
+            _SUBGROUPS[key] = (made[ring_rank], made[R + uly_rank])
         else:
-            pair = tuple(dist.new_group(r, backend=backend, use_local_synchronization=True)
-                         for r in (uly_sets[ring_rank], ring_sets[uly_rank]))
-        _SUBGROUPS[key] = pair
+            known = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+            if known is not None:
+                counts: list = [None] * len(ranks)
+                dist.all_gather_object(counts, len(known), group=group)
+                if len(set(counts)) > 1:
+                    raise kernels._error(
+                        f"usp_attn cannot create the sub-groups of group {list(ranks)} from inside it: its ranks know "
+                        f"different numbers of process groups ({counts}); call seqpar.runtime.usp_attn.create_subgroups"
+                        f"(all sp groups, {U}) on every process after creating the sp groups"
+                    )
+            _SUBGROUPS[key] = tuple(dist.new_group(r, backend=backend, use_local_synchronization=True)
+                                    for r in (uly_sets[ring_rank], ring_sets[uly_rank]))
     return _SUBGROUPS[key]
 
 
