@@ -3,8 +3,8 @@
 W = 1 runs in the test process without a process group; W = 2, 3, 4 run on sub-groups of one 4-process gloo spawn (the
 balanced schedule is exact for odd W too). Every case: MHA 8/8 and GQA 8/2 heads, float64 with local chunks of 3, 2 and 1
 tokens (not multiples of any kernel tile; 1 cannot be split in half), causal and the plain rotation (non-causal), float32
-causal; out, lse, dq, dk, dv are compared shard by shard. Lengths that do not split over W and malformed inputs must raise the same one-line error on
-every rank, with no hang. ``check_cases`` and ``on_subgroups`` are shared with the Ulysses and USP tests.
+causal; out, lse, dq, dk, dv are compared shard by shard. Lengths that do not split over W and malformed inputs must raise
+the same one-line error on every rank, with no hang. ``check_cases`` and ``on_subgroups`` are shared with the Ulysses and USP tests.
 """
 
 import pytest

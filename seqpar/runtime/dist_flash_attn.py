@@ -15,9 +15,9 @@ Rank i owns row i (i + 1 blocks); run row by row, the last rank does P blocks wh
                          busiest rank does half a block more than the average) its P/2 blocks are split by query rows:
                          the owner computes the first half, the idle K,V owner the second half and returns it.
 So floor(P/2) + 1 steps and exactly P/2 block units per rank for every P (a diagonal or a half block counts 1/2): perfect
-balance, and odd P works exactly as even P does. The backward follows the same schedule: owners receive K,V again and send
-dk, dv partials back to the K,V owner; helpers receive q, dout, out, lse and send dq partials back. The inputs of step t + 1 are in
-flight while step t computes, and the partials of step t are folded in after step t + 1 computes, so neither transfer stalls
+balance, and odd P works exactly as even P does. The backward follows the same schedule: owners receive K,V again and
+send dk, dv partials back to the K,V owner; helpers receive q, dout, out, lse and send dq partials back. The inputs of
+step t + 1 are in flight while step t computes, and the partials of step t are folded in after step t + 1 computes, so neither transfer stalls
 the kernels. Non-causal attention uses the plain rotation (every rank computes its whole row, one block a step).
 Transfers are batches of arbitrary-peer p2p (seqpar.runtime.comm.exchange); the schedule is the same pure function on every
 rank, so each rank knows whom to send to and receive from without asking.
@@ -199,7 +199,9 @@ def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
             else:
                 bq, bdo, bo, bl = (_q_side(name, mine[name], sl) for name in q_names)
             bk, bv = received["kv"] if blk.kv != me else (k, v)
-            g_q, g_k, g_v = kernels.attn_backward(bdo, bq, bk, bv, bo, bl, causal=blk.causal, softmax_scale=scale, backend=backend)
+            g_q, g_k, g_v = kernels.attn_backward(
+                bdo, bq, bk, bv, bo, bl, causal=blk.causal, softmax_scale=scale, backend=backend
+            )  # (B, rows, Hq, D), (B, S/P, Hkv, D) x 2
             if blk.q == me:
                 grads["q"][:, sl] += g_q
             else:
