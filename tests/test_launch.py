@@ -3,7 +3,8 @@
 The end-to-end part starts `seqpar launch` twice on 2 gloo ranks: the first run checkpoints at step 4 and has rank 1 raise
 at step 6 (SEQPAR_FAULT_* hook): every process must exit non-zero within 60 s and the output must name rank 1. The second
 run (`--resume`) continues from step 4; the 8 steps of metrics must equal an uninterrupted in-process run of the same plan.
-That in-process run also checks that a crash while a checkpoint is being written leaves the previous one in place.
+That in-process run also checks that a crash while a checkpoint is being written leaves the previous one in place, and that
+an FSDP2 run (sharded optimizer state) resumed from its step-4 checkpoint repeats steps 5-8 exactly.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -166,7 +168,18 @@ def _reference_and_torn_checkpoint(rank, world, plan_file, out):
     finally:
         for k in ("SEQPAR_FAULT_PHASE", "SEQPAR_FAULT_RANK", "SEQPAR_FAULT_STEP"):
             os.environ.pop(k)
-    return raised, str(latest(Path(torn) / "checkpoints")), sorted(p.name for p in (Path(torn) / "checkpoints").iterdir())
+    torn_result = raised, str(latest(Path(torn) / "checkpoints")), sorted(p.name for p in (Path(torn) / "checkpoints").iterdir())
+
+    # FSDP2 (sharded optimizer state): drop the step-8 checkpoint of a finished run, resume from step 4, compare.
+    fsdp_plan, full, cut = plan_file.replace(".json", "-fsdp.json"), out + "-fsdp", out + "-fsdp-cut"
+    run(parser().parse_args(["--plan", fsdp_plan, "--output", full]))
+    if rank == 0:
+        shutil.copytree(full, cut)
+        shutil.rmtree(Path(cut) / "checkpoints" / "step-000008")
+        (Path(cut) / "checkpoints" / "latest").write_text("step-000004\n")
+    dist.barrier()
+    run(parser().parse_args(["--plan", fsdp_plan, "--output", cut, "--resume"]))
+    return torn_result, (read_metrics(full), read_metrics(cut)) if rank == 0 else None
 
 
 def test_fault_names_the_rank_and_resume_continues_exactly(tmp_path):
@@ -175,10 +188,15 @@ def test_fault_names_the_rank_and_resume_continues_exactly(tmp_path):
     plan_file = tmp_path / "plan.json"
     make_plan(2, "zigzag_ring_attn", 2, steps=8, checkpoint_every=4).write(plan_file)
     ref = tmp_path / "ref"
-    results = run_ranks(_reference_and_torn_checkpoint, 2, str(plan_file), str(ref), timeout=120)
-    for raised, last, names in results:
+    make_plan(2, "zigzag_ring_attn", 2, steps=8, checkpoint_every=4, sharding="fsdp").write(tmp_path / "plan-fsdp.json")
+    results = run_ranks(_reference_and_torn_checkpoint, 2, str(plan_file), str(ref), timeout=150)
+    for (raised, last, names), _ in results:
         assert raised
         assert last.endswith("step-000004") and ".step-000008.tmp" in names and "step-000008" not in names
+    full, resumed = results[0][1]
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in resumed], [m[key] for m in full], rtol=1e-6, err_msg=f"fsdp resume {key}")
 
     out = tmp_path / "job"
     env = dict(os.environ, SEQPAR_FAULT_RANK="1", SEQPAR_FAULT_STEP="6")
