@@ -172,3 +172,21 @@ def test_bad_data_is_one_clear_error(tmp_path, kind, match):
     with pytest.raises(SeqparError, match=match):
         d = open_data(str(p), seq_len=64, vocab_size=256)
         d.window(0)
+
+
+def test_jsonl_text_is_tokenized_with_a_local_tokenizer_and_packed(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from seqpar.runtime.data import open_data
+
+    vocab = {"<eos>": 0, "a": 1, "b": 2, "c": 3, "[UNK]": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    (tmp_path / "d.jsonl").write_text('{"text": "a b c"}\n\n{"text": "c c"}\n{"text": "b x"}\n')
+    d = open_data(str(tmp_path / "d.jsonl"), seq_len=3, vocab_size=5, tokenizer_path=str(tmp_path / "tok"))
+    # Documents end with EOS and are packed back to back: a b c <eos> | c c <eos> b | (x <eos> dropped: not a full window)
+    assert d.num_windows == 2
+    np.testing.assert_array_equal(d.window(0), [1, 2, 3, 0])
+    np.testing.assert_array_equal(d.window(1), [3, 3, 0, 2])
