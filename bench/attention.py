@@ -59,14 +59,14 @@ def rank_calls(mode: str, S: int, W: int, H: int, usp_u: int) -> list[list[tuple
         per_ring = _zigzag_calls(S, R, H // usp_u)
         return [per_ring[r // usp_u] for r in range(W)]  # rank = ring_rank * U + ulysses_rank
     if mode == "dist_flash_attn":
-        from seqpar.runtime.dist_flash_attn import schedule
+        from seqpar.runtime.dist_flash_attn import rows, schedule
 
         C = S // W
         calls: list[list[tuple]] = [[] for _ in range(W)]
-        for step in schedule(W, causal=True):
+        for step in schedule(W, causal=True, split_last=C >= 2):
             for r, blk in enumerate(step):
-                if blk is not None:
-                    calls[r].append((C, C, blk.causal, H))
+                if blk is not None:  # a split last-step block covers half of the query rows
+                    calls[r].append((len(range(C)[rows(blk.half, C)]), C, blk.causal, H))
         return calls
     raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
 
