@@ -199,11 +199,6 @@ class Strategy(_Frozen):
                 )
         elif self.ulysses_degree != 1 or self.ring_degree != 1:
             raise ValueError(f"ulysses_degree/ring_degree are for usp_attn only; {self.mode} takes sp_degree alone")
-        if self.mode == "dist_flash_attn" and self.sp_degree % 2 and self.sp_degree > 1:
-            raise ValueError(
-                f"dist_flash_attn's balanced schedule pairs ranks, so sp_degree must be even, not {self.sp_degree}; "
-                f"use {self.sp_degree - 1 or 2} or {self.sp_degree + 1}, or zigzag_ring_attn"
-            )
         return self
 
     @property

@@ -93,7 +93,7 @@ def plot_memory(plan: LaunchPlan, path: str | Path, coeffs: Optional[Coefficient
     for mode in MODES:
         if mode == "data_parallel":
             st = s.model_copy(update={"mode": mode, "sp_degree": 1, "dp_degree": world, "ulysses_degree": 1, "ring_degree": 1})
-        elif world < 2 or (mode == "dist_flash_attn" and world % 2):
+        elif world < 2:
             continue
         elif mode == "usp_attn":
             u = next((u for u in range(world // 2, 1, -1) if world % u == 0 and world // u >= 2), None)

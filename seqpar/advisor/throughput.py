@@ -6,7 +6,7 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
 * Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x
   forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (any checkpointing in
   seqpar.runtime). Sequence parallelism divides it by sp_degree, times the
-  mode's imbalance: zigzag and Ulysses are balanced; dist flash runs P/2+1 steps where P/2+1/2 would be ideal.
+  mode's imbalance: zigzag, Ulysses and our dist flash schedule (last step split by query rows) are balanced.
 * Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors; the
   attention rate falls for short kernel calls, eff(n) ~ n/(n+n0) (n = query tokens per call: S for data parallel and Ulysses,
   S/(2P) for zigzag chunks, S/P for dist flash blocks).
@@ -84,9 +84,9 @@ def call_tokens(s: Strategy, seq_len: int) -> float:
 
 
 def imbalance(s: Strategy) -> float:
-    if s.mode == "dist_flash_attn" and s.sp_degree > 1:
-        p = s.sp_degree
-        return (p / 2 + 1) / (p / 2 + 0.5)  # P/2+1 steps of one block where P/2+1/2 blocks of work would do
+    # zigzag and Ulysses are balanced by construction; our dist_flash_attn schedule is too: LightSeq's P/2+1 steps leave
+    # the busiest rank P/2+1/2 blocks, but seqpar.runtime.dist_flash_attn splits the last step's blocks by query rows
+    # between owner and idle helper (odd P balances exactly as it is), so every rank does P/2 blocks of work.
     return 1.0
 
 
