@@ -96,11 +96,9 @@ def test_every_mode_matches_data_parallel_on_2_ranks(tmp_path):
     cases = [("ref", make_plan(w))]
     cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, mbs=w)) for m in MODES]
     cases += [
-        ("usp_ring", make_plan(w, "usp_attn", w, ulysses=1, mbs=w)),  # usp as a pure ring of 2
         ("fsdp_zigzag", make_plan(w, "zigzag_ring_attn", w, mbs=w, sharding="fsdp")),
         ("chunked_ckpt", make_plan(w, "zigzag_ring_attn", w, ga=w, loss_impl="chunked", checkpointing="full")),
         ("offload_ckpt", make_plan(w, "ulysses_attn", w, mbs=w, checkpointing="offload")),  # layer inputs in host RAM
-        ("fsdp_dp", make_plan(w, sharding="fsdp")),
         ("zero3_offload_on_cpu", make_plan(w, "zigzag_ring_attn", w, mbs=w, sharding="zero3_offload")),  # runs as FSDP2
         ("zero2_on_cpu", make_plan(w, sharding="zero2")),
     ]
