@@ -11,8 +11,11 @@ import logging
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+try:  # rich is a core dependency, but a bare GPU image may run the trainer without it: then log lines only
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+except ImportError:  # pragma: no cover
+    Console = None
 
 
 def setup_logging(out: Path, rank: int) -> logging.Logger:
@@ -39,8 +42,8 @@ class ProgressBar:
 
     def __init__(self, rank: int, total: int, start: int, log: logging.Logger, log_every: int = 10):
         self.log, self.log_every, self.total = log, max(1, log_every), total
-        console = Console(stderr=True)
-        self.live = rank == 0 and console.is_terminal
+        console = Console(stderr=True) if Console is not None else None
+        self.live = rank == 0 and console is not None and console.is_terminal
         self.bar = None
         if self.live:
             self.bar = Progress(
