@@ -84,6 +84,8 @@ def precision(w: Workload, s: Strategy, accelerator: str = "cuda") -> Precision:
         return Precision(4, 4, adam, 4, 4, False, "fp32")
     if w.optimizer == "adamw-bf16":
         return Precision(p, p, 2 * p, p, p, False, f"{w.dtype} parameters and moments")
+    if w.optimizer == "none":  # the runtime keeps parameters in the model dtype when nothing is updated
+        return Precision(p, p, 0, p, p, False, f"{w.dtype} parameters and gradients, no optimizer")
     if s.sharding == "fsdp":
         return Precision(4, 4, adam, p, p, False, f"fp32 sharded master, FSDP2 computes in {w.dtype}")
     if s.sharding.startswith("zero"):

@@ -59,7 +59,12 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
     valid, invalid = [], []
     modes = [req.mode] if req.mode else list(MODES)
     ckpts = [req.checkpointing] if req.checkpointing else list(CHECKPOINTING)
-    shards = [req.sharding] if req.sharding else (["ddp", "zero3_offload"] if world == 1 else list(SHARDING))
+    if req.sharding:
+        shards = [req.sharding]
+    elif req.cluster.accelerator == "cpu":  # DeepSpeed is GPU-only; gloo ranks shard with FSDP2
+        shards = ["ddp"] if world == 1 else ["ddp", "fsdp"]
+    else:
+        shards = ["ddp", "zero3_offload"] if world == 1 else list(SHARDING)
     losses = [req.loss_impl] if req.loss_impl else list(LOSS)
     for mode in modes:
         for sp, u in _degrees(mode, world, m, req):

@@ -198,6 +198,8 @@ def compute_dtype(plan: LaunchPlan, device: torch.device) -> tuple[torch.dtype, 
     low = torch.bfloat16 if want == "bf16" else torch.float16
     if plan.workload.optimizer == "adamw-bf16":
         return low, None, f"{want} parameters and moments, no fp32 master (optimizer adamw-bf16)"
+    if plan.workload.optimizer == "none":  # forward+backward only: no update, so no master copy to keep
+        return low, None, f"{want} parameters and gradients (optimizer none: nothing to keep in fp32)"
     if plan.strategy.sharding == "fsdp":
         return torch.float32, None, f"fp32 master parameters, FSDP2 computes in {want}"
     return torch.float32, low, f"fp32 master parameters, autocast to {want}"

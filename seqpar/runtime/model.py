@@ -53,8 +53,11 @@ def set_rope_theta(config, theta: float) -> None:
         config.rope_theta = float(theta)
 
 
-def build_model(spec: ModelSpec, *, model_path: str | None, seed: int, rope_theta: float | None, init_from: str | None = None):
-    """The causal LM in float32 on CPU (the engine moves and casts it); weights from model_path, init_from, or seeded random."""
+def build_model(spec: ModelSpec, *, model_path: str | None, seed: int, rope_theta: float | None, init_from: str | None = None,
+                device=None, dtype=None):
+    """The causal LM; weights from model_path, init_from, or seeded random. Random weights are created directly on
+    ``device`` in ``dtype`` (a 7B model initialised in fp32 on the host would take ~27 GB of RAM and a minute of CPU);
+    loaded weights come in ``dtype`` on the host and the caller moves them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -69,10 +72,12 @@ def build_model(spec: ModelSpec, *, model_path: str | None, seed: int, rope_thet
     if rope_theta is not None:
         set_rope_theta(config, rope_theta)
     torch.manual_seed(seed)
+    dtype = dtype or torch.float32
     if model_path:
-        model = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=torch.float32, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=dtype, local_files_only=True)
     else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.device(device or "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if init_from:
         load_weights(model, init_from)
     return model

@@ -102,8 +102,9 @@ def run(args: argparse.Namespace) -> dict:
         if last is None:
             raise SeqparError(f"--init-from {init!r} holds no finished checkpoint; run that stage first")
         init = str(last / "model")
+    param_dtype, autocast_dtype, dtype_reason = engine.compute_dtype(plan, topo.device)
     model = build_model(w.model, model_path=args.model_path, seed=t.seed, rope_theta=t.rope_theta,
-                        init_from=str(resume_from / "model") if resume_from else init)
+                        init_from=str(resume_from / "model") if resume_from else init, device=topo.device, dtype=param_dtype)
     ulysses = s.ulysses_degree if s.mode == "usp_attn" else None
     apply(model, s.mode, group=topo.sp_group, ulysses_degree=ulysses, offload_checkpoints=s.checkpointing == "offload")
     if s.checkpointing in ("full", "selective"):  # selective runs as full here: HF has no attention-output checkpoint
@@ -113,7 +114,6 @@ def run(args: argparse.Namespace) -> dict:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    param_dtype, autocast_dtype, dtype_reason = engine.compute_dtype(plan, topo.device)
     model.to(device=topo.device, dtype=param_dtype)
     module = engine.LossModule(model, s.loss_impl, topo.sp_group)
     optimizer = scheduler = None
