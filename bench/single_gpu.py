@@ -123,20 +123,19 @@ def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer:
         cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan), "--steps", str(warmup + steps), "--data", "synthetic",
                "--output", str(out), "--force"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        reports = sorted(out.rglob("report*.json"))
+        reports = sorted(out.rglob("run_report.json"))
         if proc.returncode != 0 or not reports:
             tail = (proc.stdout + proc.stderr)[-3000:]
             raise RuntimeError("OutOfMemoryError" if "OutOfMemory" in tail or "out of memory" in tail else tail)
         rep = json.loads(reports[-1].read_text())
-        plan_json = json.loads(plan.read_text())
-    times = rep.get("step_times_s", [])[warmup:]
+        metrics = [json.loads(x) for x in (reports[-1].parent / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return {
-        "loss": rep.get("final_loss"),
-        "step_times_s": times,
-        "peak_memory_gib": max(r["peak_memory_gib"] for r in rep["ranks"]),
-        "reserved_memory_gib": max(r["reserved_memory_gib"] for r in rep["ranks"]),
-        "predicted": plan_json.get("prediction"),
-        "strategy": plan_json.get("strategy"),
+        "loss": metrics[-1].get("loss") if metrics else None,
+        "step_times_s": rep["step_times_s"][warmup:],
+        "peak_memory_gib": rep["measured"]["peak_memory_gib"],
+        "reserved_memory_gib": rep["measured"]["reserved_memory_gib"],
+        "predicted": rep["predicted"],
+        "strategy": rep["plan"]["strategy"],
         "report": rep,
     }
 
