@@ -4,7 +4,8 @@
     python bench/accuracy.py --update      # also refit and write seqpar/profiles/coefficients.json
     python bench/accuracy.py REPORT.json   # add run reports from `seqpar launch` to the shipped rows
 
-Residual = predicted / measured - 1 after fitting on all rows; LOO = the same when the row is left out of the fit.
+Residual = predicted / measured - 1 after fitting on all rows; LOO = the same when the row is left out of the fit
+(its GPU's factors and h0 refitted without it). The summary lines split published (EasyContext) rows from ours.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def main(argv=None) -> int:
     c = res.coefficients
     print(f"Date: {datetime.now(timezone.utc):%Y-%m-%d}; machine: {platform.machine()} {platform.system()}, Python {platform.python_version()}; "
           f"command: `python bench/accuracy.py{' ' + ' '.join(args.reports) if args.reports else ''}`\n")
-    print("Fitted: " + ", ".join(f"{k} = {getattr(c, k):.4g}" for k in ("linear_time_factor", "attn_time_factor", "attn_block_tokens", "cpu_adam_gparams_per_s")) + "\n")
+    print("Fitted: global (fallback) " + ", ".join(f"{k} = {getattr(c, k):.4g}" for k in ("linear_time_factor", "attn_time_factor"))
+          + "; " + "; ".join(f"{gpu}: " + ", ".join(f"{k} = {v:.4g}" for k, v in f.items()) for gpu, f in sorted(c.time_factors.items()))
+          + "; " + ", ".join(f"{k} = {getattr(c, k):.4g}" for k in ("matmul_width_h0", "attn_block_tokens", "cpu_adam_gparams_per_s")) + "\n")
     print("| row | source | measured tok/s | predicted tok/s | residual | LOO | measured peak GiB | predicted peak GiB | mem residual | OOM measured / predicted |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for e in res.rows:
@@ -45,6 +48,12 @@ def main(argv=None) -> int:
     within = sum(1 for e in res.rows if e["tokens_residual"] is not None and abs(e["tokens_residual"]) <= 0.10)
     timed = sum(1 for e in res.rows if e["tokens_residual"] is not None)
     print(f"\nmax |residual| {res.max_abs_residual:.1%}, max |LOO| {res.max_abs_loo:.1%}; within 10%: {within} of {timed}")
+    for name, pick in (("published", lambda e: e["source"] == "easycontext_a100.csv"), ("ours", lambda e: e["source"] != "easycontext_a100.csv")):
+        sel = [e for e in res.rows if pick(e) and e["tokens_residual"] is not None]
+        mem = [abs(e["memory_residual"]) for e in res.rows if pick(e) and e["memory_residual"] is not None]
+        if sel:
+            print(f"{name}: max |residual| {max(abs(e['tokens_residual']) for e in sel):.1%}, max |LOO| "
+                  f"{max(abs(e['loo_tokens_error'] or 0) for e in sel):.1%}" + (f", max |memory residual| {max(mem):.1%}" if mem else ""))
     unsafe = [e["label"] for e in res.rows if e["measured_oom"] and not e["predicted_oom"]]
     print("configurations that ran out of memory but are predicted to fit: " + (", ".join(unsafe) if unsafe else "none"))
     if args.update:

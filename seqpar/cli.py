@@ -323,7 +323,7 @@ def calibrate(
     if output is not None:
         note(f"wrote {output}")
     if json_out:
-        print_json({"coefficients": res.coefficients.values(), "rows": res.rows, "max_abs_residual": res.max_abs_residual,
+        print_json({"coefficients": res.coefficients.values(), "time_factors": res.coefficients.time_factors, "rows": res.rows, "max_abs_residual": res.max_abs_residual,
                     "max_abs_loo": res.max_abs_loo})
         return
     for e in res.rows:

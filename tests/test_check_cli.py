@@ -5,6 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from seqpar.advisor.fit import load_measurements
 from seqpar.cli import app
 
 PIN_64K = ["--seq-len", "64k", "--gpu", "h200", "--gpus", "1", "--mode", "data_parallel", "--checkpointing", "full",
@@ -65,7 +66,11 @@ def test_calibrate_command(runner, tmp_path):
     r = run(runner, ["calibrate", str(report), "-o", str(out), "--json"])
     assert r.exit_code == 0
     data = json.loads(r.stdout)
-    assert len(data["rows"]) == 6 and json.loads(out.read_text())["values"] == pytest.approx(data["coefficients"])
+    written = json.loads(out.read_text())
+    assert len(data["rows"]) == len(load_measurements()) + 1 and written["values"] == pytest.approx(data["coefficients"])
+    assert set(written["time_factors"]) == set(data["time_factors"]) >= {"h200"}
+    for gpu, f in data["time_factors"].items():
+        assert written["time_factors"][gpu] == pytest.approx(f, rel=1e-5)
     assert run(runner, ["calibrate", str(tmp_path / "nope.json")]).exit_code == 2
 
 

@@ -16,43 +16,90 @@ from seqpar.schema import SeqparError, Strategy, Workload
 C = load_coefficients()
 
 
-def _synthetic(true):
-    m, cl = get_model("llama-2-7b"), cluster_from_flags("h200", 8)
+def _synthetic(true, gpu="h200", model="llama-2-7b"):
+    m, cl = get_model(model), cluster_from_flags(gpu, 8)
     rows = []
     for mode, sp, n in (("data_parallel", 1, 32768), ("zigzag_ring_attn", 8, 131072), ("zigzag_ring_attn", 8, 524288),
                         ("ulysses_attn", 8, 262144), ("dist_flash_attn", 4, 65536)):
         s = Strategy(mode=mode, sp_degree=sp, dp_degree=8 // sp, sharding="zero3")
         w = Workload(model=m, seq_len=n)
         tps = estimate_time(w, cl, s, true).tokens_per_s
-        rows.append(Measurement(f"{mode} {n}", "synthetic", w, cl, s, tps, None, False))
+        rows.append(Measurement(f"{mode} {n} {gpu} {model}", "synthetic", w, cl, s, tps, None, False))
     return rows
 
 
+GLOBAL = C.with_values(time_factors={})  # the shipped values without per-GPU factors: every GPU on the global pair
+
+
 def test_fit_recovers_known_factors():
-    true = C.with_values(linear_time_factor=1.37, attn_time_factor=0.83)
-    got = fit(_synthetic(true), C.with_values(linear_time_factor=1.0, attn_time_factor=1.0))
+    true = GLOBAL.with_values(linear_time_factor=1.37, attn_time_factor=0.83)
+    got = fit(_synthetic(true), GLOBAL.with_values(linear_time_factor=1.0, attn_time_factor=1.0))
     assert got.linear_time_factor == pytest.approx(1.37, rel=1e-3)
     assert got.attn_time_factor == pytest.approx(0.83, rel=1e-3)
+    assert got.time_factors["h200"]["linear_time_factor"] == pytest.approx(1.37, rel=1e-3)  # the only GPU: same rows, same pair
+    assert got.matmul_width_h0 == C.matmul_width_h0  # one model width cannot tell h0 from the linear factor: kept
 
 
 def test_fit_recovers_n0_on_a_grid():
-    true = C.with_values(linear_time_factor=1.2, attn_time_factor=1.1, attn_block_tokens=4096.0)
-    got = fit(_synthetic(true), C.with_values(attn_block_tokens=2048.0), n0_grid=(1024.0, 2048.0, 4096.0, 8192.0))
+    true = GLOBAL.with_values(linear_time_factor=1.2, attn_time_factor=1.1, attn_block_tokens=4096.0)
+    got = fit(_synthetic(true), GLOBAL.with_values(attn_block_tokens=2048.0), n0_grid=(1024.0, 2048.0, 4096.0, 8192.0))
     assert got.attn_block_tokens == 4096.0 and got.attn_time_factor == pytest.approx(1.1, rel=1e-3)
+
+
+def test_fit_recovers_h0_from_two_widths():
+    true = GLOBAL.with_values(linear_time_factor=1.1, attn_time_factor=1.2, matmul_width_h0=2048.0)
+    rows = _synthetic(true) + _synthetic(true, model="llama-3.2-1b")
+    got = fit(rows, GLOBAL.with_values(matmul_width_h0=0.0))
+    assert got.matmul_width_h0 == 2048.0 and got.linear_time_factor == pytest.approx(1.1, rel=1e-3)
+
+
+def test_per_gpu_factors_where_rows_exist_global_fallback_otherwise():
+    h200 = _synthetic(GLOBAL.with_values(linear_time_factor=1.37, attn_time_factor=0.83))
+    a100 = _synthetic(GLOBAL.with_values(linear_time_factor=1.8, attn_time_factor=1.05), gpu="a100-80g-sxm")
+    got = fit(h200 + a100, GLOBAL)
+    assert got.time_factors["h200"]["linear_time_factor"] == pytest.approx(1.37, rel=1e-3)
+    assert got.time_factors["h200"]["attn_time_factor"] == pytest.approx(0.83, rel=1e-3)
+    assert got.time_factors["a100-80g-sxm"]["linear_time_factor"] == pytest.approx(1.8, rel=1e-3)
+    assert got.time_factors["a100-80g-sxm"]["attn_time_factor"] == pytest.approx(1.05, rel=1e-3)
+    assert 1.37 < got.linear_time_factor < 1.8  # the global pair, fitted on both GPUs' rows, lies between
+    h100 = cluster_from_flags("h100-sxm", 8)  # no rows: the global pair, and the prediction says so
+    assert got.factors(h100) == (got.linear_time_factor, got.attn_time_factor)
+    w, s = h200[0].workload, h200[0].strategy
+    assert predict(w, h100, s, got).coefficients_version == f"{got.version} (global factors, no h100-sxm rows)"
+    assert predict(w, h200[0].cluster, s, got).coefficients_version == f"{got.version} (h200 factors)"
+    one = fit(h200 + a100[:1], GLOBAL)  # one A100 row cannot pin two factors: the A100 stays on the global pair
+    assert set(one.time_factors) == {"h200"}
+
+
+ALL = load_measurements()
+RES = evaluate(ALL, C)
 
 
 def test_shipped_fit_reproduces_published_rows():
     """EasyContext's five rows: four within 10%; the 128K row is inconsistent with its neighbours (see BENCHMARKS.md)."""
-    rows = [r for r in load_measurements() if r.source == "easycontext_a100.csv"]
+    rows = [e for e in RES.rows if e["source"] == "easycontext_a100.csv"]
     assert len(rows) == 5
-    res = evaluate(rows, C)
-    for e in res.rows:
+    for e in rows:
         limit = 0.30 if e["label"].startswith("zigzag_ring_attn 131072") else 0.10
         assert abs(e["tokens_residual"]) <= limit, e
         assert e["loo_tokens_error"] is not None
-    for r in rows:  # the shipped coefficients are the fit's output
+
+
+def test_shipped_fit_reproduces_our_h200_rows():
+    """Our six H200 rows (7B and 1B): tokens/s within 15% in and out of sample, peak memory within 10%."""
+    rows = [e for e in RES.rows if e["source"].startswith("h200_")]
+    assert len(rows) == 6
+    for e in rows:
+        assert abs(e["tokens_residual"]) <= 0.15 and abs(e["loo_tokens_error"]) <= 0.15, e
+        assert abs(e["memory_residual"]) <= 0.10 and e["predicted_oom"] == e["measured_oom"], e
+
+
+def test_shipped_coefficients_are_the_fit_output():
+    assert set(C.time_factors) == {"a100-80g-sxm", "h200"} == set(RES.coefficients.time_factors)
+    assert C.matmul_width_h0 == RES.coefficients.matmul_width_h0
+    for r in ALL:
         assert predict(r.workload, r.cluster, r.strategy).tokens_per_s == pytest.approx(
-            estimate_time(r.workload, r.cluster, r.strategy, res.coefficients).tokens_per_s, rel=1e-3)
+            estimate_time(r.workload, r.cluster, r.strategy, RES.coefficients).tokens_per_s, rel=1e-3)
 
 
 def _report(tmp_path, tokens_per_s, peak, name="report.json"):
@@ -71,7 +118,7 @@ def test_calibrate_from_run_report(tmp_path):
     again = load_coefficients(out)
     assert again.version != C.version and again.linear_time_factor == pytest.approx(res.coefficients.linear_time_factor, rel=1e-5)
     labels = [e["label"] for e in res.rows]
-    assert len(labels) == 6 and json.loads(out.read_text())["fit"]["rows"][-1]["measured_peak_gib"] == 50.0
+    assert len(labels) == len(ALL) + 1 and json.loads(out.read_text())["fit"]["rows"][-1]["measured_peak_gib"] == 50.0
 
 
 def test_report_without_plan_is_rejected(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.predict import Coefficients, load_coefficients
-from seqpar.advisor.throughput import attention_fwd_flops, estimate_time, linear_flops_per_token, matmul_params
+from seqpar.advisor.throughput import attention_fwd_flops, estimate_time, linear_flops_per_token, matmul_params, width_efficiency
 from seqpar.profiles import get_model
 from seqpar.schema import LinkSpec, ModelSpec, Strategy, Workload
 
@@ -83,3 +83,24 @@ def test_dist_flash_balanced():
     # dist flash's split last step gives every rank P/2 blocks, the same attention work as zigzag (both recompute it)
     ratio = df.parts_s["attn_ideal"] / zz.parts_s["attn_ideal"]
     assert ratio == pytest.approx(1.0)  # PLAIN has no call-length penalty (n0 = 0)
+
+
+def test_width_efficiency_by_hand():
+    assert width_efficiency(8192, 4096.0) == 1.0  # the kernel rate's own GEMM width
+    assert width_efficiency(2048, 4096.0) == pytest.approx((2048 / 6144) / (8192 / 12288)) == pytest.approx(0.5)
+    assert width_efficiency(4096, 4096.0) == pytest.approx(0.75)
+    assert width_efficiency(2048, 0.0) == 1.0  # h0 = 0: no width penalty
+
+
+def test_per_gpu_factors_scale_the_step_global_pair_otherwise():
+    """A GPU with its own time_factors uses them; any other GPU the global pair (1.0 here), with h0 on the linear part."""
+    w = Workload(model=TINY, seq_len=4096, optimizer="none")
+    s = Strategy(mode="data_parallel", checkpointing="none", sharding="ddp", loss_impl="hf")
+    c = PLAIN.with_values(matmul_width_h0=64.0, time_factors={"h200": {"linear_time_factor": 2.0, "attn_time_factor": 3.0}})
+    lin = 4096 * 6 * 90112 / 773e12 / width_efficiency(64, 64.0)  # h = 64: (64/128) / (8192/8256)
+    attn = 2 * 4096**2 * 4 * 16 * 2 * 3.5 / 570e12
+    t = estimate_time(w, cluster_from_flags("h200", 1), s, c)
+    assert t.parts_s["linear_ideal"] == pytest.approx(lin, rel=1e-12)
+    assert t.step_time_s == pytest.approx(2.0 * lin + 3.0 * attn, rel=1e-12)
+    other = estimate_time(w, cluster_from_flags("h100-sxm", 1), s, c)
+    assert other.step_time_s == pytest.approx(other.parts_s["linear_ideal"] + other.parts_s["attn_ideal"], rel=1e-12)

@@ -6,9 +6,12 @@ and the measured ``tokens_per_s`` / ``peak_memory_gib`` (the plan's Prediction f
 ``measured``; ``oom: true`` marks a run that ran out of memory.
 
 The fit: step time is linear in the fitted factors once the rest is held fixed,
-  T = linear_time_factor * T_linear + attn_time_factor * T_attn(n0) + cpu_work / cpu_adam_rate + T_rest,
-so relative least squares (minimise sum((T_pred - T_meas)/T_meas)^2) over those three, a grid over the attention
-saturation n0 (attn_block_tokens), and two fixed-point passes for the overlap terms that depend on the compute time.
+  T = linear_time_factor * T_linear(h0) + attn_time_factor * T_attn(n0) + cpu_work / cpu_adam_rate + T_rest,
+so relative least squares (minimise sum((T_pred - T_meas)/T_meas)^2) over those three, grids over the matmul width
+saturation h0 (matmul_width_h0) and, when asked, the attention saturation n0 (attn_block_tokens), and two fixed-point
+passes for the overlap terms that depend on the compute time. The two time factors are fitted once on all rows (the
+global fallback) and again per GPU profile on that GPU's rows (``time_factors``): A100 + ZeRO-3 offload overheads do not
+carry over to an H200. h0 is shared by all GPUs and is fitted only when the rows span more than one model width.
 A coefficient no row informs (e.g. CPU Adam without ZeRO-3 offload rows) keeps its value. Pure Python.
 """
 
@@ -29,6 +32,8 @@ MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "profiles" / "measur
 # n0 is held at its hardware-derived value (coefficients.json) unless a grid is passed: five rows cannot pin four numbers.
 N0_GRID = (0.0, 512.0, 1024.0, 2048.0, 3072.0, 4096.0, 6144.0, 8192.0)
 BOUNDS = {"linear_time_factor": (0.5, 4.0), "attn_time_factor": (0.5, 4.0), "cpu_adam_gparams_per_s": (0.2, 50.0)}
+# h0 of the matmul width efficiency h / (h + h0): a grid, informed only by rows of models of different widths.
+H0_GRID = (0.0, 512.0, 1024.0, 2048.0, 3072.0, 4096.0, 6144.0, 8192.0)
 FITTED = ("linear_time_factor", "attn_time_factor")  # cpu_adam_gparams_per_s joins when asked (needs many offload rows)
 
 
@@ -173,29 +178,50 @@ def _rel_errors(rows: list[Measurement], c: Coefficients) -> list[float]:
     return [estimate_time(r.workload, r.cluster, r.strategy, c).tokens_per_s / r.tokens_per_s - 1 for r in rows]
 
 
+def _timed(rows: list[Measurement]) -> list[Measurement]:
+    return [r for r in rows if r.tokens_per_s and r.cluster.accelerator == "cuda"]  # CPU smoke runs say nothing about GPUs
+
+
+def _fit_per_gpu(timed: list[Measurement], c: Coefficients, fitted: tuple[str, ...]) -> Coefficients:
+    """Global factors on all rows (the fallback), then each GPU profile with enough rows gets its own factors."""
+    c = _fit_factors(timed, c.with_values(time_factors={}), fitted)
+    own = {}
+    for gpu in sorted({r.cluster.gpu.name for r in timed}):
+        rows = [r for r in timed if r.cluster.gpu.name == gpu]
+        if len(rows) < 2:  # two factors need two rows; one row would only move them to fit it exactly
+            continue
+        g = _fit_factors(rows, c, fitted)
+        own[gpu] = {"linear_time_factor": g.linear_time_factor, "attn_time_factor": g.attn_time_factor}
+    return c.with_values(time_factors=own)
+
+
 def fit(rows: list[Measurement], base: Optional[Coefficients] = None, n0_grid: Optional[Iterable[float]] = None,
-        fitted: tuple[str, ...] = FITTED) -> Coefficients:
-    """Best coefficients for the rows with a measured tokens/s (least squares for the factors; a grid for n0 when given)."""
+        fitted: tuple[str, ...] = FITTED, h0_grid: Optional[Iterable[float]] = H0_GRID) -> Coefficients:
+    """Best coefficients for the rows with a measured tokens/s: per-GPU factors by least squares, n0 and h0 on grids."""
     base = base or load_coefficients()
     n0_grid = (base.attn_block_tokens,) if n0_grid is None else n0_grid
-    timed = [r for r in rows if r.tokens_per_s and r.cluster.accelerator == "cuda"]  # CPU smoke runs say nothing about GPUs
+    timed = _timed(rows)
     if not timed:
         return base
+    if h0_grid is None or len({r.workload.model.hidden_size for r in timed}) < 2:  # one width cannot tell h0 from the factor
+        h0_grid = (base.matmul_width_h0,)
     best, best_err = base, float("inf")
     for n0 in n0_grid:
-        c = _fit_factors(timed, base.with_values(attn_block_tokens=n0), fitted)
-        err = sum(e * e for e in _rel_errors(timed, c))
-        if err < best_err:
-            best, best_err = c, err
+        for h0 in h0_grid:
+            c = _fit_per_gpu(timed, base.with_values(attn_block_tokens=n0, matmul_width_h0=h0), fitted)
+            err = sum(e * e for e in _rel_errors(timed, c))
+            if err < best_err - 1e-12:
+                best, best_err = c, err
     return best
 
 
-def evaluate(rows: list[Measurement], base: Optional[Coefficients] = None) -> FitResult:
+def evaluate(rows: list[Measurement], base: Optional[Coefficients] = None,
+             h0_grid: Optional[Iterable[float]] = H0_GRID) -> FitResult:
     """Fit on all rows, then each row's residual and its leave-one-out error (refit without it, predict it)."""
     from seqpar.advisor.predict import predict
 
-    c = fit(rows, base)
-    timed = [r for r in rows if r.tokens_per_s and r.cluster.accelerator == "cuda"]
+    c = fit(rows, base, h0_grid=h0_grid)
+    timed = _timed(rows)
     out = []
     for r in rows:
         p = predict(r.workload, r.cluster, r.strategy, c)
@@ -205,7 +231,7 @@ def evaluate(rows: list[Measurement], base: Optional[Coefficients] = None) -> Fi
                    "memory_residual": (p.peak_memory_gib / r.peak_memory_gib - 1) if r.peak_memory_gib else None,
                    "measured_oom": r.oom, "predicted_oom": p.oom_risk, "loo_tokens_error": None}
         if r in timed and len(timed) > 2:
-            loo_c = fit([q for q in timed if q is not r], base)
+            loo_c = fit([q for q in timed if q is not r], base, h0_grid=h0_grid)  # h0 refitted too: honest LOO
             e["loo_tokens_error"] = estimate_time(r.workload, r.cluster, r.strategy, loo_c).tokens_per_s / r.tokens_per_s - 1
         out.append(e)
     res = [abs(e["tokens_residual"]) for e in out if e["tokens_residual"] is not None]
@@ -218,7 +244,10 @@ def coefficients_json(c: Coefficients, result: Optional[FitResult] = None, sourc
     from seqpar.advisor.predict import COEFFICIENTS_PATH
 
     data = json.loads(COEFFICIENTS_PATH.read_text())
+    data["schema"] = 2  # 2: per-GPU time_factors and matmul_width_h0
     data["values"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.values().items()}
+    data["time_factors"] = {gpu: {k: round(v, 6) for k, v in f.items()} for gpu, f in sorted(c.time_factors.items())}
+    data["fitted"] = [*FITTED, "matmul_width_h0", "time_factors"]
     stamp = datetime.now(timezone.utc)
     data["version"] = stamp.strftime("%Y-%m-%d.%H%M%S")
     if result is not None:

@@ -28,6 +28,7 @@ class Coefficients:
     linear_time_factor: float = 1.0  # measured / ideal time of the matmul part (norms, RoPE, SwiGLU, launch gaps ride on it)
     attn_time_factor: float = 1.0  # measured / ideal time of the attention kernels
     attn_block_tokens: float = 2048.0  # n0 in eff(n) = eff_max * n / (n + n0), n = query length of one kernel call
+    matmul_width_h0: float = 0.0  # h0 in the matmul efficiency h / (h + h0), h = hidden size (GEMM inner dimension)
     ring_overlap: float = 0.9  # share of a ring step's transfer hidden under that step's attention compute
     grad_comm_overlap: float = 0.8  # share of gradient all-reduce / ZeRO traffic hidden under backward
     comm_bandwidth_efficiency: float = 0.75  # NCCL bus bandwidth / datasheet link bandwidth
@@ -41,11 +42,12 @@ class Coefficients:
     loss_chunk_tokens: int = 4096
     host_ram_usable_fraction: float = 0.9
     kernel_tflops: dict = field(default_factory=dict, hash=False, compare=False)
+    time_factors: dict = field(default_factory=dict, hash=False, compare=False)  # GPU profile -> its fitted factors
     min_cudnn_capability: float = 9.0
     fitted: tuple[str, ...] = ()
 
     _VALUE_FIELDS = (
-        "linear_time_factor", "attn_time_factor", "attn_block_tokens", "ring_overlap", "grad_comm_overlap",
+        "linear_time_factor", "attn_time_factor", "attn_block_tokens", "matmul_width_h0", "ring_overlap", "grad_comm_overlap",
         "comm_bandwidth_efficiency", "offload_bandwidth_gb_s", "cpu_adam_gparams_per_s", "allocator_reserve_fraction",
         "allocator_reserve_gib", "cuda_context_gib", "nccl_buffer_gib_per_group", "headroom_gib", "loss_chunk_tokens",
         "host_ram_usable_fraction",
@@ -56,6 +58,19 @@ class Coefficients:
 
     def values(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self._VALUE_FIELDS}
+
+    # ---- time factors: the GPU's own (fitted on its rows) when it has them, else the global fit over all rows
+
+    def factors(self, cluster: ClusterSpec) -> tuple[float, float]:
+        """(linear_time_factor, attn_time_factor) for this GPU profile."""
+        row = self.time_factors.get(cluster.gpu.name)
+        if row:
+            return float(row["linear_time_factor"]), float(row["attn_time_factor"])
+        return self.linear_time_factor, self.attn_time_factor
+
+    def factors_note(self, cluster: ClusterSpec) -> str:
+        name = cluster.gpu.name
+        return f"{name} factors" if name in self.time_factors else f"global factors, no {name} rows"
 
     # ---- kernel rates
 
@@ -83,6 +98,7 @@ def coefficients_from_dict(data: dict) -> Coefficients:
         kernel_tflops=data.get("kernel_tflops", {}),
         min_cudnn_capability=float(data.get("attention_backend", {}).get("min_cudnn_capability", 9.0)),
         fitted=tuple(data.get("fitted", ())),
+        time_factors={k: v for k, v in data.get("time_factors", {}).items() if isinstance(v, dict)},
         **{k: (int(v) if k == "loss_chunk_tokens" else float(v)) for k, v in vals.items()},
     )
 
@@ -126,5 +142,5 @@ def predict(workload: Workload, cluster: ClusterSpec, strategy: Strategy, coeffs
         step_time_breakdown_s={k: round(v, 4) for k, v in tim.breakdown_s.items()},
         mfu=round(tim.mfu, 4),
         oom_risk=not mem.fits,
-        coefficients_version=c.version,
+        coefficients_version=f"{c.version} ({c.factors_note(cluster)})",
     )

@@ -7,8 +7,9 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (any checkpointing in
   seqpar.runtime). Sequence parallelism divides it by sp_degree, times the
   mode's imbalance: zigzag, Ulysses and our dist flash schedule (last step split by query rows) are balanced.
-* Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors; the
-  attention rate falls for short kernel calls, eff(n) ~ n/(n+n0) (n = query tokens per call: S for data parallel and Ulysses,
+* Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors (the
+  GPU's own when it has measurement rows, else the global pair); the matmul rate falls with model width, h / (h + h0),
+  normalised to the 8192-wide GEMM it was measured on; the attention rate falls for short kernel calls, eff(n) ~ n/(n+n0) (n = query tokens per call: S for data parallel and Ulysses,
   S/(2P) for zigzag chunks, S/P for dist flash blocks).
 * Communication (bytes per GPU, bandwidth = link datasheet x NCCL efficiency): ring: P-1 K,V blocks per layer and pass
   (plus fp32 dK,dV in backward), each against 1/P of the pass's attention compute, hidden up to ``ring_overlap``; Ulysses:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from seqpar.advisor.predict import Coefficients
 
 REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
+REF_WIDTH = 8192  # the matmul rate of kernel_tflops is an 8192^3 GEMM; the width efficiency is normalised to 1 there
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,12 @@ def imbalance(s: Strategy) -> float:
     return 1.0
 
 
+def width_efficiency(hidden: int, h0: float) -> float:
+    """Matmul efficiency vs model width, h / (h + h0), relative to the 8192-wide GEMM the kernel rate was measured on:
+    narrower GEMMs (h 2048) have fewer tiles and a lower arithmetic intensity per byte of activations moved."""
+    return (hidden / (hidden + h0)) / (REF_WIDTH / (REF_WIDTH + h0))
+
+
 def _bw(cluster: ClusterSpec, group: int, c: "Coefficients", contiguous_inner: int = 1) -> float:
     """Bytes/s per GPU for a group of ``group`` ranks laid out ``contiguous_inner`` apart: NVLink inside a node, else the NIC."""
     spans = group * contiguous_inner > cluster.gpus_per_node
@@ -111,13 +119,15 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficien
 
     # ---- compute of one micro-batch
     lin_ideal = t * linear_flops_per_token(m, s.checkpointing, s.loss_impl) / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
+    lin_ideal /= width_efficiency(m.hidden_size, c.matmul_width_h0)
     n = call_tokens(s, S)
     n0 = c.attn_block_tokens
     eff = (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0))
     attn_flops = b * attention_fwd_flops(m, S) / P * attention_multiplier(s) * imbalance(s)
     attn_rate = c.kernel_rate_tflops(cluster, c.attention_backend(cluster)) * 1e12
     attn_ideal = attn_flops / attn_rate / eff
-    lin_t, attn_t = lin_ideal * c.linear_time_factor, attn_ideal * c.attn_time_factor
+    lin_factor, attn_factor = c.factors(cluster)
+    lin_t, attn_t = lin_ideal * lin_factor, attn_ideal * attn_factor
     passes = 3 if recomputes_attention(s) else 2  # forward, (recompute forward), backward
     attn_fwd_t = attn_t / attention_multiplier(s)  # one forward pass over all layers
 
