@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
-import click
 import typer
 from pydantic import ValidationError
 from rich.console import Console
@@ -60,6 +59,23 @@ def note(text: str) -> None:
     typer.echo(text, err=True)
 
 
+def _pass_through() -> tuple[type[BaseException], ...]:
+    """typer's own exits and usage errors: typer >= 0.2x vendors click (typer.TyperException), older typer uses click."""
+    kinds: list[type[BaseException]] = [typer.Exit, typer.Abort]
+    if hasattr(typer, "TyperException"):
+        kinds.append(typer.TyperException)
+    try:
+        from click.exceptions import Abort, ClickException
+    except ImportError:
+        pass
+    else:
+        kinds += [ClickException, Abort]
+    return tuple(kinds)
+
+
+_PASS_THROUGH = _pass_through()
+
+
 def handle_errors(fn):
     """Map exceptions to exit codes: SeqparError/ValidationError -> 2, any other error -> 1 (SEQPAR_DEBUG=1 re-raises)."""
 
@@ -67,7 +83,7 @@ def handle_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (typer.Exit, click.exceptions.ClickException, click.exceptions.Abort):
+        except _PASS_THROUGH:
             raise
         except SeqparError as e:
             note(f"error: {e}")
