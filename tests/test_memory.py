@@ -47,7 +47,9 @@ def test_saved_bytes_per_token_by_hand():
     # norms 2*(4+2*2)*64 = 1024; attention 3*2*4*16 + 2*2*2*16 + 4*4 = 384 + 128 + 16; SwiGLU 4*2*128 = 1024
     assert saved_bytes_per_token(TINY, "bf16") == 1024 + 384 + 128 + 16 + 1024
     assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="full")) == 2 * 64
-    assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="selective")) == 2 * 64  # runs as full
+    # selective (LightSeq): the layer input + attention's output (a*d = 64 values, bf16) + its fp32 lse (4 heads)
+    assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="selective")) == 2 * 64 + 2 * 64 + 4 * 4
+    assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="selective"), residual=4) == 4 * 64 + 2 * 64 + 16
     # autocast over fp32 parameters: fp32 residual stream; each norm saves 4h + 4h + 4h + the bf16 cast 2h
     assert saved_bytes_per_token(TINY, "bf16", residual=4) == 2 * (4 + 8 + 2) * 64 + 384 + 128 + 16 + 1024
     assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="full"), residual=4) == 4 * 64
@@ -129,3 +131,15 @@ def test_host_ram_for_offload():
     e = estimate_memory(Workload(model=m, seq_len=65536), cl, Strategy(mode="zigzag_ring_attn", sp_degree=8, sharding="zero3_offload"), C)
     assert e.host_bytes == pytest.approx(m.num_params * (2 + 4 + 12))  # bf16 params, fp32 grads, Adam on the host
     assert not e.fits and "host RAM" in e.reason
+
+
+def test_selective_keeps_attention_output_and_lse_per_layer():
+    """Llama-2-7B, 64K, one H200, optimizer none (bf16 everywhere): selective adds 32 layers x 64K tokens x
+    (4096 bf16 output values + 32 fp32 lse) = 32 * 65536 * 8320 bytes = 16.25 GiB to the forward peak of full."""
+    m, cl = get_model("llama-2-7b"), cluster_from_flags("h200", 1)
+    w = Workload(model=m, seq_len=65536, optimizer="none")
+    full, sel = (estimate_memory(w, cl, Strategy(mode="data_parallel", checkpointing=ck, sharding="ddp"), C) for ck in ("full", "selective"))
+    extra = 32 * 65536 * (2 * 4096 + 4 * 32)
+    assert extra == 16.25 * GIB
+    assert sel.phases["forward"] - full.phases["forward"] == pytest.approx(extra)
+    assert sel.peak_bytes > full.peak_bytes

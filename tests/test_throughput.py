@@ -39,6 +39,25 @@ def test_one_gpu_step_time_by_hand():
     assert t.breakdown_s["exposed_comm"] == 0 and t.breakdown_s["optimizer"] == 0
     t_full = estimate_time(w, cl, Strategy(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="hf"), PLAIN)
     assert t_full.step_time_s == pytest.approx(lin + 4096 * 2 * 73728 / 773e12 + attn * 4.5 / 3.5, rel=1e-12)
+    # selective recomputes the layers' matmuls but not attention's forward: attention stays at 3.5 x forward
+    t_sel = estimate_time(w, cl, Strategy(mode="data_parallel", checkpointing="selective", sharding="ddp", loss_impl="hf"), PLAIN)
+    assert t_sel.step_time_s == pytest.approx(lin + 4096 * 2 * 73728 / 773e12 + attn, rel=1e-12)
+    assert t_sel.step_time_s < t_full.step_time_s
+
+
+def test_selective_drops_the_rings_recompute_pass_only():
+    """zigzag over a slow link: full sends the K,V ring three times (forward, recompute, backward), selective twice;
+    Ulysses' backward re-sends q, k, v and out under selective too, so its exposed communication does not drop (it
+    grows a little: the gradient all-reduce has less backward compute to hide under)."""
+    m = get_model("llama-2-7b")
+    cl = cluster_from_flags("h200", 8)
+    slow = cl.model_copy(update={"intra_node_link": LinkSpec(kind="pcie4", bandwidth_gb_s=1.0)})
+    w = Workload(model=m, seq_len=65536, optimizer="none")
+
+    def comm(mode, ck):
+        return estimate_time(w, slow, Strategy(mode=mode, sp_degree=8, sharding="ddp", checkpointing=ck), PLAIN).breakdown_s["exposed_comm"]
+    assert comm("zigzag_ring_attn", "selective") < comm("zigzag_ring_attn", "full")
+    assert comm("ulysses_attn", "selective") >= comm("ulysses_attn", "full")
 
 
 def test_sp_divides_compute_and_breakdown_sums():

@@ -99,6 +99,7 @@ def test_every_mode_matches_data_parallel_on_2_ranks(tmp_path):
         ("fsdp_zigzag", make_plan(w, "zigzag_ring_attn", w, mbs=w, sharding="fsdp")),
         ("chunked_ckpt", make_plan(w, "zigzag_ring_attn", w, ga=w, loss_impl="chunked", checkpointing="full")),
         ("offload_ckpt", make_plan(w, "ulysses_attn", w, mbs=w, checkpointing="offload")),  # layer inputs in host RAM
+        ("selective_ckpt", make_plan(w, "usp_attn", w, ulysses=2, ga=w, checkpointing="selective")),  # kept attention out
         ("zero3_offload_on_cpu", make_plan(w, "zigzag_ring_attn", w, mbs=w, sharding="zero3_offload")),  # runs as FSDP2
         ("zero2_on_cpu", make_plan(w, sharding="zero2")),
     ]

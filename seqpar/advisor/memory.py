@@ -15,8 +15,8 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   flash-style attention (no 5as^2b term), SwiGLU instead of GeLU.
 * Checkpointing: ``full`` keeps each layer's input (B, S, h) and recomputes one layer at a time in backward (its saved
   tensors above plus the gradients flowing through it); ``offload`` moves the layer inputs to host RAM (two in flight on the
-  GPU); ``selective`` runs as ``full`` in seqpar.runtime, and so does dist_flash_attn (Hugging Face checkpointing, not
-  LightSeq's attention-output checkpoint).
+  GPU); ``selective`` keeps the layer input plus attention's output (B, S, a*d, model dtype) and fp32 lse (B, a, S) per
+  layer, so the recomputation skips attention's forward (LightSeq, Li et al. 2023, sec. 3.3; seqpar.runtime.selective).
 * Precision (``precision()``, mirroring seqpar.runtime.engine.compute_dtype): DDP keeps fp32 parameters and autocasts, so
   weights, gradients and the residual stream (hence the checkpointed layer inputs) are fp32 and a bf16 copy of every matmul
   weight is cached while the forward runs; FSDP2 keeps an fp32 sharded master and computes in bf16; ZeRO follows the paper;
@@ -140,15 +140,18 @@ def saved_bytes_per_token(m: ModelSpec, dtype: str, residual: int | None = None)
 def kept_bytes_per_token(m: ModelSpec, dtype: str, strategy: Strategy, residual: int | None = None) -> float:
     """What each layer keeps between its forward and its backward, per token, on the GPU.
 
-    seqpar.runtime runs ``selective`` as ``full`` (transformers has no attention-output checkpoint; runtime/train.py), and
-    dist_flash_attn through the same Hugging Face checkpointing, so both keep only the layer input."""
+    full: the layer input (B, S, h) in the residual dtype; selective adds attention's output (B, S, a, d) in the model
+    dtype and its fp32 lse (B, a, S) (seqpar.runtime.selective); offload: nothing (the input waits in host RAM)."""
     r = residual or DTYPE_BYTES[dtype]
     ck = strategy.checkpointing
     if ck == "none":
         return saved_bytes_per_token(m, dtype, residual)
     if ck == "offload":
         return 0.0
-    return r * m.hidden_size  # full / selective: the layer input (B, S, h)
+    if ck == "selective":
+        a = m.num_attention_heads
+        return r * m.hidden_size + DTYPE_BYTES[dtype] * a * m.head_dim + 4 * a
+    return r * m.hidden_size
 
 
 def _ulysses(strategy: Strategy) -> int:

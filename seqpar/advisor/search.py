@@ -23,7 +23,7 @@ from seqpar.schema import (
     check_heads, check_split, format_tokens, seq_len_multiple,
 )
 
-CHECKPOINTING = ("full", "none", "offload")  # selective runs as full in seqpar.runtime: searched only when pinned
+CHECKPOINTING = ("full", "selective", "none", "offload")
 SHARDING = ("ddp", "zero2", "zero3", "zero3_offload")  # fsdp costs the same as zero3 in this model; searched when pinned
 LOSS = ("chunked", "hf")
 GIB = 2**30
@@ -39,9 +39,13 @@ class Candidate:
 
 
 def _degrees(mode: str, world: int, model: ModelSpec, req: AdviseRequest) -> Iterator[tuple[int, int]]:
-    """(sp_degree, ulysses_degree) pairs the mode can take on ``world`` ranks."""
+    """(sp_degree, ulysses_degree) pairs the mode can take on ``world`` ranks, honouring the pinned degrees: a pinned
+    sp_degree > 1 rules out data_parallel, a pinned Ulysses degree (> 1) rules out every mode but usp_attn."""
+    if req.ulysses_degree not in (None, 1) and mode != "usp_attn":
+        return
     if mode == "data_parallel":
-        yield 1, 1
+        if req.sp_degree in (None, 1):
+            yield 1, 1
         return
     sps = [req.sp_degree] if req.sp_degree else [d for d in range(2, world + 1) if world % d == 0]
     for sp in sps:
@@ -65,6 +69,8 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
         shards = ["ddp"] if world == 1 else ["ddp", "fsdp"]
     else:
         shards = ["ddp", "zero3_offload"] if world == 1 else list(SHARDING)
+    if workload.optimizer != "adamw":  # seqpar's DeepSpeed engine runs AdamW with an fp32 master (runtime/deepspeed.py)
+        shards = [sh for sh in shards if not sh.startswith("zero")] or ["ddp"]
     losses = [req.loss_impl] if req.loss_impl else list(LOSS)
     for mode in modes:
         for sp, u in _degrees(mode, world, m, req):

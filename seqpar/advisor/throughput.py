@@ -4,8 +4,10 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
 * Linear part (Kaplan et al. 2020; Narayanan et al. 2021, eq. 3): 2*N_lin FLOPs per token forward, 6*N_lin forward +
   backward, +2*N_lin per token for the decoder layers when checkpointing recomputes them (Korthikanti et al. 2022).
 * Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x
-  forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (any checkpointing in
-  seqpar.runtime). Sequence parallelism divides it by sp_degree, times the
+  forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (full and offload; selective
+  keeps attention's output and lse, so its recomputation skips attention, LightSeq sec. 3.3: 3.5x instead of 4.5x, and the
+  ring's forward K,V pass is not repeated; Ulysses' backward sends q, k, v and out across again, as full's recomputation
+  does). Sequence parallelism divides it by sp_degree, times the
   mode's imbalance: zigzag, Ulysses and our dist flash schedule (last step split by query rows) are balanced.
 * Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors (the
   GPU's own when it has measurement rows, else the global pair); the matmul rate falls with model width, h / (h + h0),
@@ -65,9 +67,9 @@ def attention_fwd_flops(m: ModelSpec, seq_len: int) -> float:
 
 
 def recomputes_attention(s: Strategy) -> bool:
-    """Every checkpointing but none recomputes the whole layer in seqpar.runtime (selective runs as full, dist flash uses
-    Hugging Face checkpointing, not LightSeq's attention-output checkpoint)."""
-    return s.checkpointing != "none"
+    """full and offload recompute the whole layer, attention included; selective recomputes the layer around attention
+    (seqpar.runtime.selective hands the kept output back), none recomputes nothing."""
+    return s.checkpointing in ("full", "offload")
 
 
 def attention_multiplier(s: Strategy) -> float:
@@ -128,7 +130,8 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficien
     attn_ideal = attn_flops / attn_rate / eff
     lin_factor, attn_factor = c.factors(cluster)
     lin_t, attn_t = lin_ideal * lin_factor, attn_ideal * attn_factor
-    passes = 3 if recomputes_attention(s) else 2  # forward, (recompute forward), backward
+    # forward, (recompute forward), backward; selective's Ulysses backward re-sends q, k, v, out (runtime/selective.py)
+    passes = 3 if s.checkpointing != "none" else 2
     attn_fwd_t = attn_t / attention_multiplier(s)  # one forward pass over all layers
 
     # ---- sequence-parallel communication of one micro-batch

@@ -56,6 +56,7 @@ class _Context:
     backend: str | None
     model_name: str
     sliding_window: int | None  # the config's active window, checked against the global length at run time
+    keep_attention: bool = False  # selective checkpointing: seqpar.runtime.selective keeps out + lse per layer
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,12 +111,16 @@ def _seqpar_attention(module: nn.Module, query, key, value, attention_mask, scal
         raise _refuse(name, f"sliding window attention (window {window} < sequence length {total})",
                       f"set config.sliding_window = None for full attention, or train at most {window} tokens")
     from seqpar.runtime.attention import attention
+    from seqpar.runtime.selective import kept_attention
 
     # (B, S, H, D). v is usually already contiguous that way (a projection viewed and transposed); q and k after
     # RoPE are not, and ring/all-to-all buffers must be, so they are copied once here.
-    q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
-    out, _lse = attention(q, k, v, ctx.mode, group=ctx.group, causal=True, softmax_scale=scaling,
-                          ulysses_degree=ctx.ulysses_degree, backend=ctx.backend)  # out (B, S, Hq, D)
+    q, k, v = _common_dtype(*(t.transpose(1, 2).contiguous() for t in (query, key, value)))
+    kw = dict(group=ctx.group, causal=True, softmax_scale=scaling, ulysses_degree=ctx.ulysses_degree, backend=ctx.backend)
+    if ctx.keep_attention:  # the recomputation in backward gets out from the first forward (seqpar.runtime.selective)
+        out, _lse = kept_attention(module, q, k, v, ctx.mode, **kw)  # out (B, S, Hq, D)
+    else:
+        out, _lse = attention(q, k, v, ctx.mode, **kw)
     return out, None
 
 
@@ -196,15 +201,19 @@ def _offloaded_checkpoint(function, *args, **kwargs):
 
 
 def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = None,
-          offload_checkpoints: bool = False, backend: str | None = None) -> nn.Module:
+          offload_checkpoints: bool = False, backend: str | None = None, keep_attention: bool = False) -> nn.Module:
     """Switch a transformers causal LM to the mode's sequence-parallel attention (in place; returns the model).
 
     group: the sequence-parallel process group (None = the default group). ulysses_degree: usp_attn's Ulysses degree.
     offload_checkpoints: enable gradient checkpointing with each layer's input kept in pinned host memory (call
     apply after any gradient_checkpointing_enable(): that call would put the plain checkpoint function back).
-    backend: kernels backend override (see seqpar.runtime.kernels.select_backend)."""
+    backend: kernels backend override (see seqpar.runtime.kernels.select_backend). keep_attention: selective
+    checkpointing: enable non-reentrant gradient checkpointing and keep each layer's attention out + lse, so backward's
+    recomputation of a layer skips attention's forward (seqpar.runtime.selective; exclusive with offload_checkpoints)."""
     if mode not in MODES:
         raise _error(f"mode {mode!r} is unknown; use one of {', '.join(MODES)}")
+    if keep_attention and offload_checkpoints:
+        raise _error("keep_attention (selective checkpointing) and offload_checkpoints exclude each other: pick one")
     config = getattr(model, "config", None)
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
     if getattr(config, "attn_logit_softcapping", None) is not None:
@@ -229,7 +238,7 @@ def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = 
         raise _refuse(name, "attention that transformers cannot switch dynamically", "use a model that supports "
                       "set_attn_implementation (AttentionInterface-based modeling code)")
 
-    ctx = _Context(mode, group, ulysses_degree, backend, name, _active_sliding_window(config))
+    ctx = _Context(mode, group, ulysses_degree, backend, name, _active_sliding_window(config), keep_attention)
     for module in model.modules():
         object.__setattr__(module, "_seqpar_ctx", ctx)  # plain attribute: not a parameter, buffer or submodule
     if not getattr(model, "_seqpar_hooked", False):
@@ -244,5 +253,16 @@ def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = 
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if embeddings is not None and not embeddings.weight.requires_grad:
             model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+    if keep_attention:  # non-reentrant: the recomputation must save what the first forward's graph nodes expect
+        _enable_checkpointing(model, {"use_reentrant": False})
     return model
 
+
+
+def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One dtype for the kernels. Under autocast, RoPE's fp32 cos/sin promote q and k to fp32 while v stays in the
+    autocast dtype; a mixed call would fall back to the exact fp32 kernel (S x S scores). Cast to the autocast dtype then,
+    to v's dtype (the projections') otherwise."""
+    dev = q.device.type
+    target = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else v.dtype
+    return tuple(t if t.dtype == target else t.to(target) for t in (q, k, v))

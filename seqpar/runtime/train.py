@@ -106,8 +106,10 @@ def run(args: argparse.Namespace) -> dict:
     model = build_model(w.model, model_path=args.model_path, seed=t.seed, rope_theta=t.rope_theta,
                         init_from=str(resume_from / "model") if resume_from else init, device=topo.device, dtype=param_dtype)
     ulysses = s.ulysses_degree if s.mode == "usp_attn" else None
-    apply(model, s.mode, group=topo.sp_group, ulysses_degree=ulysses, offload_checkpoints=s.checkpointing == "offload")
-    if s.checkpointing in ("full", "selective"):  # selective runs as full here: HF has no attention-output checkpoint
+    # selective: apply enables non-reentrant checkpointing and keeps each layer's attention out + lse (runtime/selective.py)
+    apply(model, s.mode, group=topo.sp_group, ulysses_degree=ulysses, offload_checkpoints=s.checkpointing == "offload",
+          keep_attention=s.checkpointing == "selective")
+    if s.checkpointing == "full":
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name; 4.x has the older one
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -156,7 +158,8 @@ def run(args: argparse.Namespace) -> dict:
                 batch["labels"] = shard(ids[:, 1:], s.mode, topo.sp_rank, s.sp_degree, dim=1, ulysses_degree=ulysses)
                 batch = {k: v.to(topo.device) for k, v in batch.items()}  # each (B, S_local)
                 sync = micro == ga - 1
-                with engine.no_sync(wrapped, sync), autocast:
+                accumulating = backward.accumulate(wrapped) if backward is not None else engine.no_sync(wrapped, sync)
+                with accumulating, autocast:
                     loss = wrapped(batch["input_ids"], batch["position_ids"], batch["labels"])
                 if backward is not None:  # DeepSpeed: the engine scales by 1/GA and steps at the boundary itself
                     backward(loss * s.sp_degree)
