@@ -343,6 +343,16 @@ class LaunchPlan(_Frozen):
                 f"sp_degree {s.sp_degree} x dp_degree {s.dp_degree} = {s.world_size} ranks, but the cluster has "
                 f"{c.nodes} x {c.gpus_per_node} = {c.world_size}; make them equal"
             )
+        if c.accelerator == "cuda" and s.sharding.startswith("zero") and w.optimizer != "adamw":
+            raise ValueError(
+                f"sharding {s.sharding} runs DeepSpeed's AdamW with an fp32 master copy, so optimizer {w.optimizer} cannot "
+                f"run there; use sharding fsdp (or ddp), or optimizer adamw"
+            )
+        if c.accelerator == "cuda" and w.dtype == "fp16" and not s.sharding.startswith("zero"):
+            raise ValueError(
+                f"dtype fp16 with sharding {s.sharding} would train without loss scaling; use dtype bf16, "
+                f"or a zero* sharding (DeepSpeed scales fp16 losses)"
+            )
         try:
             check_split(s.mode, w.seq_len, s.sp_degree, s.ulysses_degree, s.ring_degree)
             check_heads(s.mode, w.model, s.sp_degree, s.ulysses_degree)

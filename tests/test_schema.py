@@ -181,3 +181,18 @@ def test_json_schema_describes_every_field():
 def test_dist_flash_accepts_odd_degree():
     # the runtime's schedule is exact and balanced for odd P (tests/test_dist_flash.py runs W=3), so plans may ask for it
     assert Strategy(mode="dist_flash_attn", sp_degree=3).sp_degree == 3
+
+
+@pytest.mark.parametrize(
+    "workload,strategy,match",
+    [
+        (dict(optimizer="none"), dict(sharding="zero3_offload"), "optimizer none cannot run there; use sharding fsdp"),
+        (dict(dtype="fp16"), dict(sharding="ddp"), "without loss scaling; use dtype bf16"),
+    ],
+)
+def test_plan_refuses_what_the_runtime_cannot_run(workload, strategy, match):
+    cl = cluster_from_flags("h200", 1)
+    w = Workload(model=get_model("llama-2-7b"), seq_len=4096, **workload)
+    with pytest.raises(ValidationError, match=match):
+        LaunchPlan(workload=w, cluster=cl, strategy=Strategy(mode="data_parallel", **strategy),
+                   rationale=Rationale(policy="pinned"))

@@ -82,3 +82,20 @@ def test_check_fits_and_fix():
     assert "-> fits" in bad.fix and bad.fix_strategy != bad.plan.strategy
     slower = check(bad.plan.model_copy(update={"strategy": bad.fix_strategy.model_copy(update={"checkpointing": "offload"})}))
     assert slower.prediction.tokens_per_s <= check(bad.plan.model_copy(update={"strategy": bad.fix_strategy})).prediction.tokens_per_s
+
+
+def test_degree_pins_are_honoured():
+    a100x8 = cluster_from_flags("a100", 8)
+    with pytest.raises(SeqparError, match="sp_degree 3 does not divide the 8 GPUs"):
+        advise_by_cost(AdviseRequest(model=M7, seq_len=131072, cluster=a100x8, sp_degree=3))
+    s = advise_by_cost(AdviseRequest(model=M7, seq_len=131072, cluster=a100x8, sp_degree=2)).strategy
+    assert s.mode != "data_parallel" and s.sp_degree == 2
+    s = advise_by_cost(AdviseRequest(model=M7, seq_len=131072, cluster=a100x8, ulysses_degree=4)).strategy
+    assert (s.mode, s.ulysses_degree) == ("usp_attn", 4)
+
+
+def test_deepspeed_only_with_adamw():
+    # seqpar's DeepSpeed engine keeps an fp32 master for AdamW: other optimizers are searched on ddp / fsdp only
+    req = AdviseRequest(model=M7, seq_len=524288, cluster=cluster_from_flags("a100", 8), optimizer="none")
+    valid, _ = enumerate_strategies(req, req.workload())
+    assert valid and not any(v.sharding.startswith("zero") for v in valid)

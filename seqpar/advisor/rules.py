@@ -184,7 +184,8 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
             reasons.append(f"the guide's by-hardware table says {BY_HARDWARE[hw]} for a {hw}; its by-length rule decides here")
     # EasyContext's recipe: gradient checkpointing, DeepSpeed ZeRO-3 with CPU offload, its own loss on full logits, micro-batch 1.
     ckpt = req.checkpointing or "full"
-    sharding = req.sharding or ("zero3_offload" if c.accelerator == "cuda" else "ddp")
+    # EasyContext's engine (ZeRO-3 + CPU offload) runs AdamW with an fp32 master; other optimizers shard with FSDP2
+    sharding = req.sharding or ("ddp" if c.accelerator != "cuda" else "zero3_offload" if req.optimizer == "adamw" else "fsdp")
     loss = req.loss_impl or "hf"
     for what, pinned, val, why in (
         ("checkpointing", req.checkpointing, ckpt, "EasyContext trains with gradient checkpointing (dist_flash_attn requires it)"),

@@ -40,6 +40,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mode: str, group=None, causal: bo
     ``ulysses_degree`` is for usp_attn only (Ulysses ranks per ring rank, consecutive ranks); ``backend`` overrides the
     kernel choice (exact | cudnn | flash | flash_attn). Returns (out, lse); out is differentiable in q, k, v.
     """
+    if not q.dtype == k.dtype == v.dtype:
+        raise _error(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first "
+                     "(under autocast: to torch.get_autocast_dtype)")
     fn = get_attention_fn(mode)
     kwargs = dict(group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
     if mode == "usp_attn":

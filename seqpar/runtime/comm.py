@@ -107,13 +107,15 @@ class RingComm:
 
     def send_recv(self, t: Tensor, recv_buffer: Tensor | None = None) -> _Single:
         """Post: send t to next, receive a tensor like t from prev. Returns the handle (also kept for ``wait()``)."""
-        buf = torch.empty_like(t) if recv_buffer is None else recv_buffer
+        buf = torch.empty_like(t, memory_format=torch.contiguous_format) if recv_buffer is None else recv_buffer
         self._pending = _Single(P2P([(t, self.next)], [(buf, self.prev)], self.group))
         return self._pending
 
     def send_recv_many(self, tensors: list[Tensor]) -> P2P:
         """Several tensors in one batch (e.g. K and V): the handle's ``wait()`` returns the received list."""
-        return P2P([(t, self.next) for t in tensors], [(torch.empty_like(t), self.prev) for t in tensors], self.group)
+        # contiguous receive buffers whatever the senders' strides: gloo and NCCL refuse strided ones
+        recvs = [(torch.empty_like(t, memory_format=torch.contiguous_format), self.prev) for t in tensors]
+        return P2P([(t.contiguous(), self.next) for t in tensors], recvs, self.group)
 
     def wait(self) -> Tensor:
         pending, self._pending = self._pending, None

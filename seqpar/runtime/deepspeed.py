@@ -13,7 +13,8 @@ from seqpar.schema import LaunchPlan
 
 
 def prepare(module, plan: LaunchPlan, total_steps: int):
-    """(engine, optimizer, scheduler, backward): backward(loss) runs DeepSpeed's backward and, at the boundary, its step."""
+    """(engine, optimizer, scheduler, backward): backward(loss) runs DeepSpeed's backward and, at the boundary, its step;
+    backward.accumulate(engine) is the context each micro-batch's forward runs in."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
@@ -33,7 +34,28 @@ def prepare(module, plan: LaunchPlan, total_steps: int):
     plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(plan))
     accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=plan.strategy.gradient_accumulation_steps)
     engine, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
-    return engine, optimizer, scheduler, accelerator.backward
+    if plan.strategy.loss_impl == "chunked" and engine.zero_optimization_stage() == 3:
+        # the chunked loss reads lm_head.weight outside lm_head's own forward: ZeRO-3 must gather it for LossModule too
+        from deepspeed.zero import register_external_parameter
+
+        register_external_parameter(engine.module, engine.module.model.get_output_embeddings().weight)
+    return engine, optimizer, scheduler, DeepSpeedStep(accelerator)
+
+
+class DeepSpeedStep:
+    """accelerate's documented accumulation loop for DeepSpeed: every micro-batch runs inside
+    ``accelerator.accumulate(engine)``, whose counter marks the boundary at which ``accelerator.backward`` lets DeepSpeed
+    step (DeepSpeed scales by 1/GA itself). Without it every micro-batch would be a boundary (one optimizer step each),
+    and DDP-style ``no_sync`` is refused by ZeRO-2/3."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def accumulate(self, engine):
+        return self.accelerator.accumulate(engine)
+
+    def __call__(self, loss) -> None:
+        self.accelerator.backward(loss)
 
 
 def is_engine(wrapped) -> bool:

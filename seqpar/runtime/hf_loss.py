@@ -88,6 +88,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+        # Under autocast the forward's products run in the autocast dtype; backward runs outside autocast, so it casts
+        # to the same dtype itself (else it would recompute the logits in fp32: another function, and no tensor cores).
+        dev = hidden.device.type
+        ctx.compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for i in range(0, hidden.shape[0], chunk):
             logits = hidden[i:i + chunk] @ weight.t()  # (c, V) in the model dtype, as the lm_head would produce
@@ -100,18 +104,24 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         hidden, weight, targets = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        cd = ctx.compute_dtype
+        w_c = weight if cd is None else weight.to(cd)  # (V, H) in the dtype the forward's products used
         d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None  # (N, H)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # (V, H)
         for i in range(0, hidden.shape[0], ctx.chunk):
             h, y = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk]  # (c, H), (c,)
+            h = h if cd is None else h.to(cd)
             valid = (y != IGNORE_INDEX)[:, None]  # (c, 1)
-            d_logits = torch.softmax((h @ weight.t()).float(), dim=-1)  # (c, V) fp32: dCE/dlogits = p - onehot(y)
+            d_logits = torch.softmax((h @ w_c.t()).float(), dim=-1)  # (c, V) fp32: dCE/dlogits = p - onehot(y)
             # sync-free (no boolean indexing): subtract the one-hot, zero the ignored rows, scale by the upstream grad
             d_logits.scatter_add_(1, y.clamp_min(0)[:, None], -valid.to(d_logits.dtype))
             d_logits.masked_fill_(~valid, 0.0).mul_(grad)
-            d_logits = d_logits.to(hidden.dtype)
+            d_logits = d_logits.to(h.dtype)
             if need_h:
-                torch.mm(d_logits, weight, out=d_hidden[i:i + ctx.chunk])  # (c, H)
+                if d_hidden.dtype == h.dtype:
+                    torch.mm(d_logits, w_c, out=d_hidden[i:i + ctx.chunk])  # (c, H)
+                else:
+                    d_hidden[i:i + ctx.chunk] = d_logits @ w_c  # (c, H) computed in the autocast dtype
             if need_w:
                 if d_weight.dtype == d_logits.dtype:
                     d_weight.addmm_(d_logits.t(), h)  # (V, H) in place
