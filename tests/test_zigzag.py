@@ -9,19 +9,8 @@ The communication layer (ring p2p, all-to-all forward and backward) is checked i
 import pytest
 import torch
 
+from reference import reference
 from distributed import run_ranks, tolerances
-
-
-def reference(q, k, v, dout, causal, scale):
-    """Whole-sequence attention in float64 by torch autograd, K,V heads repeated for GQA: out, lse, dq, dk, dv."""
-    G = q.shape[2] // k.shape[2]
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd.repeat_interleave(G, 2)) * scale  # (B, H, S, S)
-    if causal:
-        s = s.masked_fill(torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vd.repeat_interleave(G, 2))
-    out.backward(dout.double())
-    return out.detach(), torch.logsumexp(s, -1).detach(), qd.grad, kd.grad, vd.grad
 
 
 def _check_comm(rank, W):
