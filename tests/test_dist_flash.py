@@ -10,8 +10,8 @@ the same one-line error on every rank, with no hang. ``check_cases`` and ``on_su
 import pytest
 import torch
 
-from reference import reference
 from distributed import run_ranks, tolerances
+from reference import reference
 
 
 def check_cases(rank, W, mode, heads, chunks, ulysses_degree=None, group=None):

@@ -9,8 +9,8 @@ The communication layer (ring p2p, all-to-all forward and backward) is checked i
 import pytest
 import torch
 
-from reference import reference
 from distributed import run_ranks, tolerances
+from reference import reference
 
 
 def _check_comm(rank, W):
