@@ -99,3 +99,14 @@ def test_deepspeed_only_with_adamw():
     req = AdviseRequest(model=M7, seq_len=524288, cluster=cluster_from_flags("a100", 8), optimizer="none")
     valid, _ = enumerate_strategies(req, req.workload())
     assert valid and not any(v.sharding.startswith("zero") for v in valid)
+
+
+def test_fp16_only_where_losses_are_scaled():
+    h100 = cluster_from_flags("h100", 8)
+    req = AdviseRequest(model=M7, seq_len=65536, cluster=h100, dtype="fp16")
+    valid, _ = enumerate_strategies(req, req.workload())
+    assert valid and all(v.sharding.startswith("zero") for v in valid)  # DeepSpeed's loss scaling
+    with pytest.raises(SeqparError, match="fp16 needs a zero"):
+        advise_by_cost(AdviseRequest(model=M7, seq_len=65536, cluster=h100, dtype="fp16", sharding="ddp"))
+    with pytest.raises(ValueError, match="fp16 needs DeepSpeed's loss scaling"):
+        AdviseRequest(model=M7, seq_len=65536, cluster=h100, dtype="fp16", optimizer="none")

@@ -102,3 +102,37 @@ def test_keep_attention_and_offload_exclude_each_other():
 
     with pytest.raises(SeqparError, match="exclude each other"):
         seqpar.apply(make_model("llama"), "data_parallel", keep_attention=True, offload_checkpoints=True)
+
+
+def _nan_on_one_rank(rank: int, world_size: int) -> list[str]:
+    """Two forwards awaiting one backward, with q NaN on rank 1 only: its fingerprint cannot match there, so the ranks
+    must agree to recompute together (a rank recomputing alone would send ring messages its peer never receives)."""
+    import seqpar
+    from seqpar.runtime import selective
+
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    model = make_model("llama")
+    model.train()
+    mode = "zigzag_ring_attn"
+    part = seqpar.prepare_inputs(ids, mode, rank, world_size, labels=labels)
+    seqpar.apply(model, mode, keep_attention=True)
+    if rank == 1:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[int(part["input_ids"][0, 0])] = float("nan")
+    paths, real = [], selective._take
+
+    def take(module, q, group=None):
+        kept = real(module, q, group)
+        paths.append("hit" if kept is not None else "miss")
+        return kept
+
+    selective._take = take
+    inputs = dict(input_ids=part["input_ids"], position_ids=part["position_ids"])
+    sum(seqpar.loss(model(**inputs).logits, part["labels"]) for _ in range(2)).backward()
+    return paths
+
+
+def test_ranks_agree_on_the_kept_path_when_one_ranks_q_is_nan():
+    paths = run_ranks(_nan_on_one_rank, 2, timeout=60)
+    assert paths[0] == paths[1] and "miss" in paths[0]  # same path on both ranks, and the NaN layer recomputed

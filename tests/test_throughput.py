@@ -57,6 +57,7 @@ def test_selective_drops_the_rings_recompute_pass_only():
     def comm(mode, ck):
         return estimate_time(w, slow, Strategy(mode=mode, sp_degree=8, sharding="ddp", checkpointing=ck), PLAIN).breakdown_s["exposed_comm"]
     assert comm("zigzag_ring_attn", "selective") < comm("zigzag_ring_attn", "full")
+    assert comm("dist_flash_attn", "selective") < comm("dist_flash_attn", "full")  # LightSeq's forward transfers, once
     assert comm("ulysses_attn", "selective") >= comm("ulysses_attn", "full")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from seqpar.schema import (
     Checkpointing,
@@ -39,6 +39,15 @@ class AdviseRequest(_Frozen):
     checkpointing: Optional[Checkpointing] = Field(default=None, description="Pinned checkpointing.")
     sharding: Optional[Sharding] = Field(default=None, description="Pinned sharding.")
     loss_impl: Optional[LossImpl] = Field(default=None, description="Pinned loss implementation.")
+
+    @model_validator(mode="after")
+    def _fp16(self) -> "AdviseRequest":
+        if self.dtype == "fp16" and self.optimizer != "adamw" and self.cluster.accelerator == "cuda":
+            raise ValueError(
+                f"dtype fp16 needs DeepSpeed's loss scaling, which seqpar runs with AdamW only, not optimizer "
+                f"{self.optimizer}; use dtype bf16"
+            )
+        return self
 
     def workload(self) -> Workload:
         return Workload(

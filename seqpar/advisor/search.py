@@ -71,6 +71,11 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
         shards = ["ddp", "zero3_offload"] if world == 1 else list(SHARDING)
     if workload.optimizer != "adamw":  # seqpar's DeepSpeed engine runs AdamW with an fp32 master (runtime/deepspeed.py)
         shards = [sh for sh in shards if not sh.startswith("zero")] or ["ddp"]
+    if workload.dtype == "fp16" and req.cluster.accelerator == "cuda":  # only DeepSpeed scales fp16 losses here
+        shards = [sh for sh in shards if sh.startswith("zero")]
+        if not shards:
+            raise SeqparError(f"dtype fp16 needs a zero* sharding (DeepSpeed's loss scaling), not {req.sharding}; "
+                              "use dtype bf16, or --sharding zero3")
     losses = [req.loss_impl] if req.loss_impl else list(LOSS)
     for mode in modes:
         for sp, u in _degrees(mode, world, m, req):

@@ -156,7 +156,10 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficien
         steps = P / 2
         fwd_bytes = t * (p * (a * d + 2 * kv * d) + 4 * a * d + 4 * a)
         bwd_bytes = t * (p * (3 * a * d + 2 * kv * d) + 4 * (a * d + 2 * kv * d))
-        for pass_bytes, pass_compute in ((fwd_bytes, attn_fwd_t), (bwd_bytes, 2.5 * attn_fwd_t)):
+        df_passes = [(fwd_bytes, attn_fwd_t), (bwd_bytes, 2.5 * attn_fwd_t)]
+        if recomputes_attention(s):  # the recomputed layer runs LightSeq's forward, transfers included, once more
+            df_passes.append((fwd_bytes, attn_fwd_t))
+        for pass_bytes, pass_compute in df_passes:
             step_compute = pass_compute / L / (steps + 1)
             sp_comm += L * steps * _hidden(pass_bytes / bw, step_compute, c.ring_overlap)
 

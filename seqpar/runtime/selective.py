@@ -68,12 +68,30 @@ def _entries(module: nn.Module) -> list[_Entry]:
     return live
 
 
-def _take(module: nn.Module, q: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The kept (out, lse) of this module's forward being recomputed, moved out of its entry; None if there is none."""
+def _all_agree(hit: bool, group, device: torch.device) -> bool:
+    """True when every rank of the group hit. A rank that recomputes attention communicates, so the ranks must take
+    the same path or their messages pair up wrongly (a hang on NCCL): one tiny all-reduce decides for all."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return hit
+    flag = torch.tensor([int(hit)], device=device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _take(module: nn.Module, q: Tensor, group=None) -> tuple[Tensor, Tensor] | None:
+    """The kept (out, lse) of this module's forward being recomputed, moved out of its entry; None if there is none.
+
+    One kept entry (every forward followed by its backward, the normal case) is found by structure alone, the same on
+    every rank. Several (forwards awaiting one backward) are told apart by q's fingerprint, which is data: a NaN or a
+    non-bitwise recomputation on one rank would make it miss alone, so the group agrees before anyone uses a hit."""
     kept = [e for e in _entries(module) if e.out is not None and e.out.shape[:3] == q.shape[:3]]
     if len(kept) > 1:
         probe = _probe(q)
         kept = [e for e in kept if torch.equal(e.probe, probe)]
+        if not _all_agree(bool(kept), group, q.device):
+            return None
     if not kept:
         return None
     entry = kept[-1]  # equal fingerprints: the newest, the order autograd runs a summed backward in
@@ -96,8 +114,8 @@ def _release(module: nn.Module, entry: _Entry) -> None:
 
 class _KeptAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, module, fns, record):
-        kept = _take(module, q) if record and _in_backward() else None
+    def forward(ctx, q, k, v, module, fns, record, group):
+        kept = _take(module, q, group) if record and _in_backward() else None
         ctx.entry = None
         if kept is None:
             out, lse = fns.forward(q, k, v)
@@ -118,7 +136,7 @@ class _KeptAttention(torch.autograd.Function):
             _release(module, ctx.entry)
         ctx.entry = None
         dq, dk, dv = ctx.fns.backward(dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------- each mode, no autograd
@@ -212,7 +230,7 @@ def kept_attention(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, mode: str
     backend = kernels.select_backend(q.device, q.dtype, backend)
     fns = functions(mode, q, k, v, group=group, causal=causal, scale=scale, backend=backend, ulysses_degree=ulysses_degree)
     record = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return _KeptAttention.apply(q, k, v, module, fns, record)
+    return _KeptAttention.apply(q, k, v, module, fns, record, group)
 
 
 def pending(module: nn.Module | None = None) -> int:
