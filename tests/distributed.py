@@ -97,3 +97,17 @@ def tolerances(dtype) -> dict:
 
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # children inherit it: keep gloo on loopback
+
+
+def error_messages(calls):
+    """str() of the SeqparError each call raises ('no error' when it returns)."""
+    from seqpar.schema import SeqparError
+
+    msgs = []
+    for fn in calls:
+        try:
+            fn()
+            msgs.append("no error")
+        except SeqparError as e:
+            msgs.append(str(e))
+    return msgs

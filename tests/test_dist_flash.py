@@ -10,7 +10,7 @@ the same one-line error on every rank, with no hang. ``check_cases`` and ``on_su
 import pytest
 import torch
 
-from distributed import run_ranks, tolerances
+from distributed import error_messages, run_ranks, tolerances
 from reference import reference
 
 
@@ -77,20 +77,6 @@ def gather_by_size(results):
         for W, r in per_rank.items():
             by_size.setdefault(W, []).append(r)
     return by_size
-
-
-def error_messages(calls):
-    """str() of the SeqparError each call raises ('no error' when it returns)."""
-    from seqpar.schema import SeqparError
-
-    msgs = []
-    for fn in calls:
-        try:
-            fn()
-            msgs.append("no error")
-        except SeqparError as e:
-            msgs.append(str(e))
-    return msgs
 
 
 # MHA and GQA; local lengths: 3 (the split last step gets unequal halves of 1 and 2 rows), 2, and 1 (too short to split)

@@ -12,8 +12,8 @@ where that would hang, and create_subgroups, its fix.
 
 import torch
 
-from distributed import run_ranks
-from test_dist_flash import check_cases, error_messages, gather_by_size, n_cases, on_subgroups
+from distributed import error_messages, run_ranks
+from test_dist_flash import check_cases, gather_by_size, n_cases, on_subgroups
 
 MHA_GQA = [(8, 8), (8, 2)]
 PLAN = {  # W -> [(ulysses_degree, heads, local chunk lengths)]
