@@ -22,6 +22,7 @@ MODES: tuple[str, ...] = ("data_parallel", "zigzag_ring_attn", "dist_flash_attn"
 Checkpointing = Literal["none", "full", "offload", "selective"]
 Sharding = Literal["ddp", "zero2", "zero3", "zero3_offload", "fsdp"]
 LossImpl = Literal["hf", "chunked"]
+FusedOps = Literal["none", "liger"]
 Optimizer = Literal["adamw", "adamw-bf16", "none"]
 DType = Literal["bf16", "fp16", "fp32"]
 LinkKind = Literal["nvlink3", "nvlink4", "pcie4", "pcie5", "ib_hdr", "ib_ndr", "ethernet", "loopback"]
@@ -186,6 +187,16 @@ class Strategy(_Frozen):
     sharding: Sharding = Field(default="ddp", description="Model-state sharding: ddp | zero2 | zero3 | zero3_offload | fsdp.")
     loss_impl: LossImpl = Field(default="chunked", description="hf: full fp32 logits as transformers computes them; chunked: logits a chunk at a time.")
     gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
+    fused_ops: FusedOps = Field(
+        default="none",
+        description="none: the model's own RMSNorm, RoPE and SwiGLU modules; liger: Liger-Kernel's fused Triton kernels for them "
+        "(CUDA and the liger-kernel package; fewer bytes moved and saved per token).",
+    )
+    tiled_mlp: bool = Field(
+        default=False,
+        description="Run each decoder MLP one sequence tile at a time (ALST's TiledMLP): its intermediates exist for one tile "
+        "only, at the cost of one more MLP forward per step.",
+    )
 
     @model_validator(mode="after")
     def _degrees(self) -> "Strategy":
@@ -353,6 +364,12 @@ class LaunchPlan(_Frozen):
                 f"dtype fp16 with sharding {s.sharding} would train without loss scaling; use dtype bf16, "
                 f"or a zero* sharding (DeepSpeed scales fp16 losses)"
             )
+        if s.fused_ops == "liger" and c.accelerator != "cuda":
+            raise ValueError(f"fused_ops liger runs Triton kernels on CUDA GPUs, but the cluster's accelerator is {c.accelerator}; "
+                             "use fused_ops none")
+        if s.tiled_mlp and s.sharding in ("zero3", "zero3_offload"):
+            raise ValueError(f"tiled_mlp with sharding {s.sharding}: ZeRO-3 gathers parameters through module hooks that the "
+                             "tiles' recomputation in backward bypasses; use sharding fsdp or ddp, or tiled_mlp false")
         try:
             check_split(s.mode, w.seq_len, s.sp_degree, s.ulysses_degree, s.ring_degree)
             check_heads(s.mode, w.model, s.sp_degree, s.ulysses_degree)

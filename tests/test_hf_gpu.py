@@ -153,3 +153,40 @@ def test_bf16_two_ranks_on_one_gpu_match_transformers(mode):
         print(f"\n{mode}: loss {res['loss']:.5f} vs {res['ref']:.5f}, worst grad rel err {res['worst']:.2e}")
         assert abs(res["loss"] - res["ref"]) < 1e-2 * abs(res["ref"])
         assert res["worst"] < 3e-2  # bf16: a different summation order, nothing more
+
+
+def test_fused_liger_and_tiled_mlp_match_plain_within_bf16_noise_and_peak_lower():
+    """fused_ops liger + tiled_mlp against the fp32 model: their bf16 error stays within 1.5x plain bf16's, peak falls."""
+    pytest.importorskip("liger_kernel")
+    import seqpar
+    from seqpar.runtime.fused import apply_fused_ops
+    from seqpar.runtime.tiled_mlp import tile_mlp
+
+    base = llama(layers=4)
+    ids = torch.randint(0, 4096, (1, 16384), generator=torch.Generator().manual_seed(0))
+
+    def run(dtype, fused: bool, tiled: bool):
+        model = copy.deepcopy(base).to(dtype)
+        seqpar.apply(model, "data_parallel")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if fused:
+            apply_fused_ops(model, "liger", "cuda")
+        if tiled:
+            assert tile_mlp(model) == 4
+        model.train()
+        out = _step(model, ids)
+        del model
+        torch.cuda.empty_cache()
+        return out
+
+    loss_ref, grads_ref, _, _ = run(torch.float32, False, False)
+    results = {name: run(torch.bfloat16, *flags) for name, flags in
+               {"plain": (False, False), "fused": (True, False), "tiled": (False, True), "fused_tiled": (True, True)}.items()}
+    errs = {name: max(rel_err(r[1][n], g) for n, g in grads_ref.items()) for name, r in results.items()}
+    peaks = {name: r[2] / 2**20 for name, r in results.items()}
+    print(f"\nworst grad rel. error vs fp32: {errs}; peak MiB: {peaks}")
+    for name, (loss, *_rest) in results.items():
+        torch.testing.assert_close(loss.float(), loss_ref.float(), rtol=2e-2, atol=0, msg=name)
+        assert errs[name] <= 1.5 * errs["plain"] + 1e-3, (name, errs)
+    assert peaks["tiled"] < peaks["plain"] and peaks["fused"] < peaks["plain"], peaks
+    assert peaks["fused_tiled"] < min(peaks["tiled"], peaks["fused"]), peaks

@@ -26,11 +26,11 @@ SEQ = 64  # divisible by 2 * 4 (zigzag and usp on 4 ranks)
 
 def make_plan(world: int, mode: str = "data_parallel", sp: int = 1, *, ulysses: int = 1, ga: int = 1, mbs: int = 1, sharding: str = "ddp",
               checkpointing: str = "none", loss_impl: str = "hf", steps: int = 20, seq_len: int = SEQ,
-              checkpoint_every: int = 0, lr: float = 1e-2) -> LaunchPlan:
+              checkpoint_every: int = 0, lr: float = 1e-2, tiled_mlp: bool = False) -> LaunchPlan:
     """A pinned plan for the tiny model on ``world`` gloo CPU ranks (fp32, AdamW, warmup then constant LR)."""
     strategy = Strategy(
         mode=mode, sp_degree=sp, dp_degree=world // sp, gradient_accumulation_steps=ga, sharding=sharding,
-        checkpointing=checkpointing, loss_impl=loss_impl,
+        checkpointing=checkpointing, loss_impl=loss_impl, tiled_mlp=tiled_mlp,
         ulysses_degree=ulysses if mode == "usp_attn" else 1, ring_degree=sp // ulysses if mode == "usp_attn" else 1,
     )
     return LaunchPlan(
@@ -115,6 +115,25 @@ def test_every_mode_matches_data_parallel_on_4_ranks(tmp_path):
     cases = [("ref", make_plan(w))]
     cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, mbs=w)) for m in MODES]
     cases.append(("hybrid", make_plan(w, "zigzag_ring_attn", 2, ga=2)))  # sp 2 x dp 2: sum over sp, mean over dp
+    data = learnable_tokens(tmp_path / "tokens.npy")
+    results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]
+    _compare(results)
+
+
+def test_tiled_mlp_matches_data_parallel_in_every_checkpointing(tmp_path):
+    """tiled_mlp on 2 ranks: 128 local tokens of a 64-wide model make 2 tiles per MLP call (ALST's ceil(t/h) rule)."""
+    from distributed import run_ranks
+
+    w, seq = 2, 256
+    cases = [("ref", make_plan(w, seq_len=seq))]
+    cases += [
+        ("tiled_dp", make_plan(w, seq_len=seq, tiled_mlp=True)),
+        ("tiled_zigzag_selective", make_plan(w, "zigzag_ring_attn", w, mbs=w, seq_len=seq, checkpointing="selective", tiled_mlp=True)),
+        ("tiled_dist_flash_offload_fsdp", make_plan(w, "dist_flash_attn", w, ga=w, seq_len=seq, checkpointing="offload",
+                                                    sharding="fsdp", tiled_mlp=True)),
+        ("tiled_ulysses_full_chunked", make_plan(w, "ulysses_attn", w, mbs=w, seq_len=seq, checkpointing="full",
+                                                 loss_impl="chunked", tiled_mlp=True)),
+    ]
     data = learnable_tokens(tmp_path / "tokens.npy")
     results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]
     _compare(results)

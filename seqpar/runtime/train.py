@@ -54,11 +54,13 @@ def run(args: argparse.Namespace) -> dict:
     from seqpar.runtime import checkpoint as ckpt
     from seqpar.runtime import engine
     from seqpar.runtime.data import open_data
+    from seqpar.runtime.fused import apply_fused_ops
     from seqpar.runtime.hf import apply, prepare_inputs
     from seqpar.runtime.layout import shard
     from seqpar.runtime.model import build_model
     from seqpar.runtime.progress import ProgressBar, setup_logging
     from seqpar.runtime.report import Metrics, memory_now, write_report
+    from seqpar.runtime.tiled_mlp import tile_mlp
 
     from transformers.utils import logging as hf_logging
 
@@ -109,6 +111,9 @@ def run(args: argparse.Namespace) -> dict:
     # selective: apply enables non-reentrant checkpointing and keeps each layer's attention out + lse (runtime/selective.py)
     apply(model, s.mode, group=topo.sp_group, ulysses_degree=ulysses, offload_checkpoints=s.checkpointing == "offload",
           keep_attention=s.checkpointing == "selective")
+    # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
+    fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
+    tiled_line = f"tiled MLP: {tile_mlp(model)} MLPs, ~hidden_size tokens per tile" if s.tiled_mlp else "tiled MLP: off"
     if s.checkpointing == "full":
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name; 4.x has the older one
         if enable is not None:
@@ -133,8 +138,9 @@ def run(args: argparse.Namespace) -> dict:
 
     engine_name = ENGINES[s.sharding] if deepspeed or not s.sharding.startswith("zero") else f"fsdp2 ({s.sharding} on CPU ranks)"
     backend = _backend(topo.device, param_dtype if autocast_dtype is None else autocast_dtype)
-    log.info("plan %s: %s sp=%d dp=%d engine=%s checkpointing=%s loss=%s; %s; attention backend %s; %d steps from %d%s",
-             args.plan, s.mode, s.sp_degree, s.dp_degree, engine_name, s.checkpointing, s.loss_impl, dtype_reason, backend,
+    log.info("plan %s: %s sp=%d dp=%d engine=%s checkpointing=%s loss=%s; %s; %s; %s; attention backend %s; %d steps from %d%s",
+             args.plan, s.mode, s.sp_degree, s.dp_degree, engine_name, s.checkpointing, s.loss_impl, fused_line, tiled_line,
+             dtype_reason, backend,
              steps, start, f"; weights from {init}" if init and resume_from is None else "")
 
     # ----- loop

@@ -1,0 +1,41 @@
+"""Fused elementwise kernels for a transformers model: ``fused_ops: liger`` in a plan.
+
+Hugging Face's eager RMSNorm, RoPE and SwiGLU run as chains of small kernels that each read and write the whole
+(tokens, hidden) tensor, and RMSNorm saves fp32 copies of its input for backward. Liger-Kernel (Hsu et al. 2024,
+arXiv:2410.10989) fuses each into one Triton kernel that saves only its input and a per-row rstd. seqpar applies
+Liger's own per-model patch to the instance (the entry point transformers' Trainer uses for ``use_liger_kernel``), with
+its losses switched off: seqpar's loss (``loss_impl``) stays in charge, and the attention stays seqpar's.
+Exactness: the fused kernels compute the same functions in fp32 inside, so loss and gradients match the eager modules
+within bf16 rounding (tests/test_hf_gpu.py checks it on the GPU). Needs CUDA and the ``liger-kernel`` package
+(``pip install seqpar[liger]``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from seqpar.runtime.kernels import _error
+
+KINDS = ("none", "liger")
+
+
+def apply_fused_ops(model: nn.Module, kind: str, device_type: str) -> str:
+    """Patch ``model`` in place with the fused kernels of ``kind``; returns a line saying what ran."""
+    if kind == "none":
+        return "fused ops: none (the model's own RMSNorm, RoPE and SwiGLU)"
+    if kind != "liger":
+        raise _error(f"fused_ops {kind!r} is unknown; use one of {', '.join(KINDS)}")
+    if device_type != "cuda":
+        raise _error(f"fused_ops liger runs Triton kernels on CUDA, but this run is on {device_type}; set fused_ops none")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as e:
+        raise _error(f"fused_ops liger needs the liger-kernel package ({e}); pip install 'seqpar[liger]' or set fused_ops none") from None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise _error(f"fused_ops liger has no kernels for model type {model_type!r} (Liger supports "
+                     f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set fused_ops none")
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    return f"fused ops: liger ({model_type}: RMSNorm, RoPE, SwiGLU)"

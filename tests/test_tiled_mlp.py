@@ -1,0 +1,151 @@
+"""tiled_mlp (seqpar.runtime.tiled_mlp) against plain transformers, and the fused_ops refusals that CPU can check.
+
+Reference: the same model untiled (float64: loss and every gradient to 1e-12 relative); memory: the bytes autograd saves
+during forward, counted by saved-tensor hooks, must lose the MLP intermediates (4 x intermediate_size per token)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from seqpar.runtime.hf import apply
+from seqpar.runtime.tiled_mlp import tile_mlp, tile_tokens
+from seqpar.schema import SeqparError
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers: int = 2, inter: int = 176):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, use_cache=False, attn_implementation="eager")
+    return LlamaForCausalLM(cfg).double()
+
+
+def _enable(model, checkpointing: str):
+    apply(model, "data_parallel", offload_checkpoints=checkpointing == "offload", keep_attention=checkpointing == "selective")
+    if checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_tile_rule_is_alst_ceil_t_over_h():
+    assert tile_tokens(65536, 4096) == 4096
+    assert tile_tokens(100, 64) == 50  # 2 tiles
+    assert tile_tokens(10, 64) == 10  # 1 tile
+    assert tile_tokens(65537, 4096) == 3856  # 17 tiles of at most 3856 tokens
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "offload", "selective"])
+@pytest.mark.parametrize("tile", [1, 7, None, 1000])
+def test_tiled_equals_untiled_in_float64(checkpointing, tile):
+    ref = _llama()
+    tiled = copy.deepcopy(ref)
+    _enable(ref, checkpointing)
+    _enable(tiled, checkpointing)
+    assert tile_mlp(tiled, tile=tile) == 2
+    ids = torch.randint(0, 128, (2, 50), generator=torch.Generator().manual_seed(1))
+    want_loss, want = _loss_and_grads(ref, ids)
+    got_loss, got = _loss_and_grads(tiled, ids)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-14, msg=name)
+    # a second step reuses the patched modules and still agrees
+    torch.testing.assert_close(_loss_and_grads(tiled, ids)[0], want_loss, rtol=1e-12, atol=0)
+
+
+def _saved_bytes(model, ids) -> int:
+    """Bytes of the tensors autograd saves during forward, parameters excluded (they exist anyway)."""
+    params = {p.data_ptr() for p in model.parameters()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.data_ptr() not in params:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()  # outside the hooks: the tiles' recomputation in backward is not what forward keeps
+    return total
+
+
+def test_tiling_drops_the_mlp_intermediates_from_what_forward_saves():
+    inter, tokens = 512, 2 * 64
+    ref = _enable(_llama(inter=inter), "none")
+    tiled = _enable(copy.deepcopy(ref), "none")
+    tile_mlp(tiled, tile=16)
+    ids = torch.randint(0, 128, (2, 64))
+    untiled_b, tiled_b = _saved_bytes(ref, ids), _saved_bytes(tiled, ids)
+    intermediates = 2 * 4 * inter * tokens * 8  # 2 layers x (gate, up, act(gate), product) x tokens, float64
+    assert untiled_b - tiled_b >= 0.95 * intermediates, (untiled_b, tiled_b, intermediates)
+
+
+def test_tiled_under_autocast_matches_untiled_and_keeps_fp32_grads():
+    ref = _llama().float()
+    tiled = copy.deepcopy(ref)
+    _enable(ref, "full")
+    _enable(tiled, "full")
+    tile_mlp(tiled, tile=8)
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_loss, want = _loss_and_grads(ref, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_loss, got = _loss_and_grads(tiled, ids)
+    torch.testing.assert_close(got_loss, want_loss, rtol=2e-2, atol=0)
+    for name, g in want.items():
+        assert got[name].dtype == torch.float32, name
+        rel = (got[name] - g).norm() / g.norm()
+        assert rel < 3e-2, (name, float(rel))
+
+
+def test_mixture_of_experts_blocks_are_refused():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64, num_experts=4,
+                         num_experts_per_tok=2)
+    with pytest.raises(SeqparError, match="mixture-of-experts.*set tiled_mlp false"):
+        tile_mlp(Qwen2MoeForCausalLM(cfg))
+
+
+def test_fused_ops_refusals_are_one_clear_line():
+    from seqpar.runtime.fused import apply_fused_ops
+
+    model = _llama()
+    assert "none" in apply_fused_ops(model, "none", "cpu")
+    with pytest.raises(SeqparError, match="fused_ops liger runs Triton kernels on CUDA.*cpu.*set fused_ops none"):
+        apply_fused_ops(model, "liger", "cpu")
+    with pytest.raises(SeqparError, match="fused_ops 'triton' is unknown"):
+        apply_fused_ops(model, "triton", "cuda")
+
+
+def test_plans_refuse_liger_off_cuda_and_tiling_under_zero3():
+    from pydantic import ValidationError
+
+    from seqpar.advisor.cluster import cpu_cluster
+    from seqpar.profiles import get_model
+    from seqpar.schema import LaunchPlan, Rationale, Strategy, Workload
+
+    def plan(**strategy):
+        return LaunchPlan(workload=Workload(model=get_model("tiny"), seq_len=64, dtype="fp32"), cluster=cpu_cluster(1),
+                          strategy=Strategy(mode="data_parallel", **strategy), rationale=Rationale(policy="pinned"))
+
+    assert plan(tiled_mlp=True).strategy.tiled_mlp
+    with pytest.raises(ValidationError, match="fused_ops liger runs Triton kernels on CUDA GPUs.*accelerator is cpu"):
+        plan(fused_ops="liger")
+    with pytest.raises(ValidationError, match="tiled_mlp with sharding zero3.*use sharding fsdp or ddp"):
+        plan(tiled_mlp=True, sharding="zero3")
