@@ -184,22 +184,30 @@ def test_apply_refuses_soft_capping_and_models_outside_the_interface():
 
 
 def test_offload_checkpoints_moves_layer_inputs_through_the_offload_hook(monkeypatch):
+    from seqpar.runtime import offload
+
     packed = []
-    real = torch.autograd.graph.save_on_cpu
+    real = offload.HostOffload.__init__
 
-    def spy(*args, **kwargs):
-        ctx = real(*args, **kwargs)
-        pack = ctx.pack_hook
-        ctx.pack_hook = lambda t: packed.append(tuple(t.shape)) or pack(t)
-        return ctx
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        pack = self.pack_hook
+        self.pack_hook = lambda t: packed.append(tuple(t.shape)) or pack(t)
 
-    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", spy)
+    monkeypatch.setattr(offload.HostOffload, "__init__", spy)
     model = seqpar.apply(make_model("llama"), "data_parallel", offload_checkpoints=True)
     model.train()
     model(input_ids=torch.zeros(2, 16, dtype=torch.long)).logits.sum().backward()
     # each layer's input hidden states (B, S, hidden) went through the offload hook (4.x before 4.52 also passes the
     # mask and position ids positionally: those are offloaded too)
     assert packed.count((2, 16, 32)) == 2, packed
+
+
+def test_pinned_budget_rounds_like_the_caching_host_allocator():
+    from seqpar.runtime.offload import _rounded, pinned_budget
+
+    assert _rounded(3 * 2**30) == 4 * 2**30 and _rounded(2**30) == 2**30 and _rounded(1) == 1
+    assert pinned_budget() > 0
 
 
 # ------------------------------------------------------------------ EasyContext's monkey patch by family name

@@ -190,3 +190,16 @@ def test_fused_liger_and_tiled_mlp_match_plain_within_bf16_noise_and_peak_lower(
         assert errs[name] <= 1.5 * errs["plain"] + 1e-3, (name, errs)
     assert peaks["tiled"] < peaks["plain"] and peaks["fused"] < peaks["plain"], peaks
     assert peaks["fused_tiled"] < min(peaks["tiled"], peaks["fused"]), peaks
+
+
+def test_host_offload_falls_back_to_pageable_memory_past_the_pinned_budget():
+    from seqpar.runtime.offload import HostOffload
+
+    x = torch.randn(3, 1 << 20, device="cuda", requires_grad=True)
+    want = torch.autograd.grad((x * x).sum(), x)[0]
+    for budget, way in ((1 << 40, "pinned"), (0, "pageable")):
+        before = dict(HostOffload.stats)
+        with HostOffload(budget=budget):
+            y = (x * x).sum()  # saves x twice for backward: both go to the host
+        torch.testing.assert_close(torch.autograd.grad(y, x)[0], want)
+        assert HostOffload.stats[way] - before[way] == 2 * x.numel() * 4, (way, HostOffload.stats, before)

@@ -192,11 +192,13 @@ def _enable_checkpointing(model, kwargs: dict) -> None:
 def _offloaded_checkpoint(function, *args, **kwargs):
     """Checkpoint one layer with its inputs kept in (pinned) host memory until backward (the Unsloth variant).
 
-    Reentrant checkpointing saves exactly the layer inputs with save_for_backward, so save_on_cpu moves just those
-    (B, S, hidden) tensors to the host; the recomputation in backward brings them back."""
+    Reentrant checkpointing saves exactly the layer inputs with save_for_backward, so the offload hooks move just those
+    (B, S, hidden) tensors to the host (pinned within a budget, seqpar.runtime.offload); the recomputation in backward
+    brings them back."""
+    from seqpar.runtime.offload import HostOffload
+
     kwargs.pop("use_reentrant", None)
-    pin = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+    with HostOffload():
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True, **kwargs)
 
 
