@@ -23,6 +23,7 @@ from rich.console import Console
 
 from seqpar.schema import (
     Checkpointing,
+    FusedOps,
     LaunchPlan,
     LossImpl,
     Mode,
@@ -125,6 +126,8 @@ def advise(
     sharding: Optional[Sharding] = typer.Option(None, "--sharding", help="Pin model-state sharding."),
     optimizer: Optimizer = typer.Option("adamw", "--optimizer", help="Optimizer of the workload."),
     loss_impl: Optional[LossImpl] = typer.Option(None, "--loss-impl", help="Pin the loss implementation."),
+    fused_ops: Optional[FusedOps] = typer.Option(None, "--fused-ops", help="Pin fused kernels: liger = Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA, pip install liger-kernel); default none."),
+    tiled_mlp: Optional[bool] = typer.Option(None, "--tiled-mlp/--no-tiled-mlp", help="Pin TiledMLP (each MLP one sequence tile at a time: less memory, one more MLP forward); default: the search tries both."),
     micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="Sequences per data-parallel rank per forward pass."),
     tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", min=1, help="Tokens per optimizer step (sets gradient accumulation)."),
     policy: Optional[Literal["rules", "cost"]] = typer.Option(None, "--policy", help="rules: the guide's tree; cost: the cost-model search (default when installed)."),
@@ -144,15 +147,16 @@ def advise(
         seqpar advise --seq-len 256 --model tiny --cluster cpu:2 -o plan.json
         seqpar advise --seq-len 128k --mode zigzag_ring_attn --policy rules --json
         seqpar advise --max-seq-len --gpu h200 --gpus 8 --optimizer adamw
+        seqpar advise --seq-len 64k --gpu h200 --gpus 1 --optimizer none --tiled-mlp --fused-ops liger -o plan.json
     """
     from seqpar.advisor.advise import advise as run_advice, default_policy
     from seqpar.advisor.cluster import resolve_cluster
-    from seqpar.advisor.request import AdviseRequest
+    from seqpar.advisor.request import AdviseRequest, check_fused_ops
     from seqpar.profiles import get_model
 
     if max_seq_len:
         return _max_seq_len_command(model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing,
-                                    sharding, optimizer, loss_impl, micro_batch, json_out)
+                                    sharding, optimizer, loss_impl, micro_batch, json_out, fused_ops, tiled_mlp)
     if recipe is not None and seq_len is None:  # the recipe's last stage; every stage is planned below
         from seqpar.advisor.recipe import recipe_seq_len
 
@@ -164,10 +168,12 @@ def advise(
     spec = get_model(model)
     cl, cluster_note = resolve_cluster(gpu, gpus, nodes, cluster, host_ram_gib)
     note(f"cluster: {cluster_note}")
+    check_fused_ops(fused_ops, cl)
     req = AdviseRequest(
         model=spec, seq_len=n, cluster=cl, micro_batch_size=micro_batch, tokens_per_step=tokens_per_step,
         dtype="fp32" if cl.accelerator == "cpu" else "bf16", optimizer=optimizer, policy=policy or default_policy(),
         mode=mode, sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,
+        fused_ops=fused_ops, tiled_mlp=tiled_mlp,
     )
     notes: list[str] = []
     if recipe is not None:
@@ -249,6 +255,8 @@ def check(
     sharding: Optional[Sharding] = typer.Option(None, "--sharding", help="Pin sharding (without a plan)."),
     optimizer: Optimizer = typer.Option("adamw", "--optimizer", help="Optimizer (without a plan)."),
     loss_impl: Optional[LossImpl] = typer.Option(None, "--loss-impl", help="Pin the loss (without a plan)."),
+    fused_ops: Optional[FusedOps] = typer.Option(None, "--fused-ops", help="Pin fused kernels, none or liger (without a plan)."),
+    tiled_mlp: Optional[bool] = typer.Option(None, "--tiled-mlp/--no-tiled-mlp", help="Pin TiledMLP (without a plan)."),
     micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="Micro-batch (without a plan)."),
     json_out: bool = typer.Option(False, "--json", help="Print the verdict as JSON on stdout."),
 ):
@@ -262,6 +270,7 @@ def check(
         seqpar check plan.json
         seqpar check plan.json --gpu a100-40g --gpus 8
         seqpar check --seq-len 64k --gpu h200 --gpus 1 --mode data_parallel --checkpointing full --sharding ddp --loss-impl hf
+        seqpar check --seq-len 128k --gpu h200 --gpus 1 --optimizer none --checkpointing offload --tiled-mlp --fused-ops liger
     """
     from seqpar.advisor.cluster import resolve_cluster
     from seqpar.advisor.explain import check_lines
@@ -275,7 +284,7 @@ def check(
         if seq_len is None:
             raise SeqparError("give a plan file or --seq-len (with the advise flags); e.g. seqpar check plan.json")
         target = _request(seq_len, model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing,
-                          sharding, optimizer, loss_impl, micro_batch)
+                          sharding, optimizer, loss_impl, micro_batch, fused_ops, tiled_mlp)
         cl = None
     res = run_check(target, cl)
     if json_out:
@@ -290,28 +299,30 @@ def check(
 
 
 def _request(seq_len, model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
-             optimizer, loss_impl, micro_batch):
+             optimizer, loss_impl, micro_batch, fused_ops=None, tiled_mlp=None):
     from seqpar.advisor.cluster import resolve_cluster
-    from seqpar.advisor.request import AdviseRequest
+    from seqpar.advisor.request import AdviseRequest, check_fused_ops
     from seqpar.profiles import get_model
 
     cl, cluster_note = resolve_cluster(gpu, gpus, nodes, cluster, host_ram_gib)
     note(f"cluster: {cluster_note}")
+    check_fused_ops(fused_ops, cl)
     return AdviseRequest(model=get_model(model), seq_len=parse_seq_len(seq_len), cluster=cl, micro_batch_size=micro_batch,
                          dtype="fp32" if cl.accelerator == "cpu" else "bf16", optimizer=optimizer, policy="cost", mode=mode,
-                         sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl)
+                         sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,
+                         fused_ops=fused_ops, tiled_mlp=tiled_mlp)
 
 
 def _max_seq_len_command(model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
-                         optimizer, loss_impl, micro_batch, json_out) -> None:
+                         optimizer, loss_impl, micro_batch, json_out, fused_ops=None, tiled_mlp=None) -> None:
     """`seqpar advise --max-seq-len`: the longest sequence that fits, per mode."""
     from seqpar.advisor.explain import max_seq_len_table
     from seqpar.advisor.search import max_seq_len as run_max
 
     req = _request("1024", model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
-                   optimizer, loss_impl, micro_batch)
+                   optimizer, loss_impl, micro_batch, fused_ops, tiled_mlp)
     pins = dict(sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,
-                optimizer=optimizer, micro_batch_size=micro_batch, dtype=req.dtype)
+                optimizer=optimizer, micro_batch_size=micro_batch, dtype=req.dtype, fused_ops=fused_ops, tiled_mlp=tiled_mlp)
     res = run_max(req.model, req.cluster, [mode] if mode else None, **pins)
     if json_out:
         print_json({m: {"max_seq_len": n, "strategy": s.model_dump() if s else None} for m, (n, s) in res.items()})

@@ -4,7 +4,9 @@ import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.predict import Coefficients, load_coefficients
-from seqpar.advisor.throughput import attention_fwd_flops, estimate_time, linear_flops_per_token, matmul_params, width_efficiency
+from seqpar.advisor.throughput import (
+    attention_fwd_flops, elementwise_time, estimate_time, linear_flops_per_token, matmul_params, width_efficiency,
+)
 from seqpar.profiles import get_model
 from seqpar.schema import LinkSpec, ModelSpec, Strategy, Workload
 
@@ -34,14 +36,18 @@ def test_one_gpu_step_time_by_hand():
     t = estimate_time(w, cl, Strategy(mode="data_parallel", checkpointing="none", sharding="ddp", loss_impl="hf"), PLAIN)
     lin = 4096 * 6 * 90112 / 773e12
     attn = 2 * 4096**2 * 4 * 16 * 2 * 3.5 / 570e12  # fwd + bwd = 3.5 x fwd
-    assert t.step_time_s == pytest.approx(lin + attn, rel=1e-12)
-    assert t.tokens_per_s == pytest.approx(4096 / (lin + attn), rel=1e-12)
+    # norms, RoPE, SwiGLU: (68h + 24(a+kv)d + 10I) bytes per token and layer, forward + backward (2) = 3 passes, H200 4.8 TB/s
+    elem = 4096 * 2 * (68 * 64 + 24 * 6 * 16 + 10 * 128) * 3 / 4800e9
+    assert t.breakdown_s["elementwise"] == pytest.approx(elem, rel=1e-12)
+    assert t.step_time_s == pytest.approx(lin + attn + elem, rel=1e-12)
+    assert t.tokens_per_s == pytest.approx(4096 / (lin + attn + elem), rel=1e-12)
     assert t.breakdown_s["exposed_comm"] == 0 and t.breakdown_s["optimizer"] == 0
+    elem_ck = elem * 4 / 3  # checkpointing recomputes the forward: 4 passes
     t_full = estimate_time(w, cl, Strategy(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="hf"), PLAIN)
-    assert t_full.step_time_s == pytest.approx(lin + 4096 * 2 * 73728 / 773e12 + attn * 4.5 / 3.5, rel=1e-12)
+    assert t_full.step_time_s == pytest.approx(lin + 4096 * 2 * 73728 / 773e12 + attn * 4.5 / 3.5 + elem_ck, rel=1e-12)
     # selective recomputes the layers' matmuls but not attention's forward: attention stays at 3.5 x forward
     t_sel = estimate_time(w, cl, Strategy(mode="data_parallel", checkpointing="selective", sharding="ddp", loss_impl="hf"), PLAIN)
-    assert t_sel.step_time_s == pytest.approx(lin + 4096 * 2 * 73728 / 773e12 + attn, rel=1e-12)
+    assert t_sel.step_time_s == pytest.approx(lin + 4096 * 2 * 73728 / 773e12 + attn + elem_ck, rel=1e-12)
     assert t_sel.step_time_s < t_full.step_time_s
 
 
@@ -119,8 +125,11 @@ def test_per_gpu_factors_scale_the_step_global_pair_otherwise():
     c = PLAIN.with_values(matmul_width_h0=64.0, time_factors={"h200": {"linear_time_factor": 2.0, "attn_time_factor": 3.0}})
     lin = 4096 * 6 * 90112 / 773e12 / width_efficiency(64, 64.0)  # h = 64: (64/128) / (8192/8256)
     attn = 2 * 4096**2 * 4 * 16 * 2 * 3.5 / 570e12
-    t = estimate_time(w, cluster_from_flags("h200", 1), s, c)
+    h200 = cluster_from_flags("h200", 1)
+    t = estimate_time(w, h200, s, c)
     assert t.parts_s["linear_ideal"] == pytest.approx(lin, rel=1e-12)
-    assert t.step_time_s == pytest.approx(2.0 * lin + 3.0 * attn, rel=1e-12)
+    elem = elementwise_time(TINY, h200, s, 4096)  # unscaled: part of the fit's fixed rest
+    assert t.parts_s["elementwise"] == pytest.approx(elem) and t.parts_s["rest"] == pytest.approx(elem)
+    assert t.step_time_s == pytest.approx(2.0 * lin + 3.0 * attn + elem, rel=1e-12)
     other = estimate_time(w, cluster_from_flags("h100-sxm", 1), s, c)
-    assert other.step_time_s == pytest.approx(other.parts_s["linear_ideal"] + other.parts_s["attn_ideal"], rel=1e-12)
+    assert other.step_time_s == pytest.approx(other.parts_s["linear_ideal"] + other.parts_s["attn_ideal"] + other.parts_s["rest"], rel=1e-12)

@@ -116,7 +116,8 @@ def plot_memory(plan: LaunchPlan, path: str | Path, coeffs: Optional[Coefficient
     ax.set_xscale("log", base=2)
     ax.set_xlabel("seq_len (tokens)")
     ax.set_ylabel("predicted peak allocated per GPU (GiB)")
-    ax.set_title(f"{w.model.name}, {world}x {cl.gpu.name}, ckpt={s.checkpointing}, {s.sharding}, loss={s.loss_impl}")
+    ax.set_title(f"{w.model.name}, {world}x {cl.gpu.name}, ckpt={s.checkpointing}, {s.sharding}, loss={s.loss_impl}"
+                 + (", tiled MLP" if s.tiled_mlp else "") + (f", {s.fused_ops} kernels" if s.fused_ops != "none" else ""))
     ax.legend(fontsize=7)
     fig.tight_layout()
     out = Path(path)

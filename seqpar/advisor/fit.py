@@ -7,6 +7,8 @@ and the measured ``tokens_per_s`` / ``peak_memory_gib`` (the plan's Prediction f
 
 The fit: step time is linear in the fitted factors once the rest is held fixed,
   T = linear_time_factor * T_linear(h0) + attn_time_factor * T_attn(n0) + cpu_work / cpu_adam_rate + T_rest,
+(T_rest: the parts no factor scales: elementwise HBM traffic of norms, RoPE and SwiGLU, exposed communication, offload,
+the GPU optimizer step; throughput.py's ``parts_s["rest"]``)
 so relative least squares (minimise sum((T_pred - T_meas)/T_meas)^2) over those three, grids over the matmul width
 saturation h0 (matmul_width_h0) and, when asked, the attention saturation n0 (attn_block_tokens), and two fixed-point
 passes for the overlap terms that depend on the compute time. The two time factors are fitted once on all rows (the

@@ -13,6 +13,14 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
     SwiGLU MLP: gate, silu(gate), up, their product                                   -> 4p*I
   This is Korthikanti et al. 2022 ("Reducing Activation Recomputation", eq. 2) specialised to this block: no dropout masks,
   flash-style attention (no 5as^2b term), SwiGLU instead of GeLU.
+* ``fused_ops liger`` (Liger-Kernel's Triton RMSNorm, RoPE, SwiGLU): each RMSNorm saves its input and an fp32 rstd per row,
+  its output being the tensor the next matmuls save -> 2 (p h + 4) + r h (the post-attention norm's input is a new tensor,
+  the input norm's input is the layer input, counted where it is kept); the SwiGLU kernel saves gate and up and recomputes
+  silu in backward (the product is saved by down_proj) -> 3p*I. RoPE saves nothing the attention does not already hold.
+* ``tiled_mlp`` (ALST's TiledMLP): each MLP runs one sequence tile of ceil(t / ceil(t/h)) tokens (about h) at a time, its
+  forward under no_grad, so the layer saves nothing of the MLP (its input is the post-attention norm's output, counted
+  there); forward and backward hold one tile's intermediates (3p*I forward, 4p*I or 3p*I recomputed plus 2p*I of their
+  gradients in backward) and backward one fp32 weight-gradient accumulator per MLP matrix (3*h*I*4 bytes).
 * Checkpointing: ``full`` keeps each layer's input (B, S, h) and recomputes one layer at a time in backward (its saved
   tensors above plus the gradients flowing through it); ``offload`` moves the layer inputs to host RAM (two in flight on the
   GPU); ``selective`` keeps the layer input plus attention's output (B, S, a*d, model dtype) and fp32 lse (B, a, S) per
@@ -35,6 +43,7 @@ Every term can be checked against ``torch.cuda.max_memory_allocated`` by switchi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -125,27 +134,45 @@ def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world:
     raise ValueError(sharding)
 
 
-def saved_bytes_per_token(m: ModelSpec, dtype: str, residual: int | None = None) -> float:
+def mlp_tile_tokens(t: float, h: int) -> float:
+    """Tokens of one TiledMLP tile: the local tokens split into ceil(t/h) equal tiles (about h tokens each)."""
+    if t <= 0:
+        return 0.0
+    return float(math.ceil(t / math.ceil(t / h)))
+
+
+def saved_bytes_per_token(m: ModelSpec, dtype: str, residual: int | None = None, fused_ops: str = "none",
+                          tiled_mlp: bool = False) -> float:
     """Tensors one decoder layer saves for backward, bytes per token (see the module docstring).
 
-    ``residual``: bytes of the residual stream (4 under autocast with fp32 parameters: the norms then also save the bf16
-    cast autocast makes for the next matmul)."""
+    ``residual``: bytes of the residual stream (4 under autocast with fp32 parameters: the unfused norms then also save the
+    bf16 cast autocast makes for the next matmul). ``fused_ops`` liger: Liger's RMSNorm and SwiGLU save less;
+    ``tiled_mlp``: the MLP saves nothing (its tiles are recomputed in backward)."""
     h, d, a, kv, i = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size
     p = DTYPE_BYTES[dtype]
     r = residual or p
-    norms = 2 * (4 + 2 * r + (p if r != p else 0)) * h
-    return norms + 3 * p * a * d + 2 * p * kv * d + 4 * a + 4 * p * i
+    if fused_ops == "liger":
+        norms = 2 * (p * h + 4) + r * h
+        mlp = 3 * p * i
+    else:
+        norms = 2 * (4 + 2 * r + (p if r != p else 0)) * h
+        mlp = 4 * p * i
+    if tiled_mlp:
+        mlp = 0
+    return norms + 3 * p * a * d + 2 * p * kv * d + 4 * a + mlp
 
 
 def kept_bytes_per_token(m: ModelSpec, dtype: str, strategy: Strategy, residual: int | None = None) -> float:
     """What each layer keeps between its forward and its backward, per token, on the GPU.
 
     full: the layer input (B, S, h) in the residual dtype; selective adds attention's output (B, S, a, d) in the model
-    dtype and its fp32 lse (B, a, S) (seqpar.runtime.selective); offload: nothing (the input waits in host RAM)."""
+    dtype and its fp32 lse (B, a, S) (seqpar.runtime.selective); offload: nothing (the input waits in host RAM);
+    none: everything the layer saves, plus, under fused_ops liger, the layer input the fused input norm saves."""
     r = residual or DTYPE_BYTES[dtype]
     ck = strategy.checkpointing
     if ck == "none":
-        return saved_bytes_per_token(m, dtype, residual)
+        extra = r * m.hidden_size if strategy.fused_ops == "liger" else 0
+        return saved_bytes_per_token(m, dtype, residual, strategy.fused_ops, strategy.tiled_mlp) + extra
     if ck == "offload":
         return 0.0
     if ck == "selective":
@@ -190,7 +217,10 @@ def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: "Coef
     backward the saved output + incoming grad + result (12); seqpar's LossModule returns only the loss, so nothing of the
     logits outlives the loss. chunked: one (chunk, V) block in both dtypes and its fp32 grads, the fp32 grad of the hidden."""
     p, v, h = DTYPE_BYTES[dtype], m.vocab_size, m.hidden_size
-    final_norm = t * (4 + 2 * r + (p if r != p else 0)) * h
+    if strategy.fused_ops == "liger":  # Liger's RMSNorm: its input (the last layer's output), fp32 rstd, its output
+        final_norm = t * (r * h + 4 + p * h)
+    else:
+        final_norm = t * (4 + 2 * r + (p if r != p else 0)) * h
     if strategy.loss_impl == "hf":
         return {"final_norm": final_norm, "loss_fp32_logits": t * v * 12}
     chunk = min(t, c.loss_chunk_tokens)
@@ -224,8 +254,12 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coeffici
     fwd_buf, bwd_buf = mode_buffers(m, dtype, s, t)
     carried_grads = grads_full if accum > 1 else 0.0  # gradient accumulation keeps them between micro-batches
 
+    tile = mlp_tile_tokens(t, h) if s.tiled_mlp else 0.0
     # forward, at the end of the last layer: every layer's kept tensors plus the working set of one layer
-    work_fwd = t * (2 * p * h + 3 * p * i) if s.checkpointing != "none" else t * 2 * p * h
+    if s.tiled_mlp:  # the MLP's intermediates exist for one tile at a time
+        work_fwd = t * 2 * p * h + tile * 3 * p * i
+    else:
+        work_fwd = t * (2 * p * h + 3 * p * i) if s.checkpointing != "none" else t * 2 * p * h
     forward = {**opt, "gradients": carried_grads, "gathered_params": gathered, "autocast_weight_cache": cache,
                "checkpointed_activations": L * kept + offload_inflight, "layer_working_set": work_fwd, "mode_buffers": fwd_buf}
     # the loss's backward: logits and their fp32 copies; the head's gradient appears
@@ -240,14 +274,21 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coeffici
         loss_fwd["loss_fp32_logits"] *= 10 / 12
     loss = max(loss_fwd, loss_bwd, key=lambda d: sum(d.values()))
     # backward of layer j, recomputing it: linear in j, so its maximum is at the top (j = L-1) or the bottom (j = 0) layer
-    recompute = saved_bytes_per_token(m, dtype, r) * t if s.checkpointing != "none" else 0.0
-    grad_flow = t * (2 * r * h + 2 * p * i)  # gradient of the hidden state in and out, of two MLP intermediates
+    recompute = saved_bytes_per_token(m, dtype, r, s.fused_ops, s.tiled_mlp) * t if s.checkpointing != "none" else 0.0
+    if s.tiled_mlp:
+        grad_flow = t * 2 * r * h + tile * 2 * p * i  # gradient of the hidden state in and out, of one tile's intermediates
+        # one tile's recomputed intermediates (unfused: gate, silu, up, product; liger: gate, up, product) and the fp32
+        # weight-gradient accumulators of one MLP (gate, up, down: 3 h x I)
+        tiled_buffers = tile * (3 if s.fused_ops == "liger" else 4) * p * i + 3 * h * i * 4
+    else:
+        grad_flow = t * (2 * r * h + 2 * p * i)  # gradient of the hidden state in and out, of two MLP intermediates
+        tiled_buffers = 0.0
     per_layer_grad = layer_params(m) * share
     backward = {}
     for j in (L - 1, 0):
         g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (layer_params(m) * p if gathered else 0.0))
         cand = {**opt, "gradients": g, "gathered_params": gathered, "checkpointed_activations": (j + 1) * kept + offload_inflight,
-                "layer_recompute": recompute, "gradient_flow": grad_flow, "mode_buffers": bwd_buf}
+                "layer_recompute": recompute, "gradient_flow": grad_flow, "tiled_mlp_buffers": tiled_buffers, "mode_buffers": bwd_buf}
         if sum(cand.values()) > sum(backward.values()):
             backward = cand
     # optimizer step: the states plus one fp32 temporary of the largest local tensor (per-tensor update)

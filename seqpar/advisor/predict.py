@@ -25,7 +25,8 @@ class Coefficients:
     """The cost model's few numbers; see coefficients.json for the source of each."""
 
     version: str
-    linear_time_factor: float = 1.0  # measured / ideal time of the matmul part (norms, RoPE, SwiGLU, launch gaps ride on it)
+    linear_time_factor: float = 1.0  # measured / ideal time of the matmul part (launch gaps ride on it; norms, RoPE and SwiGLU
+    # are throughput.elementwise_time, a fixed HBM-bandwidth term)
     attn_time_factor: float = 1.0  # measured / ideal time of the attention kernels
     attn_block_tokens: float = 2048.0  # n0 in eff(n) = eff_max * n / (n + n0), n = query length of one kernel call
     matmul_width_h0: float = 0.0  # h0 in the matmul efficiency h / (h + h0), h = hidden size (GEMM inner dimension)

@@ -54,6 +54,7 @@ def plan_tables(plan: LaunchPlan) -> list[RenderableType]:
             ("degrees", f"sp {s.sp_degree} x dp {s.dp_degree}" + (f", ulysses {s.ulysses_degree} x ring {s.ring_degree}" if s.mode == "usp_attn" else "")),
             ("tokens per rank", w.seq_len // s.sp_degree),
             ("checkpointing", s.checkpointing), ("sharding", s.sharding), ("loss", s.loss_impl),
+            ("fused ops", s.fused_ops), ("tiled MLP", "yes" if s.tiled_mlp else "no"),
             ("grad accumulation", s.gradient_accumulation_steps),
         ]),
     ]

@@ -13,14 +13,23 @@ from seqpar.schema import (
     Checkpointing,
     ClusterSpec,
     DType,
+    FusedOps,
     LossImpl,
     Mode,
     ModelSpec,
     Optimizer,
+    SeqparError,
     Sharding,
     Workload,
     _Frozen,
 )
+
+
+def check_fused_ops(fused_ops: Optional[str], cluster: ClusterSpec) -> None:
+    """SeqparError (one line) when Liger's Triton kernels are asked for on a cluster without CUDA GPUs."""
+    if fused_ops == "liger" and cluster.accelerator != "cuda":
+        raise SeqparError(f"fused_ops liger runs Liger-Kernel's Triton kernels on CUDA GPUs, but this cluster's accelerator is "
+                          f"{cluster.accelerator} ({cluster.gpu.name}); use --fused-ops none")
 
 
 class AdviseRequest(_Frozen):
@@ -39,6 +48,8 @@ class AdviseRequest(_Frozen):
     checkpointing: Optional[Checkpointing] = Field(default=None, description="Pinned checkpointing.")
     sharding: Optional[Sharding] = Field(default=None, description="Pinned sharding.")
     loss_impl: Optional[LossImpl] = Field(default=None, description="Pinned loss implementation.")
+    fused_ops: Optional[FusedOps] = Field(default=None, description="Pinned fused kernels (None = none: liger is an optional dependency, never picked unasked).")
+    tiled_mlp: Optional[bool] = Field(default=None, description="Pinned TiledMLP (None = the search tries both).")
 
     @model_validator(mode="after")
     def _fp16(self) -> "AdviseRequest":
@@ -47,6 +58,7 @@ class AdviseRequest(_Frozen):
                 f"dtype fp16 needs DeepSpeed's loss scaling, which seqpar runs with AdamW only, not optimizer "
                 f"{self.optimizer}; use dtype bf16"
             )
+        check_fused_ops(self.fused_ops, self.cluster)
         return self
 
     def workload(self) -> Workload:

@@ -186,6 +186,13 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
     ckpt = req.checkpointing or "full"
     # EasyContext's engine (ZeRO-3 + CPU offload) runs AdamW with an fp32 master; other optimizers shard with FSDP2
     sharding = req.sharding or ("ddp" if c.accelerator != "cuda" else "zero3_offload" if req.optimizer == "adamw" else "fsdp")
+    if req.tiled_mlp and sharding in ("zero3", "zero3_offload"):
+        if req.sharding:
+            raise SeqparError(f"tiled_mlp with sharding {sharding}: ZeRO-3 gathers parameters through module hooks that TiledMLP's "
+                              "recomputation in backward bypasses; use --sharding fsdp or ddp, or --no-tiled-mlp")
+        sharding = "fsdp"
+        reasons.append("tiled_mlp pinned: sharding fsdp instead of EasyContext's ZeRO-3 offload (ZeRO-3's parameter hooks do not "
+                       "see TiledMLP's recomputation)")
     loss = req.loss_impl or "hf"
     for what, pinned, val, why in (
         ("checkpointing", req.checkpointing, ckpt, "EasyContext trains with gradient checkpointing (dist_flash_attn requires it)"),
@@ -194,6 +201,9 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
         ("loss_impl", req.loss_impl, loss, "EasyContext computes the loss on full logits (transformers' way)"),
     ):
         reasons.append(f"{what} {val}: " + ("pinned" if pinned else why))
+    for what, pinned in (("fused_ops", req.fused_ops), ("tiled_mlp", req.tiled_mlp)):
+        if pinned is not None:
+            reasons.append(f"{what} {pinned}: pinned")
     gas = 1
     if req.tokens_per_step:
         per_micro = req.micro_batch_size * s * dp
@@ -209,6 +219,8 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
         sharding=sharding,
         loss_impl=loss,
         gradient_accumulation_steps=gas,
+        fused_ops=req.fused_ops or "none",
+        tiled_mlp=bool(req.tiled_mlp),
     )
     everything_pinned = bool(req.mode and (req.mode == "data_parallel" or req.sp_degree) and req.checkpointing and req.sharding and req.loss_impl
                              and (req.mode != "usp_attn" or req.ulysses_degree))

@@ -1,22 +1,26 @@
 """The cost-model search: every valid strategy predicted, the fastest that fits chosen; max context per mode; the OOM gate.
 
 ``advise_by_cost(req)`` enumerates modes x sp degrees (divisors of the GPU count; usp: ulysses x ring) x checkpointing x
-sharding x loss implementation (pins in the request restrict each axis), drops invalid ones with the reason, predicts the
-rest (memory.py, throughput.py; ~30 us each) and returns the fastest that fits with headroom. The plan carries the guide
-tree's choice (rules.py) and, where the cost model departs from it, why. ``max_seq_len`` binary-searches the longest
-sequence that fits per mode; ``check`` re-evaluates a plan (or a request) and names the cheapest fix when it does not fit.
+sharding x loss implementation x tiled_mlp off/on (pins in the request restrict each axis; fused_ops is never searched:
+Liger-Kernel is an optional dependency, so it is ``none`` unless pinned, and the rationale says when ``liger`` would be
+faster), drops invalid ones with the reason (tiled_mlp with ZeRO-3), predicts the rest (memory.py, throughput.py; ~30 us
+each) and returns the fastest that fits with headroom. tiled_mlp costs one more MLP forward and saves memory, so it can only
+win where its untiled twin does not fit, and only there is it predicted. The plan carries the guide tree's choice
+(rules.py) and, where the cost model departs from it, why. ``max_seq_len`` binary-searches the longest sequence that fits
+per mode; ``check`` re-evaluates a plan (or a request) and names the cheapest fix when it does not fit.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
 
 from seqpar import __version__
 from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.predict import Coefficients, load_coefficients, predict
-from seqpar.advisor.request import AdviseRequest
+from seqpar.advisor.request import AdviseRequest, check_fused_ops
 from seqpar.advisor.throughput import estimate_time
 from seqpar.schema import (
     MODES, Alternative, ClusterSpec, LaunchPlan, ModelSpec, Prediction, Rationale, SeqparError, Strategy, Workload,
@@ -24,6 +28,7 @@ from seqpar.schema import (
 )
 
 CHECKPOINTING = ("full", "selective", "none", "offload")
+TILED_INVALID = ("zero3", "zero3_offload")  # ZeRO-3's parameter hooks do not see TiledMLP's recomputation in backward
 SHARDING = ("ddp", "zero2", "zero3", "zero3_offload")  # fsdp costs the same as zero3 in this model; searched when pinned
 LOSS = ("chunked", "hf")
 GIB = 2**30
@@ -77,6 +82,9 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
             raise SeqparError(f"dtype fp16 needs a zero* sharding (DeepSpeed's loss scaling), not {req.sharding}; "
                               "use dtype bf16, or --sharding zero3")
     losses = [req.loss_impl] if req.loss_impl else list(LOSS)
+    tileds = [req.tiled_mlp] if req.tiled_mlp is not None else [False, True]
+    fused = req.fused_ops or "none"
+    tiled_invalid: list[tuple[Strategy | None, str]] = []  # listed after the others: one reason repeated per combination
     for mode in modes:
         for sp, u in _degrees(mode, world, m, req):
             r = sp // u if mode == "usp_attn" else 1
@@ -101,9 +109,15 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
                     continue
                 for sh in shards:
                     for loss in losses:
-                        valid.append(base.model_copy(update={"checkpointing": ck, "sharding": sh, "loss_impl": loss,
-                                                             "gradient_accumulation_steps": gas}))
-    return valid, invalid
+                        for tiled in tileds:
+                            st = base.model_copy(update={"checkpointing": ck, "sharding": sh, "loss_impl": loss,
+                                                         "gradient_accumulation_steps": gas, "fused_ops": fused, "tiled_mlp": tiled})
+                            if tiled and sh in TILED_INVALID:
+                                tiled_invalid.append((st, f"tiled_mlp with sharding {sh}: ZeRO-3 gathers parameters through module "
+                                                          "hooks that TiledMLP's recomputation in backward bypasses"))
+                                continue
+                            valid.append(st)
+    return valid, invalid + tiled_invalid
 
 
 def _one_line(e: Exception) -> str:
@@ -120,7 +134,8 @@ def describe(s: Strategy) -> str:
     deg = f" sp={s.sp_degree}" if s.sp_degree > 1 else ""
     if s.mode == "usp_attn":
         deg += f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})"
-    return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing} {s.sharding} loss={s.loss_impl}"
+    extra = (" mlp=tiled" if s.tiled_mlp else "") + (f" ops={s.fused_ops}" if s.fused_ops != "none" else "")
+    return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing} {s.sharding} loss={s.loss_impl}{extra}"
 
 
 def _rules_choice(req: AdviseRequest) -> tuple[Optional[str], list[str]]:
@@ -137,10 +152,11 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
     w, cl = req.workload(), req.cluster
     valid, invalid = enumerate_strategies(req, w)
     if not valid:
-        raise SeqparError(f"no valid strategy for seq_len {req.seq_len} on {cl.world_size} GPUs: " + (invalid[0][1] if invalid else "nothing to try"))
-    cands = [_evaluate(w, cl, s, c) for s in valid]
+        why = Counter(r for _, r in invalid).most_common(1)[0][0] if invalid else "nothing to try"  # the reason that rules out most
+        raise SeqparError(f"no valid strategy for seq_len {req.seq_len} on {cl.world_size} GPUs: {why}")
+    cands = _predict_all(req, valid, w, cl, c)
     fitting = sorted((x for x in cands if x.fits), key=lambda x: (-x.tokens_per_s, x.peak_gib))
-    pinned = len(valid) == 1
+    pinned = len(cands) == 1
     reasons: list[str] = []
     if fitting:
         best = fitting[0]
@@ -152,17 +168,38 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
     rules_mode, rule_path = _rules_choice(req)
     reasons.insert(0, f"cost model: {describe(best.strategy)}: {pred.tokens_per_s:,.0f} tokens/s, peak {pred.peak_memory_gib:.1f} GiB "
                       f"allocated ({pred.reserved_memory_gib:.1f} reserved) of {pred.capacity_gib:.1f} GiB, MFU {pred.mfu:.0%}"
-                      f" ({len(valid)} strategies predicted, {len(fitting)} fit, {len(invalid)} invalid)")
+                      f" ({len(cands)} strategies predicted, {len(fitting)} fit, {len(invalid)} invalid)")
     if rules_mode and not req.mode:
         reasons.append(_departure(rules_mode, best, fitting, cands))
+    reasons += _option_notes(req, best, cands, valid, w, cl, c)
     reasons += [f"invalid: {why}" for why in list(dict.fromkeys(r for _, r in invalid))[:5]]
     alts = _alternatives(best, fitting, cands, w, cl, c)
+    liger = _liger_alternative(req, best, w, cl, c)
+    if liger is not None:
+        alts.append(liger)
     rationale = Rationale(policy="pinned" if pinned else "cost", rule_path=rule_path, rules_choice=rules_mode,
                           reasons=reasons, alternatives=alts, cluster_note=cluster_note)
     from seqpar.advisor.rules import _now, launch_spec
 
     return LaunchPlan(created_by=f"seqpar {__version__} (advise, cost)", created_at=_now(), workload=w, cluster=cl,
                       strategy=best.strategy, prediction=pred, rationale=rationale, launch=launch_spec(cl))
+
+
+def _predict_all(req: AdviseRequest, valid: list[Strategy], w: Workload, cl: ClusterSpec, c: Coefficients) -> list[Candidate]:
+    """Every valid strategy's prediction, except that an unpinned tiled_mlp is predicted only where its untiled twin does not
+    fit: tiling costs one more MLP forward and is never faster, so it can only win where it is the one that fits."""
+    if req.tiled_mlp is not None:
+        return [_evaluate(w, cl, s, c) for s in valid]
+    tiled = {s.model_copy(update={"tiled_mlp": False}): s for s in valid if s.tiled_mlp}
+    out = []
+    for s in valid:
+        if s.tiled_mlp:
+            continue
+        x = _evaluate(w, cl, s, c)
+        out.append(x)
+        if not x.fits and s in tiled:
+            out.append(_evaluate(w, cl, tiled[s], c))
+    return out
 
 
 def _departure(rules_mode: str, best: Candidate, fitting: list[Candidate], cands: list[Candidate]) -> str:
@@ -179,11 +216,51 @@ def _departure(rules_mode: str, best: Candidate, fitting: list[Candidate], cands
     return f"rules: {rules_mode}; cost model: {best.strategy.mode}, because {rules_mode} is invalid here"
 
 
+def _option_notes(req: AdviseRequest, best: Candidate, cands: list[Candidate], valid: list[Strategy], w: Workload,
+                  cl: ClusterSpec, c: Coefficients) -> list[str]:
+    """Why tiled_mlp is on (its untiled twin does not fit), and whether pinning fused_ops liger would be faster or fit."""
+    out = []
+    s = best.strategy
+    if s.tiled_mlp and req.tiled_mlp is None and best.fits:
+        twin = next((x for x in cands if x.strategy == s.model_copy(update={"tiled_mlp": False})), None)
+        if twin is not None:
+            out.append(f"tiled_mlp: without it, {describe(twin.strategy)}: {twin.why or 'fits'}; tiling the MLP saves "
+                       f"{twin.peak_gib - best.peak_gib:.1f} GiB for one more MLP forward")
+    if req.fused_ops is not None or cl.accelerator != "cuda":
+        return out
+    if best.fits:
+        alt = _evaluate(w, cl, s.model_copy(update={"fused_ops": "liger"}), c)
+        if alt.fits and alt.tokens_per_s > best.tokens_per_s:
+            out.append(f"fused_ops liger (Liger-Kernel's fused RMSNorm, RoPE and SwiGLU; optional: pip install liger-kernel) would "
+                       f"run {alt.tokens_per_s:,.0f} tokens/s ({alt.tokens_per_s / best.tokens_per_s - 1:+.0%}) at a peak of "
+                       f"{alt.peak_gib:.1f} GiB; pin --fused-ops liger to use it")
+        return out
+    fits = [x for x in (_evaluate(w, cl, v.model_copy(update={"fused_ops": "liger"}), c) for v in valid) if x.fits]
+    if fits:
+        top = max(fits, key=lambda x: x.tokens_per_s)
+        out.append(f"with --fused-ops liger (Liger-Kernel, optional: pip install liger-kernel) {describe(top.strategy)} fits: "
+                   f"{top.tokens_per_s:,.0f} tokens/s, peak {top.peak_gib:.1f} GiB")
+    return out
+
+
+def _liger_alternative(req: AdviseRequest, best: Candidate, w: Workload, cl: ClusterSpec, c: Coefficients) -> Optional[Alternative]:
+    """The chosen strategy with Liger's fused kernels, when they were not pinned and would be faster on this CUDA cluster."""
+    if req.fused_ops is not None or cl.accelerator != "cuda" or not best.fits:
+        return None
+    s = best.strategy.model_copy(update={"fused_ops": "liger"})
+    pred = predict(w, cl, s, c)
+    if pred.oom_risk or pred.tokens_per_s <= best.tokens_per_s:
+        return None
+    return Alternative(strategy=s, prediction=pred, rejected_because=(
+        f"{describe(s)}: faster, {pred.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s "
+        f"({pred.tokens_per_s / best.tokens_per_s - 1:+.0%}), but Liger-Kernel is an optional dependency: pin --fused-ops liger"))
+
+
 def _alternatives(best, fitting, cands, w, cl, c) -> list[Alternative]:
-    """The best of each other mode (and of each other sharding / checkpointing for the chosen mode), and modes that never fit."""
+    """The best of each other mode (and of each other sharding / checkpointing / tiled_mlp for the chosen mode), and modes that never fit."""
     out, seen = [], set()
     picks = []
-    for key in ("mode", "sharding", "checkpointing"):
+    for key in ("mode", "sharding", "checkpointing", "tiled_mlp"):
         for x in fitting:
             k = (key, getattr(x.strategy, key))
             if x is not best and k not in seen and getattr(x.strategy, key) != getattr(best.strategy, key) and (key == "mode" or x.strategy.mode == best.strategy.mode):
@@ -211,7 +288,8 @@ def max_seq_len(model: ModelSpec, cluster: ClusterSpec, modes: Optional[list[str
                 limit: int = 2**27, **pins) -> dict[str, tuple[int, Optional[Strategy]]]:
     """Per mode, the longest seq_len (a multiple of 1024 and of the mode's split) that some allowed strategy fits, and that strategy.
 
-    ``pins``: AdviseRequest fields (optimizer, micro_batch_size, dtype, sp_degree, checkpointing, sharding, loss_impl).
+    ``pins``: AdviseRequest fields (optimizer, micro_batch_size, dtype, sp_degree, checkpointing, sharding, loss_impl,
+    fused_ops, tiled_mlp; an unpinned tiled_mlp is tried both ways).
     Memory grows with seq_len, so a doubling then a bisection finds the edge; 0 when even the shortest does not fit.
     """
     c = coeffs or load_coefficients()
@@ -262,9 +340,13 @@ def _variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]
     for ck in ("full", "selective", "offload"):
         yield f"checkpointing {ck}", s.model_copy(update={"checkpointing": ck})
     for sh in ("zero2", "zero3", "zero3_offload"):
-        yield f"sharding {sh}", s.model_copy(update={"sharding": sh})
+        if not (s.tiled_mlp and sh in TILED_INVALID):
+            yield f"sharding {sh}", s.model_copy(update={"sharding": sh})
+    if not s.tiled_mlp and s.sharding not in TILED_INVALID:
+        yield "tiled_mlp (the MLP one sequence tile at a time)", s.model_copy(update={"tiled_mlp": True})
     valid, _ = enumerate_strategies(req.model_copy(update={"mode": None, "sp_degree": None, "ulysses_degree": None,
-                                                            "checkpointing": s.checkpointing, "sharding": s.sharding, "loss_impl": s.loss_impl}), req.workload())
+                                                            "checkpointing": s.checkpointing, "sharding": s.sharding, "loss_impl": s.loss_impl,
+                                                            "fused_ops": s.fused_ops, "tiled_mlp": s.tiled_mlp}), req.workload())
     for v in valid:
         if (v.mode, v.sp_degree) != (s.mode, s.sp_degree):
             yield f"{v.mode} with sp_degree {v.sp_degree}", v
@@ -279,13 +361,15 @@ def check(target: Union[LaunchPlan, AdviseRequest], cluster: Optional[ClusterSpe
         raise SeqparError(f"the plan needs {plan.strategy.world_size} GPUs but the cluster to check has {cluster.world_size}; "
                           f"check on the plan's own cluster or re-advise with `seqpar advise`")
     w, s = plan.workload, plan.strategy
+    check_fused_ops(s.fused_ops, cl)
     pred = predict(w, cl, s, c)
     mem = estimate_memory(w, cl, s, c)
     terms = sorted(pred.memory_breakdown_gib.items(), key=lambda kv: -kv[1])[:4]
     if mem.fits:
         return CheckResult(True, pred, terms, "", None, "", 0, plan)
     req = AdviseRequest(model=w.model, seq_len=w.seq_len, cluster=cl, micro_batch_size=w.micro_batch_size, dtype=w.dtype,
-                        optimizer=w.optimizer, tokens_per_step=w.tokens_per_step)
+                        optimizer=w.optimizer, tokens_per_step=w.tokens_per_step,
+                        fused_ops=s.fused_ops if s.fused_ops != "none" else None)  # keep the plan's kernels for the fallback advice
     best: Optional[tuple[float, str, Strategy]] = None
     for what, v in _variants(s, req):
         cand = _evaluate(w, cl, v, c)

@@ -2,7 +2,14 @@
 
 Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters in matmuls incl. the LM head):
 * Linear part (Kaplan et al. 2020; Narayanan et al. 2021, eq. 3): 2*N_lin FLOPs per token forward, 6*N_lin forward +
-  backward, +2*N_lin per token for the decoder layers when checkpointing recomputes them (Korthikanti et al. 2022).
+  backward, +2*N_lin per token for the decoder layers when checkpointing recomputes them (Korthikanti et al. 2022);
+  ``tiled_mlp`` adds one more MLP forward, 2 * 3*h*I*L per token (ALST's TiledMLP runs its tiles under no_grad in the
+  forward and again with grad in backward).
+* Elementwise traffic (norms, RoPE, SwiGLU), bound by HBM bandwidth, bytes per token and layer per forward:
+  unfused (the model's own modules, with autocast's fp32 upcasts) 68h + 24(a+kv)d + 10I, Liger's fused kernels
+  8h + 4(a+kv)d + 6I; passes = forward + recompute (when checkpointing) + backward (2 forward's worth), and tiled_mlp's
+  extra MLP forward moves the SwiGLU bytes once more: time = t * L * bytes * passes / HBM bandwidth (datasheet). A fixed,
+  unscaled part of the step, like the communication (the fit's ``rest``).
 * Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x
   forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (full and offload; selective
   keeps attention's output and lse, so its recomputation skips attention, LightSeq sec. 3.3: 3.5x instead of 4.5x, and the
@@ -40,9 +47,9 @@ REF_WIDTH = 8192  # the matmul rate of kernel_tflops is an 8192^3 GEMM; the widt
 class TimeEstimate:
     step_time_s: float
     tokens_per_s: float  # whole cluster
-    breakdown_s: dict[str, float]  # compute / exposed_comm / offload / optimizer, per optimizer step
+    breakdown_s: dict[str, float]  # compute / elementwise / exposed_comm / offload / optimizer, per optimizer step
     mfu: float
-    parts_s: dict[str, float]  # unscaled components the fit works on (ideal linear / attention time, fixed rest)
+    parts_s: dict[str, float]  # unscaled components the fit works on (ideal linear / attention time, fixed rest incl. elementwise)
 
 
 def matmul_params(m: ModelSpec) -> int:
@@ -50,15 +57,34 @@ def matmul_params(m: ModelSpec) -> int:
     return m.num_layers * (layer_params(m) - 2 * m.hidden_size) + m.vocab_size * m.hidden_size
 
 
-def linear_flops_per_token(m: ModelSpec, checkpointing: str, loss_impl: str) -> float:
-    """6*N_lin forward+backward, +2*N_lin of the layers for recompute, +2*V*h when the chunked loss recomputes logits."""
+def linear_flops_per_token(m: ModelSpec, checkpointing: str, loss_impl: str, tiled_mlp: bool = False) -> float:
+    """6*N_lin forward+backward, +2*N_lin of the layers for recompute, +2*V*h when the chunked loss recomputes logits,
+    +2*3*h*I*L when tiled_mlp runs each MLP forward once more (its tiles are recomputed in backward)."""
     n_layers = m.num_layers * (layer_params(m) - 2 * m.hidden_size)
     f = 6.0 * matmul_params(m)
     if checkpointing != "none":
         f += 2.0 * n_layers
     if loss_impl == "chunked":
         f += 2.0 * m.vocab_size * m.hidden_size
+    if tiled_mlp:
+        f += 2.0 * 3 * m.hidden_size * m.intermediate_size * m.num_layers
     return f
+
+
+def elementwise_bytes_per_token(m: ModelSpec, fused_ops: str = "none") -> tuple[float, float]:
+    """(all, SwiGLU's share) of the HBM bytes the norms, RoPE and SwiGLU move per token and layer in one forward."""
+    h, i, ad = m.hidden_size, m.intermediate_size, (m.num_attention_heads + m.num_key_value_heads) * m.head_dim
+    if fused_ops == "liger":
+        return 8.0 * h + 4.0 * ad + 6.0 * i, 6.0 * i
+    return 68.0 * h + 24.0 * ad + 10.0 * i, 10.0 * i
+
+
+def elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: float) -> float:
+    """Seconds of elementwise traffic for ``tokens`` local tokens: forward, recompute (when checkpointing), backward (2)."""
+    total, swiglu = elementwise_bytes_per_token(m, s.fused_ops)
+    passes = 1 + (1 if s.checkpointing != "none" else 0) + 2
+    moved = total * passes + (swiglu if s.tiled_mlp else 0.0)
+    return tokens * m.num_layers * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
 
 
 def attention_fwd_flops(m: ModelSpec, seq_len: int) -> float:
@@ -120,7 +146,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficien
     accum = s.gradient_accumulation_steps
 
     # ---- compute of one micro-batch
-    lin_ideal = t * linear_flops_per_token(m, s.checkpointing, s.loss_impl) / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
+    lin_ideal = t * linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp) / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
     lin_ideal /= width_efficiency(m.hidden_size, c.matmul_width_h0)
     n = call_tokens(s, S)
     n0 = c.attn_block_tokens
@@ -189,11 +215,14 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficien
         offload += accum * _hidden(2 * L * p * m.hidden_size * t / pcie, lin_t + attn_t, c.grad_comm_overlap)
 
     compute = accum * (lin_t + attn_t)
+    elementwise = accum * elementwise_time(m, cluster, s, t)
     exposed = accum * sp_comm + grad_exposed
-    step = compute + exposed + offload + opt_t
+    step = compute + elementwise + exposed + offload + opt_t
     tokens = S * b * s.dp_degree * accum
     model_flops = tokens * 6.0 * matmul_params(m) + b * s.dp_degree * accum * attention_fwd_flops(m, S) * 3.5
     mfu = model_flops / step / (world * cluster.gpu.bf16_tflops * 1e12)
-    parts = {"linear_ideal": accum * lin_ideal, "attn_ideal": accum * attn_ideal, "cpu_adam": opt_t if s.sharding == "zero3_offload" else 0.0}
-    parts["rest"] = step - compute - parts["cpu_adam"]
-    return TimeEstimate(step, tokens / step, {"compute": compute, "exposed_comm": exposed, "offload": offload, "optimizer": opt_t}, mfu, parts)
+    parts = {"linear_ideal": accum * lin_ideal, "attn_ideal": accum * attn_ideal, "cpu_adam": opt_t if s.sharding == "zero3_offload" else 0.0,
+             "elementwise": elementwise}
+    parts["rest"] = step - compute - parts["cpu_adam"]  # fixed, unscaled by the fit: elementwise + communication + offload + GPU Adam
+    return TimeEstimate(step, tokens / step, {"compute": compute, "elementwise": elementwise, "exposed_comm": exposed, "offload": offload,
+                                              "optimizer": opt_t}, mfu, parts)
