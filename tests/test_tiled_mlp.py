@@ -149,3 +149,20 @@ def test_plans_refuse_liger_off_cuda_and_tiling_under_zero3():
         plan(fused_ops="liger")
     with pytest.raises(ValidationError, match="tiled_mlp with sharding zero3.*use sharding fsdp or ddp"):
         plan(tiled_mlp=True, sharding="zero3")
+
+
+def test_a_tiled_model_is_freed_without_the_cycle_collector():
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        model = _llama()
+        tile_mlp(model)
+        ids = torch.randint(0, 128, (1, 70))
+        model(input_ids=ids, labels=ids).loss.backward()
+        weight = weakref.ref(model.model.layers[0].mlp.gate_proj.weight)
+        del model
+        assert weight() is None  # its GPU memory would otherwise stay allocated until gc ran
+    finally:
+        gc.enable()

@@ -16,6 +16,7 @@ recomputation runs the no-grad forward once more as well). Autocast is captured 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -81,9 +82,19 @@ def _call(module: nn.Module, names: tuple[str, ...], params, x: Tensor) -> Tenso
 
 
 def _tiled_forward(module: nn.Module, hidden_size: int, tile: int | None):
-    original = module.forward
+    # the instance attribute must not hold the module strongly (a cycle would keep a deleted model's GPU memory until
+    # Python's cycle collector runs): a weak reference and the unbound original forward
+    ref = weakref.ref(module)
+    bound = module.forward
+    func = getattr(bound, "__func__", None)
+    if func is None or getattr(bound, "__self__", None) is not module:
+        original = bound  # some other callable: call it as it is
+    else:
+        def original(*a, **k):
+            return func(ref(), *a, **k)
 
     def forward(x: Tensor, *args, **kwargs) -> Tensor:
+        module = ref()
         if module._seqpar_inside or args or kwargs or x.dim() != 3:  # inside a tile, or not a (B, S, h) call
             return original(x, *args, **kwargs)
         if not torch.is_grad_enabled():
