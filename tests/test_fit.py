@@ -86,12 +86,17 @@ def test_shipped_fit_reproduces_published_rows():
 
 
 def test_shipped_fit_reproduces_our_h200_rows():
-    """Our six H200 rows (7B and 1B): tokens/s within 15% in and out of sample, peak memory within 10%."""
+    """Every H200 row (seqpar runs of 7B and 1B in each checkpointing / fused / tiled option, stock transformers with its
+    OOMs): tokens/s within 15% in and out of sample, peak memory within 10%, OOM predicted exactly where it happened."""
     rows = [e for e in RES.rows if e["source"].startswith("h200_")]
-    assert len(rows) == 6
+    assert len(rows) >= 25
+    assert sum(e["measured_oom"] for e in rows) == 2  # stock at 208K (7B) and 96K (1B)
     for e in rows:
-        assert abs(e["tokens_residual"]) <= 0.15 and abs(e["loo_tokens_error"]) <= 0.15, e
-        assert abs(e["memory_residual"]) <= 0.10 and e["predicted_oom"] == e["measured_oom"], e
+        if e["measured_tokens_per_s"] is not None:
+            assert abs(e["tokens_residual"]) <= 0.15 and abs(e["loo_tokens_error"]) <= 0.15, e
+        if e["memory_residual"] is not None:
+            assert abs(e["memory_residual"]) <= 0.10, e
+        assert e["predicted_oom"] == e["measured_oom"], e
 
 
 def test_shipped_coefficients_are_the_fit_output():

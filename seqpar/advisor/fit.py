@@ -95,7 +95,8 @@ def row_from_report(report: dict, source: str) -> Measurement:
     if tps is None and mem is None and not oom:
         raise SeqparError(f"run report {source!r} has neither tokens_per_s nor peak_memory_gib nor oom; nothing to fit")
     s = plan.strategy
-    label = f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name}"
+    label = (f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name} {plan.workload.model.name} "
+             f"ckpt={s.checkpointing}" + (" liger" if s.fused_ops != "none" else "") + (" tiled" if s.tiled_mlp else ""))
     return Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom)
 
 

@@ -224,7 +224,10 @@ def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: "Coef
     if strategy.loss_impl == "hf":
         return {"final_norm": final_norm, "loss_fp32_logits": t * v * 12}
     chunk = min(t, c.loss_chunk_tokens)
-    return {"final_norm": final_norm, "hidden_grad_fp32": t * h * 4, "loss_chunk": chunk * v * (p + 12)}
+    # one chunk: its logits in the model dtype, their fp32 copy and the fp32 log-softmax (forward), or the fp32 product,
+    # its softmax and the gradient in the model dtype (backward): p + 8 bytes per token and vocabulary entry (the 1B
+    # shape's 128K vocabulary measured it on the H200: p + 12 over-predicted its 64K peak by 12%)
+    return {"final_norm": final_norm, "hidden_grad_fp32": t * h * 4, "loss_chunk": chunk * v * (p + 8)}
 
 
 def _nccl_groups(strategy: Strategy, world: int) -> int:
@@ -275,13 +278,17 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coeffici
     loss = max(loss_fwd, loss_bwd, key=lambda d: sum(d.values()))
     # backward of layer j, recomputing it: linear in j, so its maximum is at the top (j = L-1) or the bottom (j = 0) layer
     recompute = saved_bytes_per_token(m, dtype, r, s.fused_ops, s.tiled_mlp) * t if s.checkpointing != "none" else 0.0
+    # the layer's backward peaks either in the MLP's backward (two intermediates' gradients) or in attention's (dq, dk,
+    # dv beside the saved q, k, v, out); untiled the MLP moment is larger, tiled it is attention's (measured on the H200:
+    # without this term tiled runs were under-predicted by ~6h bytes per token, the size of dq + dk + dv for MHA)
+    attn_grads = t * p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
     if s.tiled_mlp:
-        grad_flow = t * 2 * r * h + tile * 2 * p * i  # gradient of the hidden state in and out, of one tile's intermediates
+        grad_flow = t * 2 * r * h + max(tile * 2 * p * i, attn_grads)  # hidden grads in and out + the larger moment
         # one tile's recomputed intermediates (unfused: gate, silu, up, product; liger: gate, up, product) and the fp32
         # weight-gradient accumulators of one MLP (gate, up, down: 3 h x I)
         tiled_buffers = tile * (3 if s.fused_ops == "liger" else 4) * p * i + 3 * h * i * 4
     else:
-        grad_flow = t * (2 * r * h + 2 * p * i)  # gradient of the hidden state in and out, of two MLP intermediates
+        grad_flow = t * (2 * r * h + max(2 * p * i, p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim))
         tiled_buffers = 0.0
     per_layer_grad = layer_params(m) * share
     backward = {}
