@@ -166,3 +166,111 @@ def test_a_tiled_model_is_freed_without_the_cycle_collector():
         assert weight() is None  # its GPU memory would otherwise stay allocated until gc ran
     finally:
         gc.enable()
+
+
+def test_reentrant_offload_forward_runs_in_tiles_too():
+    """checkpointing offload (reentrant) runs the forward under no_grad: the MLP must still see one tile at a time."""
+    model = _enable(_llama(), "offload")
+    tile_mlp(model, tile=8)
+    seen = []
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    ids = torch.randint(0, 128, (1, 30))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert seen and max(seen) <= 8, seen
+
+
+def test_a_copied_tiled_model_is_independent_and_pickles():
+    import io
+
+    model = _llama()
+    tile_mlp(model, tile=7)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (1, 30))
+    want = _loss_and_grads(model, ids)
+    del model
+    got = _loss_and_grads(twin, ids)  # the copy's own MLPs receive the gradients, with the original gone
+    torch.testing.assert_close(got[0], want[0])
+    assert all(g is not None for g in got[1].values())
+    buf = io.BytesIO()
+    torch.save(twin, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(_loss_and_grads(back, ids)[0], want[0])
+
+
+def test_an_instance_level_forward_patch_runs_inside_the_tiles():
+    """Liger binds its SwiGLU forward on the instance; tiling must keep it (here a doubled MLP as the stand-in patch)."""
+    import types
+
+    def doubled(self, x):
+        return 2 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    ref, tiled = _llama(), None
+    tiled = copy.deepcopy(ref)
+    for m in (ref, tiled):
+        for layer in m.model.layers:
+            layer.mlp.forward = types.MethodType(doubled, layer.mlp)
+    tile_mlp(tiled, tile=5)
+    ids = torch.randint(0, 128, (1, 23))
+    (want_loss, want), (got_loss, got) = _loss_and_grads(ref, ids), _loss_and_grads(tiled, ids)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-14, msg=name)
+
+
+def test_dropout_inside_the_mlp_is_refused_while_training():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = dict(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64)
+    model = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.1, **cfg)).train()
+    with pytest.raises(SeqparError, match="new dropout masks.*p=0.1.*set the MLP's dropout to 0"):
+        tile_mlp(model)
+    assert tile_mlp(GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, **cfg)).train()) == 1
+
+
+def test_liger_patch_stays_on_the_instance_and_on_cuda(monkeypatch):
+    """Liger's per-model patch rebinds names of transformers' modeling module for every later model. Liger needs Triton
+    on a GPU, so a stand-in with the same entry points and the same global rebinding checks seqpar's scoping on CPU."""
+    import sys
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    from seqpar.runtime.fused import apply_fused_ops
+
+    plain_rope, plain_norm = modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", plain_rope)  # undone after the test
+    monkeypatch.setattr(modeling_llama, "LlamaRMSNorm", plain_norm)
+    calls = []
+
+    def fake_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        calls.append(q.device.type)
+        return plain_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    def apply_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
+                       model=None):
+        modeling_llama.apply_rotary_pos_emb = fake_rope
+        modeling_llama.LlamaRMSNorm = type("FakeLigerRMSNorm", (plain_norm,), {})
+        norm = model.model.norm
+        norm.forward = types.MethodType(type(norm).forward, norm)  # an instance-level rebinding, as Liger's
+
+    def apply_to_instance(model, **kwargs):
+        apply_to_llama(model=model, **kwargs)
+
+    pkg, tr, mp = (types.ModuleType(n) for n in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.monkey_patch"))
+    tr._apply_liger_kernel_to_instance, mp.MODEL_TYPE_TO_APPLY_LIGER_FN = apply_to_instance, {"llama": apply_to_llama}
+    for name, mod in (("liger_kernel", pkg), ("liger_kernel.transformers", tr), ("liger_kernel.transformers.monkey_patch", mp)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    model = _llama()
+    reference = copy.deepcopy(model)
+    line = apply_fused_ops(model, "liger", "cuda")
+    assert line == "fused ops: liger (llama: rms_norm, rope, swiglu)"
+    assert modeling_llama.LlamaRMSNorm is plain_norm  # later models get transformers' own class
+    assert "forward" in vars(model.model.norm)  # the instance keeps its patch
+    ids = torch.randint(0, 128, (1, 20))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss)
+    assert calls == []  # CPU tensors never reach the CUDA-only kernel
+    assert modeling_llama.apply_rotary_pos_emb._seqpar_plain is plain_rope
+    apply_fused_ops(copy.deepcopy(reference), "liger", "cuda")  # a second model: still one dispatcher over the plain one
+    assert modeling_llama.apply_rotary_pos_emb._seqpar_plain is plain_rope

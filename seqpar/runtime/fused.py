@@ -12,6 +12,11 @@ within bf16 rounding (tests/test_hf_gpu.py checks it on the GPU). Needs CUDA and
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+
+import torch
 from torch import nn
 
 from seqpar.runtime.kernels import _error
@@ -36,6 +41,41 @@ def apply_fused_ops(model: nn.Module, kind: str, device_type: str) -> str:
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise _error(f"fused_ops liger has no kernels for model type {model_type!r} (Liger supports "
                      f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set fused_ops none")
+    accepted = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
+    kinds = [k for k in ("rms_norm", "rope", "swiglu") if k in accepted]
+    modeling = sys.modules.get(type(model).__module__)
+    before = dict(vars(modeling)) if modeling is not None else {}
     _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
-    return f"fused ops: liger ({model_type}: RMSNorm, RoPE, SwiGLU)"
+    _scope_to_cuda(modeling, before)
+    return f"fused ops: liger ({model_type}: {', '.join(kinds) or 'nothing applicable'})"
+
+
+def _scope_to_cuda(modeling, before: dict) -> None:
+    """Liger's per-model patch also rebinds names of the modeling module (the norm and MLP classes, the RoPE function),
+    which would change every model of that type built later in the process, on any device. The instance keeps its patched
+    modules; the classes go back; a replaced module-level function (RoPE, looked up at call time by the attention
+    forward) becomes a dispatcher that takes Liger's path for CUDA tensors only."""
+    if modeling is None:
+        return
+    for name, old in before.items():
+        new = getattr(modeling, name, None)
+        if new is old:
+            continue
+        if isinstance(old, type) or not callable(old) or not callable(new):
+            setattr(modeling, name, old)
+        else:
+            setattr(modeling, name, _cuda_dispatch(new, old))
+
+
+def _cuda_dispatch(fused, plain):
+    if getattr(plain, "_seqpar_plain", None) is not None:  # already a dispatcher (a second model of the same type)
+        plain = plain._seqpar_plain
+
+    @functools.wraps(plain)
+    def dispatch(*args, **kwargs):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return (fused if first is not None and first.is_cuda else plain)(*args, **kwargs)
+
+    dispatch._seqpar_plain = plain
+    return dispatch

@@ -16,7 +16,7 @@ recomputation runs the no-grad forward once more as well). Autocast is captured 
 from __future__ import annotations
 
 import math
-import weakref
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -37,14 +37,8 @@ class _TiledMLP(torch.autograd.Function):
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") else (False, None)
         ctx.module, ctx.names, ctx.tile = module, names, tile
         ctx.save_for_backward(x, *params)
-        out = None
         with torch.no_grad():
-            for start in range(0, x.shape[1], tile):
-                y = _call(module, names, params, x[:, start:start + tile])
-                if out is None:
-                    out = y.new_empty((x.shape[0], x.shape[1], *y.shape[2:]))
-                out[:, start:start + tile] = y
-        return out
+            return _tiles_no_grad(module, names, params, x, tile)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -74,38 +68,58 @@ class _TiledMLP(torch.autograd.Function):
 
 def _call(module: nn.Module, names: tuple[str, ...], params, x: Tensor) -> Tensor:
     """The module's own (untiled) forward on one tile with ``params`` in place of its parameters."""
-    module._seqpar_inside = True  # the patched forward then runs the original one
+    module._seqpar_inside = True  # the tiled forward then runs the untiled one
     try:
-        return torch.func.functional_call(module, dict(zip(names, params)), (x,), strict=True)
+        return torch.func.functional_call(module, dict(zip(names, params)), (x,), strict=False)
     finally:
         module._seqpar_inside = False
 
 
-def _tiled_forward(module: nn.Module, hidden_size: int, tile: int | None):
-    # the instance attribute must not hold the module strongly (a cycle would keep a deleted model's GPU memory until
-    # Python's cycle collector runs): a weak reference and the unbound original forward
-    ref = weakref.ref(module)
-    bound = module.forward
-    func = getattr(bound, "__func__", None)
-    if func is None or getattr(bound, "__self__", None) is not module:
-        original = bound  # some other callable: call it as it is
-    else:
-        def original(*a, **k):
-            return func(ref(), *a, **k)
+class _Tiled:
+    """Mixin put in front of an MLP's class (``Tiled<Class>``): forward runs in tiles. A class, not a closure on the
+    instance, so a tiled model has no reference cycle (its memory goes when it is deleted), deep-copies into an
+    independent model and pickles (the classes are registered in this module). An instance-level forward some other
+    patch bound (Liger's SwiGLU) is kept, unbound, in ``_seqpar_inner_forward`` and is what runs inside the tiles."""
 
-    def forward(x: Tensor, *args, **kwargs) -> Tensor:
-        module = ref()
-        if module._seqpar_inside or args or kwargs or x.dim() != 3:  # inside a tile, or not a (B, S, h) call
-            return original(x, *args, **kwargs)
-        if not torch.is_grad_enabled():
-            return original(x)
-        named = list(module.named_parameters())
-        if not (x.requires_grad or any(p.requires_grad for _, p in named)):
-            return original(x)
-        t = tile or tile_tokens(x.shape[1], hidden_size)
-        return _TiledMLP.apply(x, module, tuple(n for n, _ in named), t, *(p for _, p in named))
+    def _seqpar_untiled(self, *args, **kwargs):
+        inner = self.__dict__.get("_seqpar_inner_forward")
+        return inner(self, *args, **kwargs) if inner is not None else super().forward(*args, **kwargs)
 
-    return forward
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        if self._seqpar_inside or x.dim() != 3:  # inside a tile, or not a (B, S, h) call
+            return self._seqpar_untiled(x, *args, **kwargs)
+        if args or kwargs:
+            if not self._seqpar_warned:
+                self._seqpar_warned = True
+                warnings.warn(f"tiled_mlp: {type(self).__name__} called with extra arguments runs untiled", stacklevel=2)
+            return self._seqpar_untiled(x, *args, **kwargs)
+        t = self._seqpar_tile or tile_tokens(x.shape[1], self._seqpar_hidden)
+        named = list(self.named_parameters())
+        if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for _, p in named)):
+            # no graph to keep (reentrant checkpointing's forward, evaluation): still one tile at a time
+            with torch.no_grad():
+                return _tiles_no_grad(self, tuple(n for n, _ in named), tuple(p for _, p in named), x, t)
+        return _TiledMLP.apply(x, self, tuple(n for n, _ in named), t, *(p for _, p in named))
+
+
+def _tiles_no_grad(module, names, params, x: Tensor, tile: int) -> Tensor:
+    out = None
+    for start in range(0, x.shape[1], tile):
+        y = _call(module, names, params, x[:, start:start + tile])
+        if out is None:
+            out = y.new_empty((x.shape[0], x.shape[1], *y.shape[2:]))
+        out[:, start:start + tile] = y
+    return out
+
+
+def _tiled_class(cls: type) -> type:
+    name = f"Tiled{cls.__name__}"
+    existing = globals().get(name)
+    if isinstance(existing, type) and existing.__mro__[2] is cls:
+        return existing
+    new = type(name, (_Tiled, cls), {"__module__": __name__, "__qualname__": name})
+    globals()[name] = new  # importable by name, so torch.save / pickle of a tiled model works
+    return new
 
 
 def mlp_modules(model: nn.Module) -> list[nn.Module]:
@@ -128,11 +142,23 @@ def tile_mlp(model: nn.Module, tile: int | None = None) -> int:
     for m in mlps:
         if any(hasattr(m, a) for a in ("gate", "router", "experts")) or getattr(config, "num_experts", None):
             raise _error(f"{name}: tiled_mlp cannot tile a mixture-of-experts block ({type(m).__name__}); set tiled_mlp false")
+        drop = [d.p for d in m.modules() if isinstance(d, nn.Dropout) and d.p > 0]
+        if drop and model.training:
+            raise _error(f"{name}: tiled_mlp recomputes each tile in backward and would draw new dropout masks "
+                         f"(dropout p={drop[0]} inside {type(m).__name__}); set the MLP's dropout to 0 or tiled_mlp false")
     if tile is not None and tile < 1:
         raise _error(f"tiled_mlp tile {tile} must be >= 1 token")
     for m in mlps:
-        if getattr(m, "_seqpar_tiled", False):
+        if isinstance(m, _Tiled):
+            m._seqpar_tile = tile
             continue
-        m.forward = _tiled_forward(m, hidden, tile)
-        m._seqpar_tiled, m._seqpar_inside = True, False
+        bound = m.__dict__.pop("forward", None)  # an instance-level patch (Liger's SwiGLU): keep it, unbound
+        if bound is not None:
+            func = getattr(bound, "__func__", None)
+            if func is None or getattr(bound, "__self__", None) is not m:
+                m.forward = bound
+                raise _error(f"{name}: tiled_mlp cannot wrap {type(m).__name__}'s replaced forward ({bound!r}); set tiled_mlp false")
+            m._seqpar_inner_forward = func
+        m.__class__ = _tiled_class(type(m))
+        m._seqpar_tile, m._seqpar_hidden, m._seqpar_inside, m._seqpar_warned = tile, hidden, False, False
     return len(mlps)
