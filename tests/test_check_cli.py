@@ -81,3 +81,22 @@ def test_explain_tables_and_plot(runner, tmp_path):
     assert r.exit_code == 0
     assert "peak phase" in r.stdout and "Alternatives and why each lost" in r.stdout and "Step time" in r.stdout
     assert (tmp_path / "mem.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_check_never_proposes_deepspeed_for_an_optimizer_it_cannot_run():
+    """zero* runs DeepSpeed's AdamW with an fp32 master; plans refuse it with optimizer none / adamw-bf16 on CUDA."""
+    from seqpar.advisor.cluster import cluster_from_flags
+    from seqpar.advisor.request import AdviseRequest
+    from seqpar.advisor.search import _variants, check
+    from seqpar.profiles import get_model
+    from seqpar.schema import Strategy
+
+    for optimizer, allowed in (("none", False), ("adamw-bf16", False), ("adamw", True)):
+        req = AdviseRequest(seq_len=262144, model=get_model("llama-2-7b"), cluster=cluster_from_flags("h200", 1),
+                            mode="data_parallel", checkpointing="full", sharding="ddp", optimizer=optimizer, loss_impl="hf")
+        res = check(req)
+        pinned = Strategy(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="hf")
+        labels = [label for label, _ in _variants(pinned, req)]
+        assert any(lab.startswith("sharding zero") for lab in labels) == allowed, (optimizer, labels)
+        if not allowed and res.fix_strategy is not None:
+            assert not res.fix_strategy.sharding.startswith("zero"), res.fix

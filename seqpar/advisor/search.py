@@ -340,7 +340,8 @@ def _variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]
     for ck in ("full", "selective", "offload"):
         yield f"checkpointing {ck}", s.model_copy(update={"checkpointing": ck})
     for sh in ("zero2", "zero3", "zero3_offload"):
-        if not (s.tiled_mlp and sh in TILED_INVALID):
+        # DeepSpeed runs AdamW with an fp32 master: plans refuse zero* with another optimizer (schema.LaunchPlan)
+        if req.optimizer == "adamw" and not (s.tiled_mlp and sh in TILED_INVALID):
             yield f"sharding {sh}", s.model_copy(update={"sharding": sh})
     if not s.tiled_mlp and s.sharding not in TILED_INVALID:
         yield "tiled_mlp (the MLP one sequence tile at a time)", s.model_copy(update={"tiled_mlp": True})
