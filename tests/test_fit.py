@@ -87,16 +87,27 @@ def test_shipped_fit_reproduces_published_rows():
 
 def test_shipped_fit_reproduces_our_h200_rows():
     """Every H200 row (seqpar runs of 7B and 1B in each checkpointing / fused / tiled option, stock transformers with its
-    OOMs): tokens/s within 15% in and out of sample, peak memory within 10%, OOM predicted exactly where it happened."""
+    OOMs): tokens/s within 15% in and out of sample, peak memory within 10%, OOM predicted exactly where it happened for
+    seqpar's runs. Stock transformers runs with the default CUDA allocator (seqpar launch sets expandable segments, which the
+    model assumes): it can fail earlier than its tensors' sum from fragmentation, so for its rows a predicted OOM must be a
+    measured one (no false alarm), and its one early failure is the 7B at 176K, where the predicted peak (126.7 GiB) is the
+    105.1 GiB it held plus the 21.5 GiB fp32 logits it could not place in 19.4 GiB free beside 14.6 GiB of fragments."""
     rows = [e for e in RES.rows if e["source"].startswith("h200_")]
-    assert len(rows) >= 25
-    assert sum(e["measured_oom"] for e in rows) == 2  # stock at 208K (7B) and 96K (1B)
+    assert len(rows) >= 29
+    assert sum(e["measured_oom"] for e in rows) == 4  # stock 7B at 176K, 192K, 208K and 1B at 96K
     for e in rows:
         if e["measured_tokens_per_s"] is not None:
             assert abs(e["tokens_residual"]) <= 0.15 and abs(e["loo_tokens_error"]) <= 0.15, e
         if e["memory_residual"] is not None:
             assert abs(e["memory_residual"]) <= 0.10, e
-        assert e["predicted_oom"] == e["measured_oom"], e
+        if e["source"] == "h200_stock_transformers.csv":
+            assert e["measured_oom"] or not e["predicted_oom"], e
+        else:
+            assert e["predicted_oom"] == e["measured_oom"], e
+    early = [e for e in rows if e["measured_oom"] and not e["predicted_oom"]]
+    assert [e["label"] for e in early] == ["data_parallel 180224 x1 h200"]
+    held, logits = 105.14, 180224 * 32000 * 4 / 2**30  # from its OOM message; fp32 logits of the 32K vocabulary
+    assert early[0]["predicted_peak_gib"] == pytest.approx(held + logits, rel=0.01)
 
 
 def test_shipped_coefficients_are_the_fit_output():

@@ -129,8 +129,39 @@ def test_more_sp_degree_never_raises_memory(mode, ck):
 def test_host_ram_for_offload():
     m, cl = get_model("llama-2-7b"), cluster_from_flags("a100", 8, host_ram_gib=64)
     e = estimate_memory(Workload(model=m, seq_len=65536), cl, Strategy(mode="zigzag_ring_attn", sp_degree=8, sharding="zero3_offload"), C)
-    assert e.host_bytes == pytest.approx(m.num_params * (2 + 4 + 12))  # bf16 params, fp32 grads, Adam on the host
+    # 8 CUDA processes, then bf16 params, fp32 grads and Adam on the host
+    assert e.host_bytes == pytest.approx(8 * C.host_process_gib * GIB + m.num_params * (2 + 4 + 12))
     assert not e.fits and "host RAM" in e.reason
+
+
+def test_host_ram_against_measured_rss_of_h200_runs():
+    """The H200 run reports carry each rank's peak host RSS: the model may over-predict (the 1B's process is smaller than the
+    7B's) but must not under-predict by more than 5%, and it is tight where host RAM bounds the length (7B, 384K, offload:
+    96 GiB of layer inputs)."""
+    import json
+
+    from seqpar.advisor.fit import MEASUREMENTS_DIR, row_from_report
+
+    seen = 0
+    for f in sorted(MEASUREMENTS_DIR.glob("h200_*.json")):
+        rep = json.loads(f.read_text())
+        r = row_from_report(rep, f.name)
+        rss = max(x["peak_rss_gib"] for x in rep["per_rank"]) * GIB
+        host = estimate_memory(r.workload, r.cluster, r.strategy, C).host_bytes
+        assert host >= 0.95 * rss, (f.name, host / GIB, rss / GIB)
+        if "384k" in f.name:
+            assert host == pytest.approx(rss, rel=0.05)
+        seen += 1
+    assert seen >= 20
+
+
+def test_cpu_clusters_count_no_process_base_on_the_host():
+    m = get_model("tiny")
+    cl = cluster_from_flags("a100", 2, host_ram_gib=64)
+    cpu = cl.model_copy(update={"accelerator": "cpu"})
+    w, s = Workload(model=m, seq_len=256), Strategy(mode="data_parallel", sharding="ddp")
+    assert estimate_memory(w, cl, s, C).host_bytes == pytest.approx(2 * C.host_process_gib * GIB)
+    assert estimate_memory(w, cpu, s, C).host_bytes == 0.0
 
 
 def test_selective_keeps_attention_output_and_lse_per_layer():

@@ -312,7 +312,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coeffici
     reserved = (peak * (1 + c.allocator_reserve_fraction) + (c.allocator_reserve_gib + c.cuda_context_gib
                 + c.nccl_buffer_gib_per_group * _nccl_groups(s, world)) * GIB)
     capacity = cluster.gpu.memory_gib * GIB
-    host = host_bytes(w, cluster, s)
+    host = host_bytes(w, cluster, s, c)
     host_cap = cluster.host_ram_gib * GIB * c.host_ram_usable_fraction
     reason = ""
     if reserved + c.headroom_gib * GIB > capacity:
@@ -323,10 +323,14 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coeffici
     return MemoryEstimate(peak, peak_phase, breakdown, totals, reserved, capacity, host, host_cap, not reason, reason)
 
 
-def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy) -> float:
-    """Host RAM per node: ZeRO-3 offload keeps bf16 params, fp32 grads and the optimizer there; offloaded layer inputs."""
+def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> float:
+    """Host RAM per node: every CUDA rank's own process (libraries and CUDA's host-side state, measured before any offload),
+    ZeRO-3 offload's bf16 params, fp32 grads and optimizer, and the offloaded layer inputs. CPU clusters count none of it
+    here: their ranks' memory is the "GPU" memory the rest of this module estimates."""
     m, p = w.model, DTYPE_BYTES[w.dtype]
     out = 0.0
+    if cluster.accelerator == "cuda":
+        out += cluster.gpus_per_node * c.host_process_gib * GIB
     if s.sharding == "zero3_offload":
         out += m.num_params * (p + 4 + optimizer_bytes_per_param(w.optimizer, w.dtype)) / cluster.nodes
     if s.checkpointing == "offload":

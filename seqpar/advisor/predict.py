@@ -42,6 +42,7 @@ class Coefficients:
     headroom_gib: float = 1.0
     loss_chunk_tokens: int = 4096
     host_ram_usable_fraction: float = 0.9
+    host_process_gib: float = 14.5  # host RSS of one CUDA training process before any offload (libraries, CUDA's host state)
     kernel_tflops: dict = field(default_factory=dict, hash=False, compare=False)
     time_factors: dict = field(default_factory=dict, hash=False, compare=False)  # GPU profile -> its fitted factors
     min_cudnn_capability: float = 9.0
@@ -51,7 +52,7 @@ class Coefficients:
         "linear_time_factor", "attn_time_factor", "attn_block_tokens", "matmul_width_h0", "ring_overlap", "grad_comm_overlap",
         "comm_bandwidth_efficiency", "offload_bandwidth_gb_s", "cpu_adam_gparams_per_s", "allocator_reserve_fraction",
         "allocator_reserve_gib", "cuda_context_gib", "nccl_buffer_gib_per_group", "headroom_gib", "loss_chunk_tokens",
-        "host_ram_usable_fraction",
+        "host_ram_usable_fraction", "host_process_gib",
     )
 
     def with_values(self, **values: float) -> "Coefficients":
