@@ -15,10 +15,12 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from seqpar.errors import SeqparError
+from seqpar.modes import MODES, check_heads, check_split, nearest_multiples, split_multiple
+
 SCHEMA_VERSION = 1
 
-Mode = Literal["data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"]
-MODES: tuple[str, ...] = ("data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
+Mode = Literal[MODES]  # the names of seqpar.modes.MODES_TABLE
 Checkpointing = Literal["none", "full", "offload", "selective"]
 Sharding = Literal["ddp", "zero2", "zero3", "zero3_offload", "fsdp"]
 LossImpl = Literal["hf", "chunked"]
@@ -29,10 +31,6 @@ LinkKind = Literal["nvlink3", "nvlink4", "pcie4", "pcie5", "ib_hdr", "ib_ndr", "
 Accelerator = Literal["cuda", "cpu"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-class SeqparError(ValueError):
-    """Invalid input: one line that names the value, the rule and a fix (the CLI maps it to exit code 2)."""
 
 
 class _Frozen(BaseModel):
@@ -71,13 +69,6 @@ def format_tokens(n: int) -> str:
     if n % 1024 == 0:
         return f"{n // 1024}K"
     return str(n)
-
-
-def nearest_multiples(value: int, multiple: int) -> tuple[int, int]:
-    """The multiples of ``multiple`` just below and just above ``value`` (below is at least ``multiple``)."""
-    below = max(multiple, value - value % multiple)
-    above = below if value % multiple == 0 else value - value % multiple + multiple
-    return below, above
 
 
 # --------------------------------------------------------------------------------------------- hardware
@@ -217,47 +208,12 @@ class Strategy(_Frozen):
         return self.sp_degree * self.dp_degree
 
 
-def seq_len_multiple(mode: str, sp_degree: int, ulysses_degree: int = 1, ring_degree: int = 1) -> int:
-    """The number seq_len must be a multiple of for a mode to split it exactly over its ranks."""
-    if mode == "data_parallel":
-        return 1
-    if mode == "zigzag_ring_attn":
-        return 2 * sp_degree
-    if mode == "usp_attn":
-        return 2 * ring_degree * ulysses_degree
-    return sp_degree  # dist_flash_attn, ulysses_attn: contiguous chunks
-
-
-def check_split(mode: str, seq_len: int, sp_degree: int, ulysses_degree: int = 1, ring_degree: int = 1) -> None:
-    """Raise SeqparError with the nearest valid lengths when the mode cannot split seq_len over its ranks."""
-    mult = seq_len_multiple(mode, sp_degree, ulysses_degree, ring_degree)
-    if seq_len % mult:
-        below, above = nearest_multiples(seq_len, mult)
-        what = {
-            "zigzag_ring_attn": f"2*sp_degree = {mult}",
-            "usp_attn": f"2*ring_degree*ulysses_degree = {mult}",
-        }.get(mode, f"sp_degree = {mult}")
-        raise SeqparError(
-            f"seq_len {seq_len} is not divisible by {what}, which {mode} needs; nearest valid: {below} or {above}"
-        )
-
-
-def check_heads(mode: str, model: ModelSpec, sp_degree: int, ulysses_degree: int = 1) -> None:
-    """Ulysses splits heads: the query heads must divide, the KV heads must divide or be replicable."""
-    u = sp_degree if mode == "ulysses_attn" else ulysses_degree if mode == "usp_attn" else 1
-    if u == 1:
-        return
-    a, kv = model.num_attention_heads, model.num_key_value_heads
-    if a % u:
-        raise SeqparError(
-            f"{mode} splits heads over {u} ranks but {model.name} has {a} query heads ({a} % {u} != 0); "
-            f"use usp_attn with a ulysses degree dividing {a}, or zigzag_ring_attn"
-        )
-    if kv % u and u % kv:
-        raise SeqparError(
-            f"{mode} over {u} ranks cannot split or replicate {model.name}'s {kv} KV heads; "
-            f"use usp_attn with a ulysses degree dividing {kv}, or zigzag_ring_attn"
-        )
+def check_strategy_shape(strategy: "Strategy", seq_len: int, model: ModelSpec) -> None:
+    """SeqparError when the strategy's mode cannot split seq_len over its ranks or split the model's heads
+    (seqpar.modes holds the rules; this maps a Strategy onto them)."""
+    u = strategy.ulysses_degree if strategy.mode == "usp_attn" else None
+    check_split(strategy.mode, seq_len, strategy.sp_degree, u)
+    check_heads(strategy.mode, model.num_attention_heads, model.num_key_value_heads, strategy.sp_degree, u, owner=model.name)
 
 
 # --------------------------------------------------------------------------------------------- prediction and plan
@@ -371,16 +327,14 @@ class LaunchPlan(_Frozen):
             raise ValueError(f"tiled_mlp with sharding {s.sharding}: ZeRO-3 gathers parameters through module hooks that the "
                              "tiles' recomputation in backward bypasses; use sharding fsdp or ddp, or tiled_mlp false")
         try:
-            check_split(s.mode, w.seq_len, s.sp_degree, s.ulysses_degree, s.ring_degree)
-            check_heads(s.mode, w.model, s.sp_degree, s.ulysses_degree)
+            check_strategy_shape(s, w.seq_len, w.model)
         except SeqparError as e:
             raise ValueError(str(e)) from None
         for i, st in enumerate(self.stages):
             if st.strategy.world_size != c.world_size:
                 raise ValueError(f"stage {i}: {st.strategy.world_size} ranks, but the cluster has {c.world_size}; make them equal")
             try:
-                check_split(st.strategy.mode, st.seq_len, st.strategy.sp_degree, st.strategy.ulysses_degree, st.strategy.ring_degree)
-                check_heads(st.strategy.mode, w.model, st.strategy.sp_degree, st.strategy.ulysses_degree)
+                check_strategy_shape(st.strategy, st.seq_len, w.model)
             except SeqparError as e:
                 raise ValueError(f"stage {i}: {e}") from None
         return self

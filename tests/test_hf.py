@@ -16,6 +16,8 @@ import warnings
 import pytest
 import torch
 
+from seqpar.modes import MODES
+
 from distributed import run_ranks
 
 B, S = 2, 32  # batch > 1; S divisible by 2W for W = 4 and by 2*R*U for usp
@@ -61,18 +63,7 @@ def batch():
 
 
 def available_modes() -> list[str]:
-    """The modes whose module exists in this checkout (the later ones land after data_parallel and zigzag)."""
-    import importlib
-
-    registry = importlib.import_module("seqpar.runtime.attention")
-    modes = []
-    for mode in registry.REGISTRY:
-        try:
-            registry.get_attention_fn(mode)
-        except ImportError:
-            continue
-        modes.append(mode)
-    return modes
+    return list(MODES)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:

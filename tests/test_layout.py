@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from seqpar import schema
-from seqpar.runtime.layout import MODES, required_multiple, shard, unshard
-from seqpar.schema import SeqparError
+from seqpar.errors import SeqparError
+from seqpar.modes import MODES, split_multiple
+from seqpar.runtime.layout import shard, unshard
 
 SETUPS = [(m, w, None) for m in MODES if m != "usp_attn" for w in (1, 2, 3, 4)]
 SETUPS += [("usp_attn", w, u) for w in (1, 2, 3, 4) for u in (1, 2) if w % u == 0]
@@ -13,9 +13,7 @@ SETUPS += [("usp_attn", w, u) for w in (1, 2, 3, 4) for u in (1, 2) if w % u == 
 
 @pytest.mark.parametrize("mode,w,u", SETUPS)
 def test_round_trip(mode, w, u):
-    mult = required_multiple(mode, w, u)
-    ring, uly = (w // u, u) if mode == "usp_attn" else (w, 1)
-    assert mult == schema.seq_len_multiple(mode, w, uly, ring)  # the runtime and the advisor agree on the rule
+    mult = split_multiple(mode, w, u)  # the one rule the advisor, the schema and the runtime read
     for dim, shape in ((1, (2, 3 * mult, 4)), (0, (2 * mult, 3))):
         x = torch.randn(*shape, dtype=torch.float64)
         parts = [shard(x, mode, r, w, dim=dim, ulysses_degree=u) for r in range(w)]

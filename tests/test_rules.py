@@ -43,11 +43,11 @@ TABLE = [
     ("1M two nodes GQA replicate", 1024 * K, lambda: h100(8, 2), "llama-3-8b", "ulysses_attn", 16, 1, NODES),
     ("1M 16 nodes: heads < ranks -> usp", 1024 * K, lambda: h100(8, 16), "llama-3-8b", "usp_attn", 128, 8, NODES + [
         "ulysses_attn invalid: ulysses_attn splits heads over 128 ranks but llama-3-8b has 32 query heads (32 % 128 != 0); "
-        "use usp_attn with a ulysses degree dividing 32, or zigzag_ring_attn",
+        "use usp_attn with a ulysses_degree dividing 32, or zigzag_ring_attn",
         "next valid choice -> usp_attn"]),
     ("qwen 14 heads on 16 -> usp 2x8", 1024 * K, lambda: h100(8, 2), "qwen2.5-0.5b", "usp_attn", 16, 2, NODES + [
         "ulysses_attn invalid: ulysses_attn splits heads over 16 ranks but qwen2.5-0.5b has 14 query heads (14 % 16 != 0); "
-        "use usp_attn with a ulysses degree dividing 14, or zigzag_ring_attn",
+        "use usp_attn with a ulysses_degree dividing 14, or zigzag_ring_attn",
         "next valid choice -> usp_attn"]),
     ("zigzag needs 2*sp | S -> dist flash", 256 * K + 8, a100x8, "llama-2-7b", "dist_flash_attn", 8, 1, LONG + [
         "zigzag_ring_attn invalid: seq_len 262152 is not divisible by 2*sp_degree = 16, which zigzag_ring_attn needs; "

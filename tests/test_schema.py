@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from seqpar.advisor.cluster import cluster_from_flags, default_cluster
+from seqpar.modes import check_heads, check_split, nearest_multiples
 from seqpar.profiles import get_link, get_model
 from seqpar.schema import (
     SCHEMA_VERSION,
@@ -18,10 +19,7 @@ from seqpar.schema import (
     SeqparError,
     Strategy,
     Workload,
-    check_heads,
-    check_split,
     format_tokens,
-    nearest_multiples,
     parse_seq_len,
 )
 
@@ -67,18 +65,22 @@ def test_nearest_multiples(value, mult, expected):
 )
 def test_check_split(mode, seq_len, sp, u, r, match):
     with pytest.raises(SeqparError, match=match):
-        check_split(mode, seq_len, sp, u, r)
-    check_split(mode, seq_len - seq_len % (2 * sp), sp, u, r)  # the nearest valid length below passes
+        check_split(mode, seq_len, sp, u)
+    check_split(mode, seq_len - seq_len % (2 * sp), sp, u)  # the nearest valid length below passes
+
+
+def _heads(mode, model, sp, u=None):
+    check_heads(mode, model.num_attention_heads, model.num_key_value_heads, sp, u, owner=model.name)
 
 
 def test_check_heads():
     qwen = get_model("qwen2.5-0.5b")  # 14 query heads, 2 KV heads
-    check_heads("ulysses_attn", qwen, 2)
-    check_heads("ulysses_attn", get_model("llama-3-8b"), 16)  # 8 KV heads replicated twice
+    _heads("ulysses_attn", qwen, 2)
+    _heads("ulysses_attn", get_model("llama-3-8b"), 16)  # 8 KV heads replicated twice
     with pytest.raises(SeqparError, match=r"splits heads over 4 ranks but qwen2.5-0.5b has 14 query heads \(14 % 4 != 0\)"):
-        check_heads("ulysses_attn", qwen, 4)
-    with pytest.raises(SeqparError, match=r"cannot split or replicate"):
-        check_heads("usp_attn", get_model("llama-2-70b").model_copy(update={"num_key_value_heads": 16, "num_attention_heads": 48}), 24, 12)
+        _heads("ulysses_attn", qwen, 4)
+    with pytest.raises(SeqparError, match=r"can neither split nor replicate llama-2-70b's 16 KV heads"):
+        _heads("usp_attn", get_model("llama-2-70b").model_copy(update={"num_key_value_heads": 16, "num_attention_heads": 48}), 24, 12)
 
 
 @pytest.mark.parametrize(

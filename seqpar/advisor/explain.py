@@ -16,7 +16,8 @@ from rich.table import Table
 from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.predict import GIB, Coefficients, load_coefficients
 from seqpar.advisor.search import CheckResult, describe
-from seqpar.schema import MODES, LaunchPlan, Strategy, format_tokens, seq_len_multiple
+from seqpar.modes import MODES, split_multiple
+from seqpar.schema import LaunchPlan, Strategy, format_tokens
 
 
 def _table(title: str, *cols: str) -> Table:
@@ -103,7 +104,7 @@ def plot_memory(plan: LaunchPlan, path: str | Path, coeffs: Optional[Coefficient
         else:
             st = s.model_copy(update={"mode": mode, "sp_degree": world, "dp_degree": 1, "ulysses_degree": 1, "ring_degree": 1})
         st = Strategy.model_validate(st.model_dump())
-        mult = seq_len_multiple(st.mode, st.sp_degree, st.ulysses_degree, st.ring_degree)
+        mult = split_multiple(st.mode, st.sp_degree, st.ulysses_degree)
         xs, ys = [], []
         for i in range(points):
             n = int(1024 * (top / 1024) ** (i / (points - 1)))

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from seqpar import __version__
 from seqpar.advisor.request import AdviseRequest
+from seqpar.modes import check_heads, check_split
 from seqpar.schema import (
     ClusterSpec,
     LaunchPlan,
@@ -26,8 +27,6 @@ from seqpar.schema import (
     Rationale,
     SeqparError,
     Strategy,
-    check_heads,
-    check_split,
     format_tokens,
 )
 
@@ -117,8 +116,8 @@ def check_mode(
         if u < 2 or sp % u:
             return None, f"usp_attn found no Ulysses degree >= 2 dividing sp_degree {sp} and {model.name}'s {model.num_attention_heads} heads"
     try:
-        check_split(mode, seq_len, sp, u, sp // u if mode == "usp_attn" else 1)
-        check_heads(mode, model, sp, u)
+        check_split(mode, seq_len, sp, u)
+        check_heads(mode, model.num_attention_heads, model.num_key_value_heads, sp, u, owner=model.name)
     except SeqparError as e:
         return None, str(e)
     return (sp, u), ""

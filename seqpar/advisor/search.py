@@ -22,9 +22,10 @@ from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.predict import Coefficients, load_coefficients, predict
 from seqpar.advisor.request import AdviseRequest, check_fused_ops
 from seqpar.advisor.throughput import estimate_time
+from seqpar.modes import MODES, split_multiple
 from seqpar.schema import (
-    MODES, Alternative, ClusterSpec, LaunchPlan, ModelSpec, Prediction, Rationale, SeqparError, Strategy, Workload,
-    check_heads, check_split, format_tokens, seq_len_multiple,
+    Alternative, ClusterSpec, LaunchPlan, ModelSpec, Prediction, Rationale, SeqparError, Strategy, Workload,
+    check_strategy_shape, format_tokens,
 )
 
 CHECKPOINTING = ("full", "selective", "none", "offload")
@@ -93,10 +94,9 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
                     raise SeqparError(f"sp_degree {sp} does not divide the {world} GPUs")
                 if mode == "usp_attn" and (u < 2 or r < 2 or sp % u):
                     raise SeqparError(f"usp_attn needs ulysses_degree x ring_degree = {sp} with both >= 2, got ulysses {u}")
-                check_split(mode, req.seq_len, sp, u, r)
-                check_heads(mode, m, sp, u)
                 base = Strategy(mode=mode, sp_degree=sp, dp_degree=world // sp, ulysses_degree=u if mode == "usp_attn" else 1,
                                 ring_degree=r if mode == "usp_attn" else 1)
+                check_strategy_shape(base, req.seq_len, m)
             except (SeqparError, ValueError) as e:
                 invalid.append((None, f"{mode} sp={sp}" + (f" ulysses={u}" if mode == "usp_attn" else "") + f": {_one_line(e)}"))
                 continue
@@ -305,11 +305,11 @@ def max_seq_len(model: ModelSpec, cluster: ClusterSpec, modes: Optional[list[str
         def fitting(n: int) -> Optional[Strategy]:
             w = w0.model_copy(update={"seq_len": n})
             for s in strategies:
-                if n % seq_len_multiple(s.mode, s.sp_degree, s.ulysses_degree, s.ring_degree) == 0 and estimate_memory(w, cluster, s, c).fits:
+                if n % split_multiple(s.mode, s.sp_degree, s.ulysses_degree) == 0 and estimate_memory(w, cluster, s, c).fits:
                     return s
             return None
 
-        unit = math.lcm(1024, *(seq_len_multiple(s.mode, s.sp_degree, s.ulysses_degree, s.ring_degree) for s in strategies))
+        unit = math.lcm(1024, *(split_multiple(s.mode, s.sp_degree, s.ulysses_degree) for s in strategies))
         lo, hi = 0, 1
         while hi * unit <= limit and fitting(hi * unit):
             lo, hi = hi, hi * 2

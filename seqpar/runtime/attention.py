@@ -13,23 +13,15 @@ from typing import Callable
 
 from torch import Tensor
 
-from seqpar.runtime.kernels import _error
-
-REGISTRY: dict[str, str] = {  # mode name (EasyContext's) -> "module:function"
-    "data_parallel": "seqpar.runtime.data_parallel:data_parallel_attention",
-    "zigzag_ring_attn": "seqpar.runtime.zigzag_ring_attn:zigzag_ring_attn_attention",
-    "dist_flash_attn": "seqpar.runtime.dist_flash_attn:dist_flash_attn_attention",
-    "ulysses_attn": "seqpar.runtime.ulysses_attn:ulysses_attn_attention",
-    "usp_attn": "seqpar.runtime.usp_attn:usp_attn_attention",
-}
+from seqpar.errors import SeqparError
+from seqpar.modes import facts
 
 
 def get_attention_fn(mode: str) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The attention function of a mode; SeqparError naming the valid modes for an unknown one."""
-    if mode not in REGISTRY:
-        raise _error(f"mode {mode!r} is unknown; use one of {', '.join(REGISTRY)}")
-    module, name = REGISTRY[mode].split(":")
-    return getattr(importlib.import_module(module), name)
+    """The attention function of a mode (``seqpar.runtime.<module>.<mode>_attention``, the module named in
+    seqpar.modes); SeqparError naming the valid modes for an unknown one."""
+    module = importlib.import_module(f"seqpar.runtime.{facts(mode).module}")
+    return getattr(module, f"{mode}_attention")
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mode: str, group=None, causal: bool = True,
@@ -41,12 +33,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mode: str, group=None, causal: bo
     kernel choice (exact | cudnn | flash | flash_attn). Returns (out, lse); out is differentiable in q, k, v.
     """
     if not q.dtype == k.dtype == v.dtype:
-        raise _error(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first "
+        raise SeqparError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first "
                      "(under autocast: to torch.get_autocast_dtype)")
     fn = get_attention_fn(mode)
     kwargs = dict(group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
     if mode == "usp_attn":
         kwargs["ulysses_degree"] = ulysses_degree
     elif ulysses_degree not in (None, 1):
-        raise _error(f"ulysses_degree={ulysses_degree} is for usp_attn only; {mode} takes the group alone (pass None)")
+        raise SeqparError(f"ulysses_degree={ulysses_degree} is for usp_attn only; {mode} takes the group alone (pass None)")
     return fn(q, k, v, **kwargs)

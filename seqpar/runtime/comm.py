@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from seqpar.errors import SeqparError
 from torch import Tensor
 
 
@@ -175,7 +177,6 @@ def raise_everywhere(msg: str | None, group=None, error=None) -> None:
     first = next((m for m in msgs if m), None)
     if first:
         if error is None:
-            from seqpar.runtime.kernels import _error
-
-            raise _error(first)
+            
+            raise SeqparError(first)
         raise error(first)

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from seqpar.errors import SeqparError
 from seqpar.runtime import kernels
 from seqpar.runtime.comm import exchange, group_rank, group_size
 
@@ -254,7 +255,7 @@ def dist_flash_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale
     # same error before any transfer; a cross-rank shape check would cost a collective and a host sync per call.
     kernels._check(q, k, v, causal=False)
     if q.shape[1] != k.shape[1]:
-        raise kernels._error(
+        raise SeqparError(
             f"dist_flash_attn needs q and k,v chunks of the same length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
         )
     scale = kernels.default_scale(q, softmax_scale)

@@ -19,7 +19,8 @@ import sys
 import torch
 from torch import nn
 
-from seqpar.runtime.kernels import _error
+from seqpar.errors import SeqparError
+
 
 KINDS = ("none", "liger")
 
@@ -29,17 +30,17 @@ def apply_fused_ops(model: nn.Module, kind: str, device_type: str) -> str:
     if kind == "none":
         return "fused ops: none (the model's own RMSNorm, RoPE and SwiGLU)"
     if kind != "liger":
-        raise _error(f"fused_ops {kind!r} is unknown; use one of {', '.join(KINDS)}")
+        raise SeqparError(f"fused_ops {kind!r} is unknown; use one of {', '.join(KINDS)}")
     if device_type != "cuda":
-        raise _error(f"fused_ops liger runs Triton kernels on CUDA, but this run is on {device_type}; set fused_ops none")
+        raise SeqparError(f"fused_ops liger runs Triton kernels on CUDA, but this run is on {device_type}; set fused_ops none")
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as e:
-        raise _error(f"fused_ops liger needs the liger-kernel package ({e}); pip install 'seqpar[liger]' or set fused_ops none") from None
+        raise SeqparError(f"fused_ops liger needs the liger-kernel package ({e}); pip install 'seqpar[liger]' or set fused_ops none") from None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise _error(f"fused_ops liger has no kernels for model type {model_type!r} (Liger supports "
+        raise SeqparError(f"fused_ops liger has no kernels for model type {model_type!r} (Liger supports "
                      f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set fused_ops none")
     accepted = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
     kinds = [k for k in ("rms_norm", "rope", "swiglu") if k in accepted]

@@ -25,25 +25,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from seqpar.errors import SeqparError
 from seqpar.runtime.hf_inputs import apply_seq_parallel_monkey_patch, prepare_inputs, prepare_seq_parallel_inputs
 from seqpar.runtime.hf_loss import loss, loss_from_hidden
-from seqpar.runtime.kernels import _error
-from seqpar.runtime.layout import MODES, degrees
+from seqpar.modes import FACTS, check_mode, degrees
 
 __all__ = [
     "IMPLEMENTATIONS", "apply", "prepare_inputs", "loss", "loss_from_hidden",
     "prepare_seq_parallel_inputs", "apply_seq_parallel_monkey_patch",
 ]
 
-# attn_implementation names: never containing "flash" (transformers 5 takes such a name for a hub kernel request).
-IMPLEMENTATIONS = {
-    "data_parallel": "seqpar_local",
-    "zigzag_ring_attn": "seqpar_zigzag_ring",
-    "dist_flash_attn": "seqpar_lightseq",
-    "ulysses_attn": "seqpar_ulysses",
-    "usp_attn": "seqpar_usp",
-}
-_MODE_OF = {name: mode for mode, name in IMPLEMENTATIONS.items()}
+# attn_implementation names (seqpar.modes: never containing "flash", which transformers 5 reads as a hub kernel request).
+IMPLEMENTATIONS = {name: f.implementation for name, f in FACTS.items()}
 
 
 @dataclass(frozen=True)
@@ -69,7 +62,7 @@ def _has_mask_interface() -> bool:
 
 
 def _refuse(model_name: str, feature: str, fix: str) -> Exception:
-    return _error(f"{model_name}: {feature} cannot run under seqpar's sequence-parallel attention; {fix}")
+    return SeqparError(f"{model_name}: {feature} cannot run under seqpar's sequence-parallel attention; {fix}")
 
 
 def _global_len(ctx: _Context, local_len: int) -> int:
@@ -84,7 +77,7 @@ def _seqpar_attention(module: nn.Module, query, key, value, attention_mask, scal
     """transformers attention function: q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out (B, S, Hq, D), None)."""
     ctx: _Context | None = getattr(module, "_seqpar_ctx", None)
     if ctx is None:
-        raise _error(
+        raise SeqparError(
             f"{type(module).__name__} reached seqpar's attention without seqpar.apply; call seqpar.apply(model, mode) "
             "on the whole model (it sets the mode, the group and the checks)"
         )
@@ -212,10 +205,9 @@ def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = 
     backend: kernels backend override (see seqpar.runtime.kernels.select_backend). keep_attention: selective
     checkpointing: enable non-reentrant gradient checkpointing and keep each layer's attention out + lse, so backward's
     recomputation of a layer skips attention's forward (seqpar.runtime.selective; exclusive with offload_checkpoints)."""
-    if mode not in MODES:
-        raise _error(f"mode {mode!r} is unknown; use one of {', '.join(MODES)}")
+    check_mode(mode)
     if keep_attention and offload_checkpoints:
-        raise _error("keep_attention (selective checkpointing) and offload_checkpoints exclude each other: pick one")
+        raise SeqparError("keep_attention (selective checkpointing) and offload_checkpoints exclude each other: pick one")
     config = getattr(model, "config", None)
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
     if getattr(config, "attn_logit_softcapping", None) is not None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqpar.runtime.kernels import _error
-from seqpar.runtime.layout import MODES, shard
+from seqpar.errors import SeqparError
+from seqpar.modes import check_mode
+from seqpar.runtime.layout import shard
 
 IGNORE_INDEX = -100  # transformers' and torch's cross-entropy ignore index
 
@@ -28,13 +29,12 @@ def shift_labels(labels: Tensor) -> Tensor:
 
 
 def _check_ids(input_ids: Tensor, mode: str, rank: int, world_size: int) -> None:
-    if mode not in MODES:
-        raise _error(f"mode {mode!r} is unknown; use one of {', '.join(MODES)}")
+    check_mode(mode)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-        raise _error(f"input_ids {shape} must be a (batch, seq_len) tensor; add a batch dim with input_ids[None]")
+        raise SeqparError(f"input_ids {shape} must be a (batch, seq_len) tensor; add a batch dim with input_ids[None]")
     if not 0 <= rank < world_size:
-        raise _error(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
+        raise SeqparError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
 
 
 def _check_positions(position_ids: Tensor) -> None:
@@ -43,7 +43,7 @@ def _check_positions(position_ids: Tensor) -> None:
     steps = torch.diff(position_ids, dim=-1)  # (B, S-1)
     if steps.numel() and not bool((steps == 1).all()):
         where = int((steps != 1).nonzero()[0, -1]) + 1
-        raise _error(
+        raise SeqparError(
             f"position_ids do not increase by 1 at index {where} (packed documents?); seqpar applies one causal mask "
             "per row, so pass one document per row with consecutive positions"
         )
@@ -61,13 +61,13 @@ def prepare_inputs(input_ids: Tensor, mode: str, rank: int, world_size: int, lab
     if labels is None:
         labels = input_ids
     if labels.shape != input_ids.shape:
-        raise _error(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+        raise SeqparError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=input_ids.device)[None]  # (1, S)
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
     if position_ids.shape[-1] != seq_len:
-        raise _error(f"position_ids {tuple(position_ids.shape)} must have seq_len {seq_len} like input_ids")
+        raise SeqparError(f"position_ids {tuple(position_ids.shape)} must have seq_len {seq_len} like input_ids")
     _check_positions(position_ids)
     position_ids = position_ids.expand(batch, seq_len)  # (B, S)
     full = {"input_ids": input_ids, "position_ids": position_ids, "labels": shift_labels(labels)}
@@ -140,15 +140,14 @@ def apply_seq_parallel_monkey_patch(seq_algo: str, model):
     """EasyContext's function. ``model`` a model instance: seqpar.apply(model, seq_algo) (the default process group),
     returned. ``model`` "llama" or "mistral": every LlamaForCausalLM / MistralForCausalLM created afterwards in this
     process (from_pretrained, from_config, AutoModelForCausalLM) runs seq_algo; returns None like EasyContext."""
-    if seq_algo not in MODES:
-        raise _error(f"seq_algo {seq_algo!r} is unknown; use one of {', '.join(MODES)}")
+    check_mode(seq_algo, "seq_algo")
     if not isinstance(model, str):
         from seqpar.runtime.hf import apply
 
         return apply(model, seq_algo)
     family = model.lower()
     if family not in _EASYCONTEXT_FAMILIES:
-        raise _error(
+        raise SeqparError(
             f"model {model!r} is not one of EasyContext's names ({', '.join(_EASYCONTEXT_FAMILIES)}); pass the model "
             "instance instead: any transformers causal LM that uses the AttentionInterface works"
         )

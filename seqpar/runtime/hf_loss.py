@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from seqpar.errors import SeqparError
 from torch import Tensor
 
-from seqpar.runtime.kernels import _error
 
 IGNORE_INDEX = -100
 
@@ -55,7 +56,7 @@ def _global_mean(loss_sum: Tensor, count: Tensor, group) -> Tensor:
 
 def _check(labels: Tensor, tokens: int, what: str) -> None:
     if labels.numel() != tokens:
-        raise _error(f"labels {tuple(labels.shape)} hold {labels.numel()} tokens but {what} holds {tokens}; "
+        raise SeqparError(f"labels {tuple(labels.shape)} hold {labels.numel()} tokens but {what} holds {tokens}; "
                      "pass the labels from seqpar.prepare_inputs for the same shard")
 
 
@@ -138,11 +139,11 @@ def loss_from_hidden(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, gro
     lm_head_weight (V, H); labels (B, S_local) shifted. Exact for heads that are a plain bias-free linear layer
     (Llama, Mistral, Qwen2/3); a model that scales or soft-caps its logits needs seqpar.loss on its logits instead."""
     if chunk_size < 1:
-        raise _error(f"chunk_size {chunk_size} must be positive; use e.g. 4096 tokens")
+        raise SeqparError(f"chunk_size {chunk_size} must be positive; use e.g. 4096 tokens")
     flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     _check(labels, flat.shape[0], "hidden")
     if lm_head_weight.shape[-1] != flat.shape[-1]:
-        raise _error(f"lm_head_weight {tuple(lm_head_weight.shape)} does not match hidden size {flat.shape[-1]}; "
+        raise SeqparError(f"lm_head_weight {tuple(lm_head_weight.shape)} does not match hidden size {flat.shape[-1]}; "
                      "pass model.lm_head.weight (vocab, hidden)")
     targets = labels.reshape(-1).to(flat.device)  # (N,)
     total = _ChunkedLinearCE.apply(flat, lm_head_weight, targets, int(chunk_size))

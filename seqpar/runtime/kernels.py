@@ -23,21 +23,14 @@ import math
 import torch
 from torch import Tensor
 
+from seqpar.errors import SeqparError
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("exact", "cudnn", "flash", "flash_attn")
 _HALF = (torch.bfloat16, torch.float16)
 _reported: set[tuple] = set()
 _cudnn_no_gqa = False  # set once cuDNN refuses Hq != Hkv on this build; then K,V heads are expanded for it
-
-
-def _error(msg: str) -> Exception:
-    """SeqparError when the schema (pydantic) is importable, else ValueError: the GPU bench runs without pydantic."""
-    try:
-        from seqpar.schema import SeqparError
-    except ImportError:  # pragma: no cover - GPU machine without pydantic
-        return ValueError(msg)
-    return SeqparError(msg)
 
 
 def _has_flash_attn() -> bool:
@@ -53,14 +46,14 @@ def select_backend(device, dtype: torch.dtype, override: str | None = None) -> s
     device = torch.device(device)
     if override is not None:
         if override not in BACKENDS:
-            raise _error(f"attention backend {override!r} is unknown; use one of {', '.join(BACKENDS)} or None (automatic)")
+            raise SeqparError(f"attention backend {override!r} is unknown; use one of {', '.join(BACKENDS)} or None (automatic)")
         if override != "exact" and (device.type != "cuda" or dtype not in _HALF):
-            raise _error(
+            raise SeqparError(
                 f"attention backend {override!r} needs a CUDA device and bf16/fp16, got {device.type} {dtype}; "
                 f"use 'exact' or None (automatic)"
             )
         if override == "flash_attn" and not _has_flash_attn():
-            raise _error("attention backend 'flash_attn' needs the flash-attn package; pip install flash-attn, or use 'cudnn'/'flash'")
+            raise SeqparError("attention backend 'flash_attn' needs the flash-attn package; pip install flash-attn, or use 'cudnn'/'flash'")
         choice, why = override, "override"
     elif device.type != "cuda" or dtype not in _HALF:
         choice, why = "exact", f"{device.type} {dtype}: fused kernels need CUDA and bf16/fp16"
@@ -227,15 +220,15 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
 
 def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise _error(f"attention wants (B, S, H, D) tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise SeqparError(f"attention wants (B, S, H, D) tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise _error(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match each other and q {tuple(q.shape)} in batch and head dim")
+        raise SeqparError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match each other and q {tuple(q.shape)} in batch and head dim")
     if q.shape[2] % k.shape[2]:
-        raise _error(
+        raise SeqparError(
             f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} KV heads (GQA needs Hq % Hkv == 0); check the model config"
         )
     if causal and q.shape[1] != k.shape[1]:
-        raise _error(f"a causal block must be square (the diagonal), got Sq={q.shape[1]} and Sk={k.shape[1]}")
+        raise SeqparError(f"a causal block must be square (the diagonal), got Sq={q.shape[1]} and Sk={k.shape[1]}")
 
 
 def attn_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float, backend: str) -> tuple[Tensor, Tensor]:

@@ -26,12 +26,13 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from seqpar.errors import SeqparError
 from seqpar.runtime import dist_flash_attn as df
 from seqpar.runtime import kernels
 from seqpar.runtime import zigzag_ring_attn as zz
 from seqpar.runtime.comm import all_to_all, group_size
-from seqpar.runtime.layout import check_length, degrees
-from seqpar.runtime.ulysses_attn import check_heads, heads_to_seq, lse_to_seq_split, replicate_kv, seq_to_heads
+from seqpar.modes import check_heads, check_split, degrees
+from seqpar.runtime.ulysses_attn import heads_to_seq, lse_to_seq_split, replicate_kv, seq_to_heads
 
 _PENDING: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()  # module -> [weakref to _Entry]
 
@@ -191,7 +192,7 @@ def functions(mode: str, q: Tensor, k: Tensor, v: Tensor, *, group, causal: bool
     """The mode's forward and backward on this rank's shard, after the same checks the mode's own function makes."""
     kernels._check(q, k, v, causal=causal and mode == "data_parallel")
     if mode != "data_parallel" and q.shape[1] != k.shape[1]:
-        raise kernels._error(f"{mode} needs q and k,v chunks of the same length, got {q.shape[1]} and {k.shape[1]}")
+        raise SeqparError(f"{mode} needs q and k,v chunks of the same length, got {q.shape[1]} and {k.shape[1]}")
     P = group_size(group)
     if mode == "data_parallel" or P == 1 and mode != "usp_attn":
         return _local(causal, scale, backend)
@@ -202,22 +203,22 @@ def functions(mode: str, q: Tensor, k: Tensor, v: Tensor, *, group, causal: bool
         return Functions(lambda q, k, v: df._forward(q.contiguous(), k.contiguous(), v.contiguous(), group, causal, scale, backend),
                          lambda do, q, k, v, o, l: df._backward(do, q, k, v, o, l, group, causal, scale, backend))
     if mode == "ulysses_attn":
-        check_heads(q.shape[2], k.shape[2], P)
+        check_heads("ulysses_attn", q.shape[2], k.shape[2], P)
         return _head_split(_local(causal, scale, backend), group)
     if mode == "usp_attn":
         from seqpar.runtime.usp_attn import subgroups
 
         R, U = degrees("usp_attn", P, ulysses_degree)
-        check_heads(q.shape[2], k.shape[2], U, "usp_attn")
+        check_heads("usp_attn", q.shape[2], k.shape[2], P, U)
         if causal:
-            check_length("usp_attn", q.shape[1] * P, P, U)
+            check_split("usp_attn", q.shape[1] * P, P, U)
         if U == 1:
             return _zigzag(group, causal, scale, backend)
         if R == 1:
             return _head_split(_local(causal, scale, backend), group)
         uly_group, ring_group = subgroups(group, U)
         return _head_split(_zigzag(ring_group, causal, scale, backend), uly_group)
-    raise kernels._error(f"mode {mode!r} is unknown")
+    raise SeqparError(f"mode {mode!r} is unknown")
 
 
 def kept_attention(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, mode: str, *, group=None, causal: bool = True,

@@ -19,9 +19,10 @@ import math
 import warnings
 
 import torch
+
+from seqpar.errors import SeqparError
 from torch import Tensor, nn
 
-from seqpar.runtime.kernels import _error
 
 
 def tile_tokens(local_tokens: int, hidden_size: int) -> int:
@@ -138,16 +139,16 @@ def tile_mlp(model: nn.Module, tile: int | None = None) -> int:
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
     mlps = mlp_modules(model)
     if not mlps or hidden is None:
-        raise _error(f"{name}: tiled_mlp found no decoder MLP (a submodule named 'mlp'); set tiled_mlp false")
+        raise SeqparError(f"{name}: tiled_mlp found no decoder MLP (a submodule named 'mlp'); set tiled_mlp false")
     for m in mlps:
         if any(hasattr(m, a) for a in ("gate", "router", "experts")) or getattr(config, "num_experts", None):
-            raise _error(f"{name}: tiled_mlp cannot tile a mixture-of-experts block ({type(m).__name__}); set tiled_mlp false")
+            raise SeqparError(f"{name}: tiled_mlp cannot tile a mixture-of-experts block ({type(m).__name__}); set tiled_mlp false")
         drop = [d.p for d in m.modules() if isinstance(d, nn.Dropout) and d.p > 0]
         if drop and model.training:
-            raise _error(f"{name}: tiled_mlp recomputes each tile in backward and would draw new dropout masks "
+            raise SeqparError(f"{name}: tiled_mlp recomputes each tile in backward and would draw new dropout masks "
                          f"(dropout p={drop[0]} inside {type(m).__name__}); set the MLP's dropout to 0 or tiled_mlp false")
     if tile is not None and tile < 1:
-        raise _error(f"tiled_mlp tile {tile} must be >= 1 token")
+        raise SeqparError(f"tiled_mlp tile {tile} must be >= 1 token")
     for m in mlps:
         if isinstance(m, _Tiled):
             m._seqpar_tile = tile
@@ -157,7 +158,7 @@ def tile_mlp(model: nn.Module, tile: int | None = None) -> int:
             func = getattr(bound, "__func__", None)
             if func is None or getattr(bound, "__self__", None) is not m:
                 m.forward = bound
-                raise _error(f"{name}: tiled_mlp cannot wrap {type(m).__name__}'s replaced forward ({bound!r}); set tiled_mlp false")
+                raise SeqparError(f"{name}: tiled_mlp cannot wrap {type(m).__name__}'s replaced forward ({bound!r}); set tiled_mlp false")
             m._seqpar_inner_forward = func
         m.__class__ = _tiled_class(type(m))
         m._seqpar_tile, m._seqpar_hidden, m._seqpar_inside, m._seqpar_warned = tile, hidden, False, False

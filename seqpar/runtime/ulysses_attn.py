@@ -19,22 +19,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from seqpar.errors import SeqparError
+from seqpar.modes import check_heads
 from seqpar.runtime import kernels
 from seqpar.runtime.comm import all_to_all, group_size
-
-
-def check_heads(hq: int, hkv: int, degree: int, mode: str = "ulysses_attn") -> None:
-    """SeqparError unless hq query heads and hkv KV heads can be split (or the KV heads replicated) over degree ranks."""
-    if hq % degree:
-        raise kernels._error(
-            f"{mode} splits heads over {degree} ranks but there are {hq} query heads ({hq} % {degree} != 0); "
-            f"use usp_attn with a ulysses_degree dividing {hq}, or zigzag_ring_attn"
-        )
-    if hkv % degree and degree % hkv:
-        raise kernels._error(
-            f"{mode} over {degree} ranks can neither split nor replicate {hkv} KV heads ({hkv} % {degree} != 0 and "
-            f"{degree} % {hkv} != 0); use usp_attn with a ulysses_degree dividing {hkv}, or zigzag_ring_attn"
-        )
 
 
 def replicate_kv(x: Tensor, degree: int) -> Tensor:
@@ -67,10 +55,10 @@ def ulysses_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=No
     P = group_size(group)
     kernels._check(q, k, v, causal=False)  # every rank holds the same shapes, so every rank raises the same error
     if q.shape[1] != k.shape[1]:
-        raise kernels._error(
+        raise SeqparError(
             f"ulysses_attn needs q and k,v chunks of the same length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
         )
-    check_heads(q.shape[2], k.shape[2], P)
+    check_heads("ulysses_attn", q.shape[2], k.shape[2], P)
     if P == 1:
         return kernels.local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend)
     qh = heads_to_seq(q, group)  # (B, S, Hq/P, D)

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpar.errors import SeqparError
 from seqpar.runtime import kernels
 from seqpar.runtime.comm import group_rank, group_size
-from seqpar.runtime.layout import check_length, degrees
+from seqpar.modes import check_heads, check_split, degrees
 from seqpar.runtime.ulysses_attn import (
-    check_heads,
     heads_to_seq,
     lse_to_seq_split,
     replicate_kv,
@@ -79,7 +79,7 @@ def subgroups(group, ulysses_degree: int):
                 counts: list = [None] * len(ranks)
                 dist.all_gather_object(counts, len(known), group=group)
                 if len(set(counts)) > 1:
-                    raise kernels._error(
+                    raise SeqparError(
                         f"usp_attn cannot create the sub-groups of group {list(ranks)} from inside it: its ranks know "
                         f"different numbers of process groups ({counts}); call seqpar.runtime.usp_attn.create_subgroups"
                         f"(all sp groups, {U}) on every process after creating the sp groups"
@@ -99,12 +99,12 @@ def usp_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, 
     R, U = degrees("usp_attn", W, ulysses_degree)  # SeqparError naming the valid degrees
     kernels._check(q, k, v, causal=False)  # all checks are local and equal on every rank: all raise, none hangs
     if q.shape[1] != k.shape[1]:
-        raise kernels._error(
+        raise SeqparError(
             f"usp_attn needs q and k,v chunks of the same length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
         )
-    check_heads(q.shape[2], k.shape[2], U, "usp_attn")
+    check_heads("usp_attn", q.shape[2], k.shape[2], W, U)
     if causal:  # the ring's zigzag halves must be whole: S % (2 R U) == 0
-        check_length("usp_attn", q.shape[1] * W, W, U)
+        check_split("usp_attn", q.shape[1] * W, W, U)
     kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if U == 1:
         return zigzag_ring_attn_attention(q, k, v, group=group, **kw)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from seqpar.errors import SeqparError
 from seqpar.runtime import kernels
 from seqpar.runtime.comm import RingComm, group_rank, group_size
-from seqpar.runtime.layout import check_length
+from seqpar.modes import check_split
 
 
 def _plan(step: int, rank: int, causal: bool) -> str:
@@ -34,11 +35,11 @@ def _plan(step: int, rank: int, causal: bool) -> str:
 def _validate(q: Tensor, k: Tensor, v: Tensor, causal: bool, world_size: int) -> None:
     kernels._check(q, k, v, causal=False)
     if q.shape[1] != k.shape[1]:
-        raise kernels._error(
+        raise SeqparError(
             f"zigzag_ring_attn needs q and k,v of the same local length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
         )
     if causal:  # every rank holds the same local length, so every rank raises this same error before any transfer
-        check_length("zigzag_ring_attn", q.shape[1] * world_size, world_size)
+        check_split("zigzag_ring_attn", q.shape[1] * world_size, world_size)
 
 
 def _forward(q, k, v, group, causal, scale, backend):
