@@ -109,7 +109,7 @@ def _check(W, results):
         assert f"seq_len {S} is not divisible by sp_degree = {W}, which dist_flash_attn needs" in msgs[0][0]
         assert f"nearest valid: {S - 1} or {S - 1 + W}" in msgs[0][0]
     assert "6 query heads are not a multiple of 4 KV heads" in msgs[0][1]
-    assert "same length, got 4 and 6" in msgs[0][2]
+    assert "same local length, got 4 and 6" in msgs[0][2]
 
 
 def test_dist_flash_one_rank_without_process_group():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distributed import tolerances
-from seqpar.runtime import kernels
+from seqpar.runtime import kernels, local_attention
 from seqpar.schema import SeqparError
 
 
@@ -41,7 +41,7 @@ def test_local_attention_matches_reference(dtype, hq, hkv, sq, sk, causal):
     v = torch.randn(2, sk, hkv, 16, generator=g, dtype=dtype, requires_grad=True)
     dout = torch.randn(2, sq, hq, 16, generator=g, dtype=dtype)
     scale = 0.3
-    out, lse = kernels.local_attention(q, k, v, causal=causal, softmax_scale=scale)
+    out, lse = local_attention(q, k, v, causal=causal, softmax_scale=scale)
     out.backward(dout)
     qd, kd, vd, rout, rlse = reference(q, k, v, causal, scale)
     rout.backward(dout.double())
@@ -95,6 +95,6 @@ def test_backend_choice_and_bad_input():
         kernels.select_backend("cpu", torch.float32, "xformers")
     q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 4, 8)
     with pytest.raises(SeqparError, match="6 query heads are not a multiple of 4 KV heads"):
-        kernels.local_attention(q, k, k)
+        local_attention(q, k, k)
     with pytest.raises(SeqparError, match="causal block must be square"):
-        kernels.local_attention(q, k[:, :3, :3], k[:, :3, :3])
+        local_attention(q, k[:, :3, :3], k[:, :3, :3])

@@ -52,7 +52,7 @@ def _check(W, results):
     if W in (2, 4):  # 3 KV heads: neither split over nor replicated to 2 or 4 ranks
         assert f"ulysses_attn over {W} ranks can neither split nor replicate 3 KV heads" in msgs[0][2]
         assert "use usp_attn with a ulysses_degree dividing 3, or zigzag_ring_attn" in msgs[0][2]
-    assert "same length, got 4 and 6" in msgs[0][3]
+    assert "same local length, got 4 and 6" in msgs[0][3]
 
 
 def test_ulysses_one_rank_without_process_group():
