@@ -131,7 +131,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
                 model = copy.deepcopy(base)
                 if ckpt is True:
                     model.gradient_checkpointing_enable()
-                seqpar.apply(model, mode, ulysses_degree=uly, offload_checkpoints=ckpt == "offload")
+                seqpar.apply(model, mode, ulysses_degree=uly, checkpointing="offload" if ckpt == "offload" else None)
                 part = seqpar.prepare_inputs(ids, mode, rank, world_size, labels=labels, ulysses_degree=uly)
                 calls["n"] = 0
                 loss = _run(model, part, seqpar.loss, how, chunk=7 if how == "chunk" else None)

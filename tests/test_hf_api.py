@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import seqpar
-from seqpar.runtime import hf, hf_inputs
+from seqpar.runtime import easycontext, hf
 from seqpar.schema import SeqparError
 from test_hf import make_model
 
@@ -183,7 +183,7 @@ def test_apply_refuses_soft_capping_and_models_outside_the_interface():
         seqpar.apply(make_model("llama"), "ring")
 
 
-def test_offload_checkpoints_moves_layer_inputs_through_the_offload_hook(monkeypatch):
+def test_offload_checkpointing_moves_layer_inputs_through_the_offload_hook(monkeypatch):
     from seqpar.runtime import offload
 
     packed = []
@@ -195,12 +195,57 @@ def test_offload_checkpoints_moves_layer_inputs_through_the_offload_hook(monkeyp
         self.pack_hook = lambda t: packed.append(tuple(t.shape)) or pack(t)
 
     monkeypatch.setattr(offload.HostOffload, "__init__", spy)
-    model = seqpar.apply(make_model("llama"), "data_parallel", offload_checkpoints=True)
+    model = seqpar.apply(make_model("llama"), "data_parallel", checkpointing="offload")
     model.train()
     model(input_ids=torch.zeros(2, 16, dtype=torch.long)).logits.sum().backward()
     # each layer's input hidden states (B, S, hidden) went through the offload hook (4.x before 4.52 also passes the
     # mask and position ids positionally: those are offloaded too)
     assert packed.count((2, 16, 32)) == 2, packed
+
+
+def _checkpointing(model) -> tuple:
+    """(checkpointing on, use_reentrant or "offload", attention keeps out + lse) as the model's first layer sees them."""
+    from seqpar.runtime.activation_checkpoint import _offloaded_checkpoint
+
+    layer = model.model.layers[0]
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    how = None if func is None else "offload" if func is _offloaded_checkpoint else func.keywords["use_reentrant"]
+    return model.is_gradient_checkpointing, how, layer.self_attn._seqpar_ctx.keep_attention
+
+
+CHECKPOINTING = {  # policy -> what the model is left with
+    None: (False, None, False),  # the model's own setting, untouched
+    "none": (False, None, False),
+    "full": (True, False, False),
+    "offload": (True, "offload", False),
+    "selective": (True, False, True),
+}
+
+
+@pytest.mark.parametrize("policy", list(CHECKPOINTING), ids=str)
+def test_checkpointing_is_one_knob(policy):
+    assert _checkpointing(seqpar.apply(make_model("llama"), "data_parallel", checkpointing=policy)) == CHECKPOINTING[policy]
+
+
+def test_checkpointing_none_switches_the_models_own_off():
+    model = seqpar.apply(make_model("llama"), "data_parallel", checkpointing="full")
+    assert _checkpointing(seqpar.apply(model, "data_parallel"))[0] is True  # None: left as it is
+    assert not seqpar.apply(model, "data_parallel", checkpointing="none").is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("old,policy", [(dict(offload_checkpoints=True), "offload"), (dict(keep_attention=True), "selective"),
+                                        (dict(keep_attention=False, offload_checkpoints=False), None)], ids=str)
+def test_deprecated_checkpointing_flags_warn_and_mean_the_policy(old, policy):
+    with pytest.warns(DeprecationWarning, match=r"is deprecated; pass checkpointing="):
+        model = seqpar.apply(make_model("llama"), "data_parallel", **old)
+    assert _checkpointing(model) == CHECKPOINTING[policy]
+
+
+def test_bad_checkpointing_is_one_clear_error():
+    with pytest.raises(SeqparError, match=r"checkpointing 'sometimes' is unknown; use one of none, full, offload, selective"):
+        seqpar.apply(make_model("llama"), "data_parallel", checkpointing="sometimes")
+    with pytest.warns(DeprecationWarning), pytest.raises(SeqparError, match=r"checkpointing='full' contradicts keep_attention=True"):
+        seqpar.apply(make_model("llama"), "data_parallel", checkpointing="full", keep_attention=True)
 
 
 def test_pinned_budget_rounds_like_the_caching_host_allocator():
@@ -225,7 +270,7 @@ def test_monkey_patch_by_family_name_reaches_models_loaded_afterwards(tmp_path):
         assert loaded.model.layers[0].self_attn._seqpar_ctx.mode == "zigzag_ring_attn"
         assert transformers.MistralForCausalLM(make_model("mistral").config).config._attn_implementation == "sdpa"
     finally:
-        hf_inputs._PATCHED_MODE.clear()
+        easycontext._PATCHED_MODE.clear()
     assert transformers.LlamaForCausalLM(make_model("llama").config).config._attn_implementation == "sdpa"
     model = make_model("qwen2")
     assert seqpar.apply_seq_parallel_monkey_patch("ulysses_attn", model) is model

@@ -54,7 +54,7 @@ def _step(model, ids):
     return loss.detach(), grads, torch.cuda.max_memory_allocated(), held
 
 
-def test_offload_checkpoints_same_grads_less_gpu_memory():
+def test_offload_checkpointing_same_grads_less_gpu_memory():
     import seqpar
 
     base = llama()
@@ -70,7 +70,7 @@ def test_offload_checkpoints_same_grads_less_gpu_memory():
 
     loss_a, grads_a, peak_a, held_a = plain_run()
     _, grads_a2, _, _ = plain_run()  # the kernels' own run-to-run noise (cuDNN's backward accumulates with atomics)
-    offloaded = seqpar.apply(copy.deepcopy(base), "data_parallel", offload_checkpoints=True)
+    offloaded = seqpar.apply(copy.deepcopy(base), "data_parallel", checkpointing="offload")
     offloaded.train()
     loss_b, grads_b, peak_b, held_b = _step(offloaded, ids)
     layer_inputs = 8 * 16384 * 1024 * 2  # layers x B*S*hidden x bf16 bytes kept by plain checkpointing
