@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.distributed import run_ranks  # noqa: E402
+from tests.seqpar_testing import run_ranks  # noqa: E402
 
 HEADS = ((8, 8), (8, 2))
 

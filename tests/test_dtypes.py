@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import run_ranks
+from seqpar_testing import run_ranks
 from seqpar.schema import SeqparError
 
 

@@ -12,6 +12,7 @@ import transformers
 import seqpar
 from seqpar.runtime import easycontext, hf
 from seqpar.schema import SeqparError
+from seqpar_testing import case_id, world_ids
 from test_hf import make_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -32,7 +33,7 @@ def easycontext_local(x, algo, rank, world):
     return x[:, rank * c:(rank + 1) * c]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4], ids=world_ids([2, 4]))
 @pytest.mark.parametrize("algo", ["data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn"])
 def test_prepare_seq_parallel_inputs_matches_easycontext(algo, world):
     ids = torch.arange(100, 164)[None]  # (1, 64): EasyContext's micro-batch 1
@@ -55,8 +56,11 @@ def test_prepare_seq_parallel_inputs_refuses_what_easycontext_would_drop():
 # ------------------------------------------------------------------ prepare_inputs
 
 
-@pytest.mark.parametrize("mode,world,uly", [("zigzag_ring_attn", 4, None), ("dist_flash_attn", 2, None),
-                                            ("ulysses_attn", 4, None), ("usp_attn", 4, 2), ("data_parallel", 2, None)])
+PREPARE = [("zigzag_ring_attn", 4, None), ("dist_flash_attn", 2, None), ("ulysses_attn", 4, None), ("usp_attn", 4, 2),
+           ("data_parallel", 2, None)]
+
+
+@pytest.mark.parametrize("mode,world,uly", PREPARE, ids=[case_id(*c) for c in PREPARE])
 def test_prepare_inputs_shifts_over_the_whole_sequence_then_splits(mode, world, uly):
     from seqpar.runtime.layout import unshard
 
@@ -90,7 +94,8 @@ def test_prepare_inputs_keeps_given_labels_and_positions():
      r"rank 2 is outside 0..1"),
     (dict(input_ids=torch.zeros(1, 8, dtype=torch.long), mode="zigzag_ring_attn", rank=0, world_size=2,
           position_ids=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])), r"position_ids do not increase by 1 at index 4"),
-])
+], ids=["zigzag_ring_attn-W4-seq30", "usp_attn-W4-U2-seq30", "1d_input_ids", "unknown_mode", "rank_outside_world",
+        "packed_positions"])
 def test_prepare_inputs_refusals(kwargs, match):
     with pytest.raises(SeqparError, match=match):
         seqpar.prepare_inputs(**kwargs)
@@ -205,12 +210,12 @@ def test_offload_checkpointing_moves_layer_inputs_through_the_offload_hook(monke
 
 def _checkpointing(model) -> tuple:
     """(checkpointing on, use_reentrant or "offload", attention keeps out + lse) as the model's first layer sees them."""
-    from seqpar.runtime.activation_checkpoint import _offloaded_checkpoint
+    from seqpar.runtime.activation_checkpoint import _offloaded_checkpoint, is_checkpointing
 
-    layer = model.model.layers[0]
+    layer, on = model.model.layers[0], is_checkpointing(model)
     func = getattr(layer, "_gradient_checkpointing_func", None)
-    how = None if func is None else "offload" if func is _offloaded_checkpoint else func.keywords["use_reentrant"]
-    return model.is_gradient_checkpointing, how, layer.self_attn._seqpar_ctx.keep_attention
+    how = None if not on else "offload" if func is _offloaded_checkpoint else func.keywords["use_reentrant"]
+    return on, how, layer.self_attn._seqpar_ctx.keep_attention
 
 
 CHECKPOINTING = {  # policy -> what the model is left with
@@ -230,11 +235,12 @@ def test_checkpointing_is_one_knob(policy):
 def test_checkpointing_none_switches_the_models_own_off():
     model = seqpar.apply(make_model("llama"), "data_parallel", checkpointing="full")
     assert _checkpointing(seqpar.apply(model, "data_parallel"))[0] is True  # None: left as it is
-    assert not seqpar.apply(model, "data_parallel", checkpointing="none").is_gradient_checkpointing
+    assert _checkpointing(seqpar.apply(model, "data_parallel", checkpointing="none"))[0] is False
 
 
 @pytest.mark.parametrize("old,policy", [(dict(offload_checkpoints=True), "offload"), (dict(keep_attention=True), "selective"),
-                                        (dict(keep_attention=False, offload_checkpoints=False), None)], ids=str)
+                                        (dict(keep_attention=False, offload_checkpoints=False), None)],
+                         ids=["offload_checkpoints", "keep_attention", "both_false"])
 def test_deprecated_checkpointing_flags_warn_and_mean_the_policy(old, policy):
     with pytest.warns(DeprecationWarning, match=r"is deprecated; pass checkpointing="):
         model = seqpar.apply(make_model("llama"), "data_parallel", **old)
@@ -253,6 +259,15 @@ def test_pinned_budget_rounds_like_the_caching_host_allocator():
 
     assert _rounded(3 * 2**30) == 4 * 2**30 and _rounded(2**30) == 2**30 and _rounded(1) == 1
     assert pinned_budget() > 0
+
+
+def test_lazy_api_names_each_function_in_its_home_module():
+    names = {"apply", "prepare_inputs", "loss", "loss_from_hidden", "prepare_seq_parallel_inputs",
+             "apply_seq_parallel_monkey_patch"}
+    assert set(seqpar._RUNTIME_API) == names
+    for name, module in seqpar._RUNTIME_API.items():
+        fn = getattr(seqpar, name)
+        assert callable(fn) and fn.__module__ == module, (name, fn.__module__, module)
 
 
 # ------------------------------------------------------------------ EasyContext's monkey patch by family name

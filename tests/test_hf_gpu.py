@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from distributed import run_ranks
+from seqpar_testing import case_id, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 warnings.filterwarnings("ignore")
@@ -149,7 +149,7 @@ def _ranks_bf16(rank: int, world_size: int, mode: str) -> dict:
     return {"loss": float(loss), "ref": float(ref.loss), "worst": max(errors.values())}
 
 
-@pytest.mark.parametrize("mode", ["zigzag_ring_attn", "ulysses_attn"])
+@pytest.mark.parametrize("mode", ["zigzag_ring_attn", "ulysses_attn"], ids=lambda m: case_id(m, 2))
 def test_bf16_two_ranks_on_one_gpu_match_transformers(mode):
     results = run_ranks(_ranks_bf16, 2, mode, timeout=300)
     for res in results:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from distributed import tolerances
+from seqpar_testing import tolerances
 from seqpar.runtime import kernels, local_attention
 from seqpar.schema import SeqparError
 
@@ -32,7 +32,7 @@ CASES = [  # (Hq, Hkv, Sq, Sk, causal)
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("hq,hkv,sq,sk,causal", CASES)
 def test_local_attention_matches_reference(dtype, hq, hkv, sq, sk, causal):
     g = torch.Generator().manual_seed(hq * 100 + sq + sk)
@@ -54,7 +54,7 @@ def test_local_attention_matches_reference(dtype, hq, hkv, sq, sk, causal):
         torch.testing.assert_close(mine, ref.to(dtype), **tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_merge_of_key_blocks_equals_whole(dtype):
     """Attention over keys split in three blocks, merged, equals attention over all keys; so does the backward
     of each block given the merged out/lse (what ring attention relies on)."""

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from distributed import run_ranks
+from seqpar_testing import run_ranks, world_ids
 from test_hf import _compare, _grads, available_modes, batch, make_model
 
 MICRO = 2  # accumulated micro-batches (the same batch twice: the gradient doubles)
@@ -80,7 +80,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
     return {"failures": failures, "counts": counts}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4], ids=world_ids([2, 4]))
 def test_selective_is_exact_and_runs_attention_forward_once(world_size):
     modes = available_modes()
     assert len(modes) == 5, modes

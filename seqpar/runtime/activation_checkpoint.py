@@ -71,8 +71,14 @@ def _checkpoint_layers(model, use_reentrant: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
 
 
+def is_checkpointing(model) -> bool:
+    """Whether the model's layers checkpoint (transformers 5's name first; 4.x has the older one)."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
+
+
 def _stop_checkpointing(model) -> None:
-    if getattr(model, "is_gradient_checkpointing", False):
+    if is_checkpointing(model):
         disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
         disable()
 

@@ -62,7 +62,7 @@ def _refuse(model_name: str, feature: str, fix: str) -> Exception:
 
 
 def _global_len(ctx: _Context, local_len: int) -> int:
-    if ctx.mode == "data_parallel":
+    if FACTS[ctx.mode].layout == "whole":  # data_parallel: every rank holds whole sequences
         return local_len
     import torch.distributed as dist
 

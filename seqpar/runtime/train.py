@@ -76,6 +76,11 @@ class Run:
         return self.out / "checkpoints"
 
 
+def _ulysses_degree(plan: LaunchPlan) -> int | None:
+    """The runtime's ulysses_degree argument: the plan's for usp_attn, None for the other modes."""
+    return plan.strategy.ulysses_degree if plan.strategy.mode == "usp_attn" else None
+
+
 def setup(args: argparse.Namespace) -> Run:
     """Plan, data, process groups, model (attention mode, checkpointing, fused ops, tiled MLP), engine, optimizer, and
     the state of a resumed run. Collective over the job."""
@@ -119,8 +124,7 @@ def setup(args: argparse.Namespace) -> Run:
     param_dtype, autocast_dtype, dtype_reason = engine.compute_dtype(plan, topo.device)
     model = build_model(w.model, model_path=args.model_path, seed=t.seed, rope_theta=t.rope_theta,
                         init_from=str(resume_from / "model") if resume_from else init, device=topo.device, dtype=param_dtype)
-    apply(model, s.mode, group=topo.sp_group, ulysses_degree=s.ulysses_degree if s.mode == "usp_attn" else None,
-          checkpointing=s.checkpointing)
+    apply(model, s.mode, group=topo.sp_group, ulysses_degree=_ulysses_degree(plan), checkpointing=s.checkpointing)
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
     tiled_line = f"tiled MLP: {tile_mlp(model)} MLPs, ~hidden_size tokens per tile" if s.tiled_mlp else "tiled MLP: off"
@@ -161,7 +165,7 @@ def train_step(r: Run, step: int) -> dict:
     from seqpar.runtime.report import memory_now
 
     s, w, topo = r.plan.strategy, r.plan.workload, r.topo
-    ga, mbs, ulysses = s.gradient_accumulation_steps, w.micro_batch_size, s.ulysses_degree if s.mode == "usp_attn" else None
+    ga, mbs, ulysses = s.gradient_accumulation_steps, w.micro_batch_size, _ulysses_degree(r.plan)
     autocast = (torch.autocast(topo.device.type, dtype=r.autocast_dtype) if r.autocast_dtype is not None
                 else contextlib.nullcontext())
     t0 = time.perf_counter()
