@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.distributed import run_ranks  # noqa: E402
+from tests.seqpar_testing import run_ranks  # noqa: E402
 
 HEADS = ((8, 8), (8, 2))
 
@@ -46,7 +46,7 @@ def _errors(a, b, truth, ref_err, atol, rtol):
 def _rank(rank, W, modes, S, backend, D, device):
     import torch
 
-    from seqpar.runtime import attention, kernels, shard
+    from seqpar.runtime import attention, kernels, local_attention, shard
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -58,12 +58,12 @@ def _rank(rank, W, modes, S, backend, D, device):
         g = torch.Generator().manual_seed(hq * 10 + hkv)
         full = {n: torch.randn(1, S, h, D, generator=g).to(dev, torch.bfloat16) for n, h in (("q", hq), ("k", hkv), ("v", hkv), ("do", hq))}
         ref = {n: full[n].clone().requires_grad_() for n in ("q", "k", "v")}
-        out_ref, lse_ref = kernels.local_attention(ref["q"], ref["k"], ref["v"], causal=True, backend=chosen)
+        out_ref, lse_ref = local_attention(ref["q"], ref["k"], ref["v"], causal=True, backend=chosen)
         out_ref.backward(full["do"])
         expected = {"out": out_ref.detach(), "lse": lse_ref, "dq": ref["q"].grad, "dk": ref["k"].grad, "dv": ref["v"].grad}
         # ground truth: plain fp32 math on the same bf16 inputs (no TF32), to tell kernel rounding from SP error
         f32 = {n: full[n].float().requires_grad_() for n in ("q", "k", "v")}
-        out_t, lse_t = kernels.local_attention(f32["q"], f32["k"], f32["v"], causal=True, backend="exact")
+        out_t, lse_t = local_attention(f32["q"], f32["k"], f32["v"], causal=True, backend="exact")
         out_t.backward(full["do"].float())
         truth = {"out": out_t.detach(), "lse": lse_t, "dq": f32["q"].grad, "dk": f32["k"].grad, "dv": f32["v"].grad}
         del f32, out_t

@@ -7,13 +7,13 @@
 
 __version__ = "0.1.0"
 
-_RUNTIME_API = {
+_RUNTIME_API = {  # name -> the runtime module that defines it
     "apply": "seqpar.runtime.hf",
-    "prepare_inputs": "seqpar.runtime.hf",
-    "loss": "seqpar.runtime.hf",
-    "loss_from_hidden": "seqpar.runtime.hf",
-    "prepare_seq_parallel_inputs": "seqpar.runtime.hf",
-    "apply_seq_parallel_monkey_patch": "seqpar.runtime.hf",
+    "prepare_inputs": "seqpar.runtime.inputs",
+    "loss": "seqpar.runtime.loss",
+    "loss_from_hidden": "seqpar.runtime.loss",
+    "prepare_seq_parallel_inputs": "seqpar.runtime.easycontext",
+    "apply_seq_parallel_monkey_patch": "seqpar.runtime.easycontext",
 }
 
 

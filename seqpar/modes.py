@@ -31,7 +31,7 @@ class ModeFacts:
 
     name: str  # EasyContext's name, the plan's ``strategy.mode``
     implementation: str  # transformers attn_implementation name (never containing "flash": transformers 5 reads that as a hub kernel)
-    module: str  # runtime module: seqpar.runtime.<module> exposes FORWARD/BACKWARD and the attention function
+    module: str  # runtime module: seqpar.runtime.<module> exposes forward, backward and <name>_attention (runtime/attention.py)
     layout: str  # "whole" | "zigzag" | "contiguous" | "zigzag+contiguous"
     splits_heads: bool  # all-to-all over heads (Ulysses, USP's Ulysses part)
     rotates_kv: bool  # K,V blocks travel between ranks (ring, dist flash)

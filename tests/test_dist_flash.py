@@ -10,7 +10,7 @@ the same one-line error on every rank, with no hang. ``check_cases`` and ``on_su
 import pytest
 import torch
 
-from distributed import error_messages, run_ranks, tolerances
+from seqpar_testing import error_messages, run_ranks, tolerances, world_ids
 from reference import reference
 
 
@@ -109,7 +109,7 @@ def _check(W, results):
         assert f"seq_len {S} is not divisible by sp_degree = {W}, which dist_flash_attn needs" in msgs[0][0]
         assert f"nearest valid: {S - 1} or {S - 1 + W}" in msgs[0][0]
     assert "6 query heads are not a multiple of 4 KV heads" in msgs[0][1]
-    assert "same length, got 4 and 6" in msgs[0][2]
+    assert "same local length, got 4 and 6" in msgs[0][2]
 
 
 def test_dist_flash_one_rank_without_process_group():
@@ -123,8 +123,9 @@ def test_dist_flash_matches_single_process_on_2_3_4_ranks():
         _check(W, results)
 
 
-@pytest.mark.parametrize("P", range(1, 10))
-@pytest.mark.parametrize("causal,split", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("P", range(1, 10), ids=world_ids(range(1, 10)))
+@pytest.mark.parametrize("causal,split", [(True, True), (True, False), (False, False)],
+                         ids=["causal-split_last", "causal-lightseq", "non_causal"])
 def test_schedule_covers_every_block_once_and_balances(P, causal, split):
     from seqpar.runtime.dist_flash_attn import schedule
 

@@ -18,7 +18,7 @@ import torch
 
 from seqpar.modes import MODES
 
-from distributed import run_ranks
+from seqpar_testing import run_ranks, world_ids
 
 B, S = 2, 32  # batch > 1; S divisible by 2W for W = 4 and by 2*R*U for usp
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -131,7 +131,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
                 model = copy.deepcopy(base)
                 if ckpt is True:
                     model.gradient_checkpointing_enable()
-                seqpar.apply(model, mode, ulysses_degree=uly, offload_checkpoints=ckpt == "offload")
+                seqpar.apply(model, mode, ulysses_degree=uly, checkpointing="offload" if ckpt == "offload" else None)
                 part = seqpar.prepare_inputs(ids, mode, rank, world_size, labels=labels, ulysses_degree=uly)
                 calls["n"] = 0
                 loss = _run(model, part, seqpar.loss, how, chunk=7 if how == "chunk" else None)
@@ -147,7 +147,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
     return {"failures": failures, "cases": cases, "calls": call_counts}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4], ids=world_ids([2, 4]))
 def test_every_model_mode_and_checkpointing_matches_transformers(world_size):
     modes = available_modes()
     assert {"data_parallel", "zigzag_ring_attn"} <= set(modes), modes

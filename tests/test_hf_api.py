@@ -10,8 +10,9 @@ import torch
 import transformers
 
 import seqpar
-from seqpar.runtime import hf, hf_inputs
+from seqpar.runtime import easycontext, hf
 from seqpar.schema import SeqparError
+from seqpar_testing import case_id, world_ids
 from test_hf import make_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -32,7 +33,7 @@ def easycontext_local(x, algo, rank, world):
     return x[:, rank * c:(rank + 1) * c]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4], ids=world_ids([2, 4]))
 @pytest.mark.parametrize("algo", ["data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn"])
 def test_prepare_seq_parallel_inputs_matches_easycontext(algo, world):
     ids = torch.arange(100, 164)[None]  # (1, 64): EasyContext's micro-batch 1
@@ -55,8 +56,11 @@ def test_prepare_seq_parallel_inputs_refuses_what_easycontext_would_drop():
 # ------------------------------------------------------------------ prepare_inputs
 
 
-@pytest.mark.parametrize("mode,world,uly", [("zigzag_ring_attn", 4, None), ("dist_flash_attn", 2, None),
-                                            ("ulysses_attn", 4, None), ("usp_attn", 4, 2), ("data_parallel", 2, None)])
+PREPARE = [("zigzag_ring_attn", 4, None), ("dist_flash_attn", 2, None), ("ulysses_attn", 4, None), ("usp_attn", 4, 2),
+           ("data_parallel", 2, None)]
+
+
+@pytest.mark.parametrize("mode,world,uly", PREPARE, ids=[case_id(*c) for c in PREPARE])
 def test_prepare_inputs_shifts_over_the_whole_sequence_then_splits(mode, world, uly):
     from seqpar.runtime.layout import unshard
 
@@ -90,7 +94,8 @@ def test_prepare_inputs_keeps_given_labels_and_positions():
      r"rank 2 is outside 0..1"),
     (dict(input_ids=torch.zeros(1, 8, dtype=torch.long), mode="zigzag_ring_attn", rank=0, world_size=2,
           position_ids=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])), r"position_ids do not increase by 1 at index 4"),
-])
+], ids=["zigzag_ring_attn-W4-seq30", "usp_attn-W4-U2-seq30", "1d_input_ids", "unknown_mode", "rank_outside_world",
+        "packed_positions"])
 def test_prepare_inputs_refusals(kwargs, match):
     with pytest.raises(SeqparError, match=match):
         seqpar.prepare_inputs(**kwargs)
@@ -183,7 +188,7 @@ def test_apply_refuses_soft_capping_and_models_outside_the_interface():
         seqpar.apply(make_model("llama"), "ring")
 
 
-def test_offload_checkpoints_moves_layer_inputs_through_the_offload_hook(monkeypatch):
+def test_offload_checkpointing_moves_layer_inputs_through_the_offload_hook(monkeypatch):
     from seqpar.runtime import offload
 
     packed = []
@@ -195,7 +200,7 @@ def test_offload_checkpoints_moves_layer_inputs_through_the_offload_hook(monkeyp
         self.pack_hook = lambda t: packed.append(tuple(t.shape)) or pack(t)
 
     monkeypatch.setattr(offload.HostOffload, "__init__", spy)
-    model = seqpar.apply(make_model("llama"), "data_parallel", offload_checkpoints=True)
+    model = seqpar.apply(make_model("llama"), "data_parallel", checkpointing="offload")
     model.train()
     model(input_ids=torch.zeros(2, 16, dtype=torch.long)).logits.sum().backward()
     # each layer's input hidden states (B, S, hidden) went through the offload hook (4.x before 4.52 also passes the
@@ -203,11 +208,66 @@ def test_offload_checkpoints_moves_layer_inputs_through_the_offload_hook(monkeyp
     assert packed.count((2, 16, 32)) == 2, packed
 
 
+def _checkpointing(model) -> tuple:
+    """(checkpointing on, use_reentrant or "offload", attention keeps out + lse) as the model's first layer sees them."""
+    from seqpar.runtime.activation_checkpoint import _offloaded_checkpoint, is_checkpointing
+
+    layer, on = model.model.layers[0], is_checkpointing(model)
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    how = None if not on else "offload" if func is _offloaded_checkpoint else func.keywords["use_reentrant"]
+    return on, how, layer.self_attn._seqpar_ctx.keep_attention
+
+
+CHECKPOINTING = {  # policy -> what the model is left with
+    None: (False, None, False),  # the model's own setting, untouched
+    "none": (False, None, False),
+    "full": (True, False, False),
+    "offload": (True, "offload", False),
+    "selective": (True, False, True),
+}
+
+
+@pytest.mark.parametrize("policy", list(CHECKPOINTING), ids=str)
+def test_checkpointing_is_one_knob(policy):
+    assert _checkpointing(seqpar.apply(make_model("llama"), "data_parallel", checkpointing=policy)) == CHECKPOINTING[policy]
+
+
+def test_checkpointing_none_switches_the_models_own_off():
+    model = seqpar.apply(make_model("llama"), "data_parallel", checkpointing="full")
+    assert _checkpointing(seqpar.apply(model, "data_parallel"))[0] is True  # None: left as it is
+    assert _checkpointing(seqpar.apply(model, "data_parallel", checkpointing="none"))[0] is False
+
+
+@pytest.mark.parametrize("old,policy", [(dict(offload_checkpoints=True), "offload"), (dict(keep_attention=True), "selective"),
+                                        (dict(keep_attention=False, offload_checkpoints=False), None)],
+                         ids=["offload_checkpoints", "keep_attention", "both_false"])
+def test_deprecated_checkpointing_flags_warn_and_mean_the_policy(old, policy):
+    with pytest.warns(DeprecationWarning, match=r"is deprecated; pass checkpointing="):
+        model = seqpar.apply(make_model("llama"), "data_parallel", **old)
+    assert _checkpointing(model) == CHECKPOINTING[policy]
+
+
+def test_bad_checkpointing_is_one_clear_error():
+    with pytest.raises(SeqparError, match=r"checkpointing 'sometimes' is unknown; use one of none, full, offload, selective"):
+        seqpar.apply(make_model("llama"), "data_parallel", checkpointing="sometimes")
+    with pytest.warns(DeprecationWarning), pytest.raises(SeqparError, match=r"checkpointing='full' contradicts keep_attention=True"):
+        seqpar.apply(make_model("llama"), "data_parallel", checkpointing="full", keep_attention=True)
+
+
 def test_pinned_budget_rounds_like_the_caching_host_allocator():
     from seqpar.runtime.offload import _rounded, pinned_budget
 
     assert _rounded(3 * 2**30) == 4 * 2**30 and _rounded(2**30) == 2**30 and _rounded(1) == 1
     assert pinned_budget() > 0
+
+
+def test_lazy_api_names_each_function_in_its_home_module():
+    names = {"apply", "prepare_inputs", "loss", "loss_from_hidden", "prepare_seq_parallel_inputs",
+             "apply_seq_parallel_monkey_patch"}
+    assert set(seqpar._RUNTIME_API) == names
+    for name, module in seqpar._RUNTIME_API.items():
+        fn = getattr(seqpar, name)
+        assert callable(fn) and fn.__module__ == module, (name, fn.__module__, module)
 
 
 # ------------------------------------------------------------------ EasyContext's monkey patch by family name
@@ -225,7 +285,7 @@ def test_monkey_patch_by_family_name_reaches_models_loaded_afterwards(tmp_path):
         assert loaded.model.layers[0].self_attn._seqpar_ctx.mode == "zigzag_ring_attn"
         assert transformers.MistralForCausalLM(make_model("mistral").config).config._attn_implementation == "sdpa"
     finally:
-        hf_inputs._PATCHED_MODE.clear()
+        easycontext._PATCHED_MODE.clear()
     assert transformers.LlamaForCausalLM(make_model("llama").config).config._attn_implementation == "sdpa"
     model = make_model("qwen2")
     assert seqpar.apply_seq_parallel_monkey_patch("ulysses_attn", model) is model

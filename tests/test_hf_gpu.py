@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from distributed import run_ranks
+from seqpar_testing import case_id, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 warnings.filterwarnings("ignore")
@@ -54,7 +54,7 @@ def _step(model, ids):
     return loss.detach(), grads, torch.cuda.max_memory_allocated(), held
 
 
-def test_offload_checkpoints_same_grads_less_gpu_memory():
+def test_offload_checkpointing_same_grads_less_gpu_memory():
     import seqpar
 
     base = llama()
@@ -70,7 +70,7 @@ def test_offload_checkpoints_same_grads_less_gpu_memory():
 
     loss_a, grads_a, peak_a, held_a = plain_run()
     _, grads_a2, _, _ = plain_run()  # the kernels' own run-to-run noise (cuDNN's backward accumulates with atomics)
-    offloaded = seqpar.apply(copy.deepcopy(base), "data_parallel", offload_checkpoints=True)
+    offloaded = seqpar.apply(copy.deepcopy(base), "data_parallel", checkpointing="offload")
     offloaded.train()
     loss_b, grads_b, peak_b, held_b = _step(offloaded, ids)
     layer_inputs = 8 * 16384 * 1024 * 2  # layers x B*S*hidden x bf16 bytes kept by plain checkpointing
@@ -149,7 +149,7 @@ def _ranks_bf16(rank: int, world_size: int, mode: str) -> dict:
     return {"loss": float(loss), "ref": float(ref.loss), "worst": max(errors.values())}
 
 
-@pytest.mark.parametrize("mode", ["zigzag_ring_attn", "ulysses_attn"])
+@pytest.mark.parametrize("mode", ["zigzag_ring_attn", "ulysses_attn"], ids=lambda m: case_id(m, 2))
 def test_bf16_two_ranks_on_one_gpu_match_transformers(mode):
     results = run_ranks(_ranks_bf16, 2, mode, timeout=300)
     for res in results:

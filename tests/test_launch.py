@@ -183,7 +183,7 @@ def _reference_and_torn_checkpoint(rank, world, plan_file, out):
 
 
 def test_fault_names_the_rank_and_resume_continues_exactly(tmp_path):
-    from distributed import run_ranks
+    from seqpar_testing import run_ranks
 
     plan_file = tmp_path / "plan.json"
     make_plan(2, "zigzag_ring_attn", 2, steps=8, checkpoint_every=4).write(plan_file)

@@ -1,6 +1,6 @@
 """Selective checkpointing (seqpar.runtime.selective) on a tiny Llama over real gloo ranks, against plain transformers.
 
-Every mode, W in {2, 4}: with ``apply(..., keep_attention=True)`` the loss and every parameter's gradient (summed over the
+Every mode, W in {2, 4}: with ``apply(..., checkpointing="selective")`` the loss and every parameter's gradient (summed over the
 ranks) equal plain transformers on one process, over two accumulated micro-batches and with checkpointing switched off
 afterwards; attention's forward kernel (seqpar.runtime.kernels.attn_forward) runs exactly as often as without
 checkpointing, half as often as under full checkpointing; no kept entry outlives its backward. One spawn per W; the
@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from distributed import run_ranks
+from seqpar_testing import run_ranks, world_ids
 from test_hf import _compare, _grads, available_modes, batch, make_model
 
 MICRO = 2  # accumulated micro-batches (the same batch twice: the gradient doubles)
@@ -61,7 +61,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
             model = copy.deepcopy(base)
             if label == "full":
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            seqpar.apply(model, mode, ulysses_degree=uly, keep_attention=label.startswith("selective"))
+            seqpar.apply(model, mode, ulysses_degree=uly, checkpointing="selective" if label.startswith("selective") else None)
             if label == "selective_off":  # the kept path without checkpointing: nothing to recompute, nothing left over
                 model.gradient_checkpointing_disable()
             calls["n"] = 0
@@ -80,7 +80,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
     return {"failures": failures, "counts": counts}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4], ids=world_ids([2, 4]))
 def test_selective_is_exact_and_runs_attention_forward_once(world_size):
     modes = available_modes()
     assert len(modes) == 5, modes
@@ -96,11 +96,11 @@ def test_selective_is_exact_and_runs_attention_forward_once(world_size):
                 assert res["counts"].get(f"{mode}/{label}", plain) == plain, (mode, label, res["counts"])
 
 
-def test_keep_attention_and_offload_exclude_each_other():
-    from seqpar.schema import SeqparError
+def test_deprecated_keep_attention_and_offload_exclude_each_other():
+    from seqpar.errors import SeqparError
     import seqpar
 
-    with pytest.raises(SeqparError, match="exclude each other"):
+    with pytest.warns(DeprecationWarning), pytest.raises(SeqparError, match="exclude each other"):
         seqpar.apply(make_model("llama"), "data_parallel", keep_attention=True, offload_checkpoints=True)
 
 
@@ -116,7 +116,7 @@ def _nan_on_one_rank(rank: int, world_size: int) -> list[str]:
     model.train()
     mode = "zigzag_ring_attn"
     part = seqpar.prepare_inputs(ids, mode, rank, world_size, labels=labels)
-    seqpar.apply(model, mode, keep_attention=True)
+    seqpar.apply(model, mode, checkpointing="selective")
     if rank == 1:
         with torch.no_grad():
             model.get_input_embeddings().weight[int(part["input_ids"][0, 0])] = float("nan")

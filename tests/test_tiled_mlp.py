@@ -27,9 +27,7 @@ def _llama(layers: int = 2, inter: int = 176):
 
 
 def _enable(model, checkpointing: str):
-    apply(model, "data_parallel", offload_checkpoints=checkpointing == "offload", keep_attention=checkpointing == "selective")
-    if checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply(model, "data_parallel", checkpointing=checkpointing)
     model.train()
     return model
 

@@ -90,7 +90,7 @@ def _compare(results: dict, ref: str = "ref") -> None:
 
 
 def test_every_mode_matches_data_parallel_on_2_ranks(tmp_path):
-    from distributed import run_ranks
+    from seqpar_testing import run_ranks
 
     w = 2
     cases = [("ref", make_plan(w))]
@@ -109,7 +109,7 @@ def test_every_mode_matches_data_parallel_on_2_ranks(tmp_path):
 
 
 def test_every_mode_matches_data_parallel_on_4_ranks(tmp_path):
-    from distributed import run_ranks
+    from seqpar_testing import run_ranks
 
     w = 4
     cases = [("ref", make_plan(w))]
@@ -122,7 +122,7 @@ def test_every_mode_matches_data_parallel_on_4_ranks(tmp_path):
 
 def test_tiled_mlp_matches_data_parallel_in_every_checkpointing(tmp_path):
     """tiled_mlp on 2 ranks: 128 local tokens of a 64-wide model make 2 tiles per MLP call (ALST's ceil(t/h) rule)."""
-    from distributed import run_ranks
+    from seqpar_testing import run_ranks
 
     w, seq = 2, 256
     cases = [("ref", make_plan(w, seq_len=seq))]

@@ -9,7 +9,7 @@ lengths raise the same one-line error on every rank, before any all-to-all.
 
 import torch
 
-from distributed import error_messages, run_ranks
+from seqpar_testing import error_messages, run_ranks
 from test_dist_flash import check_cases, gather_by_size, n_cases, on_subgroups
 
 HEADS = {1: [(8, 8), (8, 2)], 2: [(8, 8), (8, 2)], 3: [(6, 6), (6, 3)], 4: [(8, 8), (8, 2)]}
@@ -52,7 +52,7 @@ def _check(W, results):
     if W in (2, 4):  # 3 KV heads: neither split over nor replicated to 2 or 4 ranks
         assert f"ulysses_attn over {W} ranks can neither split nor replicate 3 KV heads" in msgs[0][2]
         assert "use usp_attn with a ulysses_degree dividing 3, or zigzag_ring_attn" in msgs[0][2]
-    assert "same length, got 4 and 6" in msgs[0][3]
+    assert "same local length, got 4 and 6" in msgs[0][3]
 
 
 def test_ulysses_one_rank_without_process_group():

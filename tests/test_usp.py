@@ -12,7 +12,7 @@ where that would hang, and create_subgroups, its fix.
 
 import torch
 
-from distributed import error_messages, run_ranks
+from seqpar_testing import error_messages, run_ranks
 from test_dist_flash import check_cases, gather_by_size, n_cases, on_subgroups
 
 MHA_GQA = [(8, 8), (8, 2)]

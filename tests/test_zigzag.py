@@ -9,7 +9,7 @@ The communication layer (ring p2p, all-to-all forward and backward) is checked i
 import pytest
 import torch
 
-from distributed import error_messages, run_ranks, tolerances
+from seqpar_testing import error_messages, run_ranks, tolerances, world_ids
 from reference import reference
 
 
@@ -89,7 +89,7 @@ def _all(rank, W):
     return _cases(rank, W), msgs
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=world_ids([1, 2, 3, 4]))
 def test_zigzag_and_data_parallel_match_single_process(world_size):
     results = run_ranks(_all, world_size, timeout=90)
     cases = [r[0] for r in results]

@@ -1,27 +1,123 @@
-"""The public entry point: ``attention(q, k, v, mode, group=...)`` and the registry {mode name -> function}.
+"""The public entry point ``attention(q, k, v, mode, group=...)``, the protocol every mode follows, and what they share.
 
-Every mode lives in its own module (``seqpar/runtime/<mode>.py``) and exposes ``<mode>_attention`` with one signature:
-``fn(q, k, v, *, group, causal=True, softmax_scale=None, backend=None, **mode_kwargs) -> (out, lse)``.
-Modules are imported on first use, so a mode's import cost (or a missing optional dependency) touches only its users.
+Every mode lives in its own module, ``seqpar/runtime/<module>.py`` (the module named in seqpar.modes), layered like
+ring-flash-attention's zigzag_ring_flash_attn.py:
+- ``forward(q, k, v, *, group, causal, scale, backend, **mode_kw) -> (out, lse)`` and
+  ``backward(dout, q, k, v, out, lse, *, group, causal, scale, backend, **mode_kw) -> (dq, dk, dv)``: plain functions, no
+  autograd, on inputs ``prepare`` has checked; out in q's dtype, lse float32 (float64 for float64), gradients in their
+  inputs' dtypes. usp_attn's mode_kw is ``ulysses_degree``.
+- ``<mode>_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None)``: the user-facing call,
+  ``attention`` with the mode filled in (``get_attention_fn`` maps a mode name to it).
+This module holds what the modes share: ``prepare`` (every check, once: each rank holds the same shapes, so every rank raises
+the same error before any transfer), ``Functions`` (a mode's forward and backward with its arguments bound) and the one
+autograd Function around any mode (``differentiable``; seqpar.runtime.selective reuses it with its keep hooks).
+Head-splitting modes (Ulysses, USP) take ``attend``, how to run their inner mode: ``plain`` or ``differentiable``. The
+autograd path passes ``differentiable``, so their all-to-alls stay differentiable outside the Function and backward moves
+dout and dq, dk, dv only; their plain ``backward`` sends q, k, v, out again (what selective checkpointing pays instead
+of recomputing). Modules are imported on first use, so a mode's import cost touches only its users.
 Layout: q (B, S_local, Hq, D); k, v (B, S_local, Hkv, D) in the mode's shard layout; out like q; lse (B, Hq, S_local).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from typing import Callable
+from types import ModuleType
+from typing import Callable, NamedTuple
 
+import torch
 from torch import Tensor
 
 from seqpar.errors import SeqparError
-from seqpar.modes import facts
+from seqpar.modes import check_heads, check_split, degrees, facts
+from seqpar.runtime import kernels
+from seqpar.runtime.comm import group_size
+
+
+class Functions(NamedTuple):
+    """A mode's attention without autograd, its arguments bound: forward(q, k, v) -> (out, lse);
+    backward(dout, q, k, v, out, lse) -> (dq, dk, dv)."""
+
+    forward: Callable[..., tuple[Tensor, Tensor]]
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+def mode_module(mode: str) -> ModuleType:
+    """``seqpar.runtime.<module>`` of a mode (SeqparError naming the valid modes for an unknown one)."""
+    return importlib.import_module(f"seqpar.runtime.{facts(mode).module}")
+
+
+def functions(mode: str, **kwargs) -> Functions:
+    """The mode's plain forward and backward with ``kwargs`` (group, causal, scale, backend, ...) bound."""
+    m = mode_module(mode)
+    return Functions(functools.partial(m.forward, **kwargs), functools.partial(m.backward, **kwargs))
 
 
 def get_attention_fn(mode: str) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The attention function of a mode (``seqpar.runtime.<module>.<mode>_attention``, the module named in
-    seqpar.modes); SeqparError naming the valid modes for an unknown one."""
-    module = importlib.import_module(f"seqpar.runtime.{facts(mode).module}")
-    return getattr(module, f"{mode}_attention")
+    """The user-facing attention call of a mode, ``seqpar.runtime.<module>.<mode>_attention``."""
+    return getattr(mode_module(mode), f"{mode}_attention")
+
+
+def prepare(mode: str, q: Tensor, k: Tensor, v: Tensor, *, group, causal: bool, softmax_scale: float | None,
+            ulysses_degree: int | None, backend: str | None) -> dict:
+    """Every check of a mode's inputs, then its keyword arguments for forward/backward (scale and backend resolved).
+
+    All checks are local and see the same shapes on every rank (shard makes them so), so every rank raises the same
+    error before any transfer; a cross-rank check would cost a collective and a host sync per call."""
+    if not q.dtype == k.dtype == v.dtype:
+        raise SeqparError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first "
+                          "(under autocast: to torch.get_autocast_dtype)")
+    P = group_size(group)
+    degrees(mode, P, ulysses_degree)  # ulysses_degree is usp_attn's: it must divide the group size
+    whole = facts(mode).layout == "whole"  # data_parallel: any Sq, Sk when not causal, as one kernel call takes them
+    kernels.check_shapes(q, k, v, causal=causal and whole)
+    if not whole and q.shape[1] != k.shape[1]:
+        raise SeqparError(f"{mode} needs q and k,v chunks of the same local length, got {q.shape[1]} and {k.shape[1]}; "
+                          "shard q, k, v alike")
+    check_heads(mode, q.shape[2], k.shape[2], P, ulysses_degree)
+    if causal:  # zigzag layouts need whole halves of every chunk; the other layouts split any local length
+        check_split(mode, q.shape[1] * P, P, ulysses_degree)
+    kwargs = dict(group=group, causal=causal, scale=kernels.default_scale(q, softmax_scale),
+                  backend=kernels.select_backend(q.device, q.dtype, backend))
+    if mode == "usp_attn":
+        kwargs["ulysses_degree"] = ulysses_degree
+    return kwargs
+
+
+class _Attention(torch.autograd.Function):
+    """Any mode's forward and backward as one differentiable op (lse carries no gradient).
+
+    ``keep`` (seqpar.runtime.selective) may hand over a kept (out, lse) instead of running forward: ``take(q)`` returns
+    it or None, ``record(q, out, lse)`` keeps a forward's result (an entry the node holds), ``release(entry)`` ends it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fns: Functions, keep):
+        kept = keep.take(q) if keep is not None else None
+        out, lse = fns.forward(q, k, v) if kept is None else kept
+        ctx.entry = keep.record(q, out, lse) if keep is not None and kept is None else None
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.fns, ctx.keep = fns, keep
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if ctx.entry is not None:
+            ctx.keep.release(ctx.entry)
+        ctx.entry = None
+        dq, dk, dv = ctx.fns.backward(dout.contiguous(), q, k, v, out, lse)
+        return dq, dk, dv, None, None
+
+
+def differentiable(fns: Functions, keep=None) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """(q, k, v) -> (out, lse) through the autograd Function: out differentiable in q, k, v."""
+    return lambda q, k, v: _Attention.apply(q, k, v, fns, keep)
+
+
+def plain(fns: Functions) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """(q, k, v) -> (out, lse) without autograd: the mode's forward."""
+    return fns.forward
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mode: str, group=None, causal: bool = True,
@@ -32,13 +128,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mode: str, group=None, causal: bo
     ``ulysses_degree`` is for usp_attn only (Ulysses ranks per ring rank, consecutive ranks); ``backend`` overrides the
     kernel choice (exact | cudnn | flash | flash_attn). Returns (out, lse); out is differentiable in q, k, v.
     """
-    if not q.dtype == k.dtype == v.dtype:
-        raise SeqparError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first "
-                     "(under autocast: to torch.get_autocast_dtype)")
-    fn = get_attention_fn(mode)
-    kwargs = dict(group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
-    if mode == "usp_attn":
-        kwargs["ulysses_degree"] = ulysses_degree
-    elif ulysses_degree not in (None, 1):
-        raise SeqparError(f"ulysses_degree={ulysses_degree} is for usp_attn only; {mode} takes the group alone (pass None)")
-    return fn(q, k, v, **kwargs)
+    kwargs = prepare(mode, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
+                     ulysses_degree=ulysses_degree, backend=backend)
+    if facts(mode).splits_heads:  # differentiable all-to-alls around the Function on the inner mode (see the docstring)
+        return mode_module(mode).forward(q, k, v, attend=differentiable, **kwargs)
+    return differentiable(functions(mode, **kwargs))(q, k, v)

@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from seqpar.schema import SeqparError, write_atomic
+from seqpar.errors import SeqparError
+from seqpar.schema import write_atomic
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -90,6 +91,29 @@ def latest(root: Path) -> Path | None:
             return cand
     done = sorted(p for p in root.glob("step-*") if (p / "trainer_state.json").is_file())
     return done[-1] if done else None
+
+
+def resume_point(root: Path, resume: bool, expect: dict, log) -> tuple[Path | None, int]:
+    """(checkpoint to continue from, its step) for --resume, after checking it matches ``expect``; (None, 0) otherwise."""
+    folder = latest(root) if resume else None
+    if folder is not None:
+        state = read_state(folder)
+        check_compatible(state, expect, folder)
+        log.info("resuming from %s (step %d)", folder, state["step"])
+        return folder, state["step"]
+    if resume:
+        log.info("--resume: no checkpoint in %s yet, starting at step 0", root)
+    return None, 0
+
+
+def init_weights(init: str | None) -> str | None:
+    """--init-from: a save_pretrained folder as given, or a previous stage's output folder: its newest checkpoint's model."""
+    if init and (Path(init) / "checkpoints").is_dir():
+        last = latest(Path(init) / "checkpoints")
+        if last is None:
+            raise SeqparError(f"--init-from {init!r} holds no finished checkpoint; run that stage first")
+        return str(last / "model")
+    return init
 
 
 def read_state(folder: Path) -> dict:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar.errors import SeqparError
 from torch import Tensor
+
+from seqpar.errors import SeqparError
 
 
 def _staged(t: Tensor, group) -> bool:
@@ -176,7 +177,4 @@ def raise_everywhere(msg: str | None, group=None, error=None) -> None:
         dist.all_gather_object(msgs, msg, group=group)
     first = next((m for m in msgs if m), None)
     if first:
-        if error is None:
-            
-            raise SeqparError(first)
-        raise error(first)
+        raise (error or SeqparError)(first)

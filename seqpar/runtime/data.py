@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seqpar.schema import SeqparError
+from seqpar.errors import SeqparError
 
 
 class TokenData:

@@ -30,8 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from seqpar.errors import SeqparError
 from seqpar.runtime import kernels
+from seqpar.runtime.attention import attention
 from seqpar.runtime.comm import exchange, group_rank, group_size
 
 
@@ -129,8 +129,12 @@ def _merge_partials(deferred, out, lse):
     return out, lse
 
 
-def _forward(q, k, v, group, causal, scale, backend):
+def forward(q, k, v, *, group, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    """The balanced schedule: out (B, S/P, Hq, D) in q's dtype, lse (B, Hq, S/P). One rank: one kernel call."""
     p, me, n = group_size(group), group_rank(group), q.shape[1]
+    if p == 1:
+        return kernels.attn_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # p2p sends and receive buffers shaped like them
     steps = schedule(p, causal, split_last=n >= 2)  # n is the same on every rank, so is the schedule
     mine = {"q": q, "k": k, "v": v}
     out = lse = None  # fp32 (float64 for float64) accumulators of my rows
@@ -173,8 +177,12 @@ def _add_partials(deferred, grads: dict[str, Tensor]) -> None:
             grads[name][:, sl] += t
 
 
-def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
+def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The same schedule: owners gather dk, dv partials, helpers return dq partials; gradients in the inputs' dtypes."""
     p, me, n = group_size(group), group_rank(group), q.shape[1]
+    if p == 1:
+        return kernels.attn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend=backend)
+    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     steps = schedule(p, causal, split_last=n >= 2)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # partial gradients add up in fp32
     grads = {
@@ -230,39 +238,12 @@ def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
     return grads["q"].to(q.dtype), grads["k"].to(k.dtype), grads["v"].to(v.dtype)
 
 
-class _DistFlashAttn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend):
-        out, lse = _forward(q, k, v, group, causal, scale, backend)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, backend)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
-
-
 def dist_flash_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None) -> tuple[Tensor, Tensor]:
     """Exact attention over contiguous chunks with the balanced schedule; returns (out, lse) in this rank's layout.
 
     q (B, S/P, Hq, D); k, v (B, S/P, Hkv, D) -> out (B, S/P, Hq, D), lse (B, Hq, S/P). Works for every group size P.
     """
-    # Only local checks: every rank holds a chunk of the same shape (shard makes them so), so every rank raises the
-    # same error before any transfer; a cross-rank shape check would cost a collective and a host sync per call.
-    kernels._check(q, k, v, causal=False)
-    if q.shape[1] != k.shape[1]:
-        raise SeqparError(
-            f"dist_flash_attn needs q and k,v chunks of the same length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
-        )
-    scale = kernels.default_scale(q, softmax_scale)
-    backend = kernels.select_backend(q.device, q.dtype, backend)
-    if group_size(group) == 1:
-        return kernels.local_attention(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
-    return _DistFlashAttn.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, causal, scale, backend)
+    return attention(q, k, v, "dist_flash_attn", group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
 
 
 dist_flash_attention = dist_flash_attn_attention

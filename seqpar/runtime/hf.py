@@ -26,14 +26,10 @@ import torch
 from torch import nn
 
 from seqpar.errors import SeqparError
-from seqpar.runtime.hf_inputs import apply_seq_parallel_monkey_patch, prepare_inputs, prepare_seq_parallel_inputs
-from seqpar.runtime.hf_loss import loss, loss_from_hidden
 from seqpar.modes import FACTS, check_mode, degrees
+from seqpar.runtime.activation_checkpoint import apply_checkpointing, from_deprecated, policy
 
-__all__ = [
-    "IMPLEMENTATIONS", "apply", "prepare_inputs", "loss", "loss_from_hidden",
-    "prepare_seq_parallel_inputs", "apply_seq_parallel_monkey_patch",
-]
+__all__ = ["IMPLEMENTATIONS", "apply", "register"]
 
 # attn_implementation names (seqpar.modes: never containing "flash", which transformers 5 reads as a hub kernel request).
 IMPLEMENTATIONS = {name: f.implementation for name, f in FACTS.items()}
@@ -66,7 +62,7 @@ def _refuse(model_name: str, feature: str, fix: str) -> Exception:
 
 
 def _global_len(ctx: _Context, local_len: int) -> int:
-    if ctx.mode == "data_parallel":
+    if FACTS[ctx.mode].layout == "whole":  # data_parallel: every rank holds whole sequences
         return local_len
     import torch.distributed as dist
 
@@ -138,7 +134,8 @@ def _refuse_padding_hook(model_name: str):
     return hook
 
 
-def _register(name: str) -> None:
+def register(name: str) -> None:
+    """Register seqpar's attention (and its no-mask function) with transformers under the implementation ``name``."""
     try:
         from transformers import AttentionInterface  # 4.50+
 
@@ -174,40 +171,19 @@ def _uses_attention_interface(model: nn.Module) -> bool:
     return hasattr(sys.modules.get(type(model).__module__), "ALL_ATTENTION_FUNCTIONS")
 
 
-def _enable_checkpointing(model, kwargs: dict) -> None:
-    enable = getattr(model, "activation_checkpointing_enable", None)  # 5.x name; the old one warns there
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _offloaded_checkpoint(function, *args, **kwargs):
-    """Checkpoint one layer with its inputs kept in (pinned) host memory until backward (the Unsloth variant).
-
-    Reentrant checkpointing saves exactly the layer inputs with save_for_backward, so the offload hooks move just those
-    (B, S, hidden) tensors to the host (pinned within a budget, seqpar.runtime.offload); the recomputation in backward
-    brings them back."""
-    from seqpar.runtime.offload import HostOffload
-
-    kwargs.pop("use_reentrant", None)
-    with HostOffload():
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True, **kwargs)
-
-
-def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = None,
-          offload_checkpoints: bool = False, backend: str | None = None, keep_attention: bool = False) -> nn.Module:
+def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = None, *, checkpointing: str | None = None,
+          backend: str | None = None, offload_checkpoints: bool | None = None, keep_attention: bool | None = None) -> nn.Module:
     """Switch a transformers causal LM to the mode's sequence-parallel attention (in place; returns the model).
 
     group: the sequence-parallel process group (None = the default group). ulysses_degree: usp_attn's Ulysses degree.
-    offload_checkpoints: enable gradient checkpointing with each layer's input kept in pinned host memory (call
-    apply after any gradient_checkpointing_enable(): that call would put the plain checkpoint function back).
-    backend: kernels backend override (see seqpar.runtime.kernels.select_backend). keep_attention: selective
-    checkpointing: enable non-reentrant gradient checkpointing and keep each layer's attention out + lse, so backward's
-    recomputation of a layer skips attention's forward (seqpar.runtime.selective; exclusive with offload_checkpoints)."""
+    checkpointing: none | full | offload | selective (seqpar.runtime.activation_checkpoint); None leaves the model's own
+    setting (e.g. your gradient_checkpointing_enable()) as it is. offload keeps each layer's input in pinned host memory;
+    selective keeps each layer's attention out + lse, so backward's recomputation skips attention's forward.
+    backend: kernels backend override (see seqpar.runtime.kernels.select_backend). offload_checkpoints=True and
+    keep_attention=True are the deprecated spellings of checkpointing="offload" and "selective"."""
     check_mode(mode)
-    if keep_attention and offload_checkpoints:
-        raise SeqparError("keep_attention (selective checkpointing) and offload_checkpoints exclude each other: pick one")
+    checkpointing = from_deprecated(checkpointing, offload_checkpoints, keep_attention)
+    keep = policy(checkpointing).keep_attention if checkpointing is not None else False  # validates the name first
     config = getattr(model, "config", None)
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
     if getattr(config, "attn_logit_softcapping", None) is not None:
@@ -223,7 +199,7 @@ def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = 
             degrees(mode, dist.get_world_size(group), ulysses_degree)
 
     impl = IMPLEMENTATIONS[mode]
-    _register(impl)
+    register(impl)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(impl)
     else:  # 4.x before set_attn_implementation
@@ -232,25 +208,16 @@ def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = 
         raise _refuse(name, "attention that transformers cannot switch dynamically", "use a model that supports "
                       "set_attn_implementation (AttentionInterface-based modeling code)")
 
-    ctx = _Context(mode, group, ulysses_degree, backend, name, _active_sliding_window(config), keep_attention)
+    ctx = _Context(mode, group, ulysses_degree, backend, name, _active_sliding_window(config), keep)
     for module in model.modules():
         object.__setattr__(module, "_seqpar_ctx", ctx)  # plain attribute: not a parameter, buffer or submodule
     if not getattr(model, "_seqpar_hooked", False):
         model.register_forward_pre_hook(_refuse_padding_hook(name), with_kwargs=True)
         model._seqpar_hooked = True
 
-    if offload_checkpoints:
-        _enable_checkpointing(model, {"use_reentrant": True})
-        for module in model.modules():
-            if hasattr(module, "gradient_checkpointing"):
-                module._gradient_checkpointing_func = _offloaded_checkpoint
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if embeddings is not None and not embeddings.weight.requires_grad:
-            model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
-    if keep_attention:  # non-reentrant: the recomputation must save what the first forward's graph nodes expect
-        _enable_checkpointing(model, {"use_reentrant": False})
+    if checkpointing is not None:
+        apply_checkpointing(model, checkpointing)
     return model
-
 
 
 def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,7 +1,9 @@
 """Local attention kernels on one device: forward and backward that return and take the log-sum-exp.
 
 Every parallel mode is built from these primitives: a block of queries against a block of keys, either the causal
-diagonal block (``causal=True``: Sq == Sk, query i sees keys j <= i) or a full block (``causal=False``).
+diagonal block (``causal=True``: Sq == Sk, query i sees keys j <= i) or a full block (``causal=False``). No autograd
+here: seqpar.runtime.attention wraps every mode built from these in its one autograd Function (whole local sequences:
+``seqpar.runtime.local_attention``, the data_parallel mode).
 
 Layout (the whole runtime): q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D) with Hq % Hkv == 0 (GQA: query head i uses KV head
 i // (Hq // Hkv)); out like q; lse (B, Hq, Sq), natural log, float32 (float64 when the inputs are float64, so the
@@ -218,7 +220,8 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
 # --------------------------------------------------------------------------------------------- public primitives
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+def check_shapes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+    """SeqparError unless q, k, v are (B, S, H, D) blocks one kernel call can take (GQA heads; square when causal)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise SeqparError(f"attention wants (B, S, H, D) tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
@@ -233,7 +236,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
 
 def attn_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float, backend: str) -> tuple[Tensor, Tensor]:
     """One block of attention without autograd: (out (B, Sq, Hq, D) in q.dtype, lse (B, Hq, Sq) float32)."""
-    _check(q, k, v, causal)
+    check_shapes(q, k, v, causal)
     if backend == "exact":
         return _exact_forward(q, k, v, causal, softmax_scale)
     if backend == "flash_attn":
@@ -267,27 +270,6 @@ def merge(out: Tensor | None, lse: Tensor | None, block_out: Tensor, block_lse: 
     return out, lse
 
 
-class _LocalAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = attn_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attn_backward(dout, q, k, v, out, lse, causal=ctx.causal, softmax_scale=ctx.scale, backend=ctx.backend)
-        return dq, dk, dv, None, None, None
-
-
 def default_scale(q: Tensor, softmax_scale: float | None) -> float:
+    """softmax_scale, or 1/sqrt(head_dim) when None (the transformers default)."""
     return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-
-
-def local_attention(q, k, v, *, causal=True, softmax_scale=None, backend=None) -> tuple[Tensor, Tensor]:
-    """Attention over whole (local) sequences, differentiable in q, k, v; lse is returned but carries no gradient."""
-    backend = select_backend(q.device, q.dtype, backend)
-    return _LocalAttention.apply(q, k, v, causal, default_scale(q, softmax_scale), backend)

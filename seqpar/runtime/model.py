@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seqpar.schema import ModelSpec, SeqparError
+from seqpar.errors import SeqparError
+from seqpar.schema import ModelSpec
 
 _CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 

@@ -2,8 +2,9 @@
 and log-sum-exp, so that backward's recomputation of a checkpointed layer does not run attention's forward again.
 
 Under non-reentrant gradient checkpointing (torch.utils.checkpoint, use_reentrant=False) a layer's forward runs twice:
-once in the forward pass with its saved tensors dropped, once inside backward to rebuild them. ``kept_attention`` is the
-attention of every mode as one autograd Function that saves (q, k, v, out, lse) in this rank's layout:
+once in the forward pass with its saved tensors dropped, once inside backward to rebuild them. ``kept_attention`` runs
+every mode through seqpar.runtime.attention's one autograd Function (the mode's plain forward and backward, which save
+(q, k, v, out, lse) in this rank's layout), with this module's keep hooks (``_Keep``):
 - first forward: run the mode's forward (kernels and communication), keep a detached (out, lse) on the Function's
   context (ctx attributes escape checkpointing's saved-tensor hooks) and announce it under the attention module;
 - recomputation (inside backward: torch._C._current_graph_task_id() != -1, and an announced entry of this module):
@@ -21,18 +22,11 @@ Layout: q (B, S_local, Hq, D); k, v (B, S_local, Hkv, D); out like q; lse (B, Hq
 from __future__ import annotations
 
 import weakref
-from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from seqpar.errors import SeqparError
-from seqpar.runtime import dist_flash_attn as df
-from seqpar.runtime import kernels
-from seqpar.runtime import zigzag_ring_attn as zz
-from seqpar.runtime.comm import all_to_all, group_size
-from seqpar.modes import check_heads, check_split, degrees
-from seqpar.runtime.ulysses_attn import heads_to_seq, lse_to_seq_split, replicate_kv, seq_to_heads
+from seqpar.runtime.attention import differentiable, functions, prepare
 
 _PENDING: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()  # module -> [weakref to _Entry]
 
@@ -44,13 +38,6 @@ class _Entry:
 
     def __init__(self, out: Tensor, lse: Tensor, probe: Tensor):
         self.out, self.lse, self.probe = out, lse, probe
-
-
-class Functions(NamedTuple):
-    """A mode's attention without autograd: forward(q, k, v) -> (out, lse); backward(dout, q, k, v, out, lse) -> (dq, dk, dv)."""
-
-    forward: Callable[..., tuple[Tensor, Tensor]]
-    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
 def _probe(q: Tensor) -> Tensor:
@@ -113,112 +100,30 @@ def _release(module: nn.Module, entry: _Entry) -> None:
     entry.out = entry.lse = None
 
 
-class _KeptAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, module, fns, record, group):
-        kept = _take(module, q, group) if record and _in_backward() else None
-        ctx.entry = None
-        if kept is None:
-            out, lse = fns.forward(q, k, v)
-            if record:
-                ctx.entry = _Entry(out.detach(), lse.detach(), _probe(q))  # detached: no cycle through this node
-                _PENDING.setdefault(module, []).append(weakref.ref(ctx.entry))
-        else:
-            out, lse = kept
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.fns, ctx.module = fns, weakref.ref(module)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+class _Keep:
+    """The keep hooks of one attention call (seqpar.runtime.attention._Attention calls them); the module is held weakly."""
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if ctx.entry is not None and (module := ctx.module()) is not None:
-            _release(module, ctx.entry)
-        ctx.entry = None
-        dq, dk, dv = ctx.fns.backward(dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None
+    __slots__ = ("module", "group", "active")
 
+    def __init__(self, module: nn.Module, group, active: bool):
+        self.module, self.group, self.active = weakref.ref(module), group, active  # active: this call has a backward
 
-# --------------------------------------------------------------------------------------------- each mode, no autograd
+    def take(self, q: Tensor) -> tuple[Tensor, Tensor] | None:
+        module = self.module()
+        return _take(module, q, self.group) if self.active and module is not None and _in_backward() else None
 
+    def record(self, q: Tensor, out: Tensor, lse: Tensor) -> _Entry | None:
+        module = self.module()
+        if not self.active or module is None:
+            return None
+        entry = _Entry(out.detach(), lse.detach(), _probe(q))  # detached: no cycle through the node holding it
+        _PENDING.setdefault(module, []).append(weakref.ref(entry))
+        return entry
 
-def _local(causal: bool, scale: float, backend: str) -> Functions:
-    kw = dict(causal=causal, softmax_scale=scale, backend=backend)
-    return Functions(lambda q, k, v: kernels.attn_forward(q, k, v, **kw),
-                     lambda do, q, k, v, o, l: kernels.attn_backward(do, q, k, v, o, l, **kw))
-
-
-def _zigzag(group, causal: bool, scale: float, backend: str) -> Functions:
-    def forward(q, k, v):
-        out, lse = zz._forward(q, k, v, group, causal, scale, backend)
-        return out.to(q.dtype), lse
-
-    def backward(do, q, k, v, o, l):
-        dq, dk, dv = zz._backward(do, q, k, v, o, l, group, causal, scale, backend)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-    return Functions(forward, backward)
-
-
-def _fold_replicas(dx: Tensor, hkv: int) -> Tensor:
-    """Gradient of replicate_kv: (B, s, P, D) with P/hkv replicas of each KV head -> (B, s, hkv, D) summed over them."""
-    B, s, P, D = dx.shape
-    return dx if P == hkv else dx.view(B, s, hkv, P // hkv, D).sum(3)
-
-
-def _head_split(inner: Functions, group) -> Functions:
-    """Ulysses around an inner attention: all-to-all to (B, S_inner, H/P, D), inner attention, all-to-all back.
-    Backward sends q, k, v, dout and out across again (what the autograd path saved after its all-to-alls)."""
-    P = group_size(group)
-
-    def forward(q, k, v):
-        qh, kh, vh = (heads_to_seq(x, group) for x in (q, replicate_kv(k, P), replicate_kv(v, P)))
-        out, lse = inner.forward(qh, kh, vh)  # (B, S_inner, Hq/P, D), (B, Hq/P, S_inner)
-        return seq_to_heads(out, group), lse_to_seq_split(lse, group)
-
-    def backward(do, q, k, v, o, l):
-        qh, kh, vh, doh, oh = (heads_to_seq(x, group) for x in (q, replicate_kv(k, P), replicate_kv(v, P), do, o))
-        lh = all_to_all(l, scatter_dim=1, gather_dim=2, group=group)  # (B, Hq, s) -> (B, Hq/P, S_inner)
-        dq, dk, dv = inner.backward(doh, qh, kh, vh, oh, lh)
-        dk, dv = (_fold_replicas(seq_to_heads(x, group), k.shape[2]) for x in (dk, dv))
-        return seq_to_heads(dq, group), dk, dv
-
-    return Functions(forward, backward)
-
-
-def functions(mode: str, q: Tensor, k: Tensor, v: Tensor, *, group, causal: bool, scale: float, backend: str,
-              ulysses_degree: int | None) -> Functions:
-    """The mode's forward and backward on this rank's shard, after the same checks the mode's own function makes."""
-    kernels._check(q, k, v, causal=causal and mode == "data_parallel")
-    if mode != "data_parallel" and q.shape[1] != k.shape[1]:
-        raise SeqparError(f"{mode} needs q and k,v chunks of the same length, got {q.shape[1]} and {k.shape[1]}")
-    P = group_size(group)
-    if mode == "data_parallel" or P == 1 and mode != "usp_attn":
-        return _local(causal, scale, backend)
-    if mode == "zigzag_ring_attn":
-        zz._validate(q, k, v, causal, P)
-        return _zigzag(group, causal, scale, backend)
-    if mode == "dist_flash_attn":
-        return Functions(lambda q, k, v: df._forward(q.contiguous(), k.contiguous(), v.contiguous(), group, causal, scale, backend),
-                         lambda do, q, k, v, o, l: df._backward(do, q, k, v, o, l, group, causal, scale, backend))
-    if mode == "ulysses_attn":
-        check_heads("ulysses_attn", q.shape[2], k.shape[2], P)
-        return _head_split(_local(causal, scale, backend), group)
-    if mode == "usp_attn":
-        from seqpar.runtime.usp_attn import subgroups
-
-        R, U = degrees("usp_attn", P, ulysses_degree)
-        check_heads("usp_attn", q.shape[2], k.shape[2], P, U)
-        if causal:
-            check_split("usp_attn", q.shape[1] * P, P, U)
-        if U == 1:
-            return _zigzag(group, causal, scale, backend)
-        if R == 1:
-            return _head_split(_local(causal, scale, backend), group)
-        uly_group, ring_group = subgroups(group, U)
-        return _head_split(_zigzag(ring_group, causal, scale, backend), uly_group)
-    raise SeqparError(f"mode {mode!r} is unknown")
+    def release(self, entry: _Entry) -> None:
+        module = self.module()
+        if module is not None:
+            _release(module, entry)
 
 
 def kept_attention(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, mode: str, *, group=None, causal: bool = True,
@@ -226,12 +131,11 @@ def kept_attention(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, mode: str
                    backend: str | None = None) -> tuple[Tensor, Tensor]:
     """``seqpar.runtime.attention.attention`` whose (out, lse) is kept for the recomputation of ``module``'s layer.
 
-    Same inputs and results as the mode's function; differentiable in q, k, v; lse carries no gradient."""
-    scale = kernels.default_scale(q, softmax_scale)
-    backend = kernels.select_backend(q.device, q.dtype, backend)
-    fns = functions(mode, q, k, v, group=group, causal=causal, scale=scale, backend=backend, ulysses_degree=ulysses_degree)
-    record = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return _KeptAttention.apply(q, k, v, module, fns, record, group)
+    Same inputs, checks and results as the mode's function; differentiable in q, k, v; lse carries no gradient."""
+    kwargs = prepare(mode, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
+                     ulysses_degree=ulysses_degree, backend=backend)
+    active = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return differentiable(functions(mode, **kwargs), _Keep(module, group, active))(q, k, v)
 
 
 def pending(module: nn.Module | None = None) -> int:

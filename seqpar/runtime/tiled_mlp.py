@@ -20,8 +20,9 @@ import warnings
 
 import torch
 
-from seqpar.errors import SeqparError
 from torch import Tensor, nn
+
+from seqpar.errors import SeqparError
 
 
 

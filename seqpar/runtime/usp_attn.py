@@ -9,8 +9,9 @@ q (B, S/W, Hq, D); k, v (B, S/W, Hkv, D); out like q; lse (B, Hq, S/W).
 Forward (Fang & Zhao, "USP: A Unified Sequence Parallelism Approach", arXiv:2405.07719; yunchang's LongContextAttention):
 an all-to-all inside the Ulysses group turns (B, S/W, H, D) into (B, S/R, H/U, D), which is exactly ring rank i's zigzag part
 of the sequence for H/U heads; zigzag ring attention (seqpar.runtime.zigzag_ring_attn) runs over the ring group on those heads;
-an all-to-all brings out and lse back. Heads: Hq % U == 0; KV heads split over U or, when Hkv < U with U % Hkv == 0, are
-replicated (see ulysses_attn). U = 1 is zigzag_ring_attn and U = W is ulysses_attn with the same layouts, so those run directly.
+an all-to-all brings out and lse back: ulysses_attn's head_split around zigzag_ring_attn's forward (and backward). Heads:
+Hq % U == 0; KV heads split over U or, when Hkv < U with U % Hkv == 0, are replicated (see ulysses_attn). U = 1 is
+zigzag_ring_attn and U = W is ulysses_attn with the same layouts, so those run directly.
 The sub-groups are created once per (group, U) with torch.distributed.new_group, collectively and in the same order on every
 rank, and cached (see ``subgroups``).
 """
@@ -21,17 +22,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpar.errors import SeqparError
-from seqpar.runtime import kernels
+from seqpar.modes import degrees
+from seqpar.runtime.attention import Functions, attention, functions, plain
 from seqpar.runtime.comm import group_rank, group_size
-from seqpar.modes import check_heads, check_split, degrees
-from seqpar.runtime.ulysses_attn import (
-    heads_to_seq,
-    lse_to_seq_split,
-    replicate_kv,
-    seq_to_heads,
-    ulysses_attn_attention,
-)
-from seqpar.runtime.zigzag_ring_attn import zigzag_ring_attn_attention
+from seqpar.runtime.ulysses_attn import head_split, head_split_backward
 
 _SUBGROUPS: dict[tuple[tuple[int, ...], int], tuple] = {}  # (global ranks of the parent group, U) -> (ulysses, ring)
 
@@ -89,30 +83,41 @@ def subgroups(group, ulysses_degree: int):
     return _SUBGROUPS[key]
 
 
+def _inner(group, ulysses_degree: int, causal: bool, scale: float, backend: str) -> tuple[int, object, Functions]:
+    """(U, this rank's Ulysses group, the attention the heads are split around). U = 1: no head split."""
+    R, U = degrees("usp_attn", group_size(group), ulysses_degree)
+    kw = dict(causal=causal, scale=scale, backend=backend)
+    if U == 1:  # zigzag_ring_attn over the whole group, same layout
+        return U, None, functions("zigzag_ring_attn", group=group, **kw)
+    if R == 1:  # ulysses_attn over the whole group, same layout
+        return U, group, functions("data_parallel", **kw)
+    uly_group, ring_group = subgroups(group, U)
+    return U, uly_group, functions("zigzag_ring_attn", group=ring_group, **kw)
+
+
+def forward(q, k, v, *, group, causal: bool, scale: float, backend: str, ulysses_degree: int,
+            attend=plain) -> tuple[Tensor, Tensor]:
+    """Ulysses inside the group of U consecutive ranks around the zigzag ring over every U-th rank: out (B, S/W, Hq, D)
+    in q's dtype, lse (B, Hq, S/W)."""
+    U, uly_group, inner = _inner(group, ulysses_degree, causal, scale, backend)
+    if U == 1:
+        return attend(inner)(q, k, v)
+    return head_split(q, k, v, uly_group, inner, attend)  # the ring runs on (B, S/R, Hq/U, D): its zigzag part, H/U heads
+
+
+def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str,
+             ulysses_degree: int) -> tuple[Tensor, Tensor, Tensor]:
+    U, uly_group, inner = _inner(group, ulysses_degree, causal, scale, backend)
+    if U == 1:
+        return inner.backward(dout, q, k, v, out, lse)
+    return head_split_backward(dout, q, k, v, out, lse, uly_group, inner)
+
+
 def usp_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None,
                        ulysses_degree: int | None = None) -> tuple[Tensor, Tensor]:
     """Exact attention over a sequence in the usp_attn layout; returns (out, lse) in this rank's layout.
 
     q (B, S/W, Hq, D); k, v (B, S/W, Hkv, D) -> out (B, S/W, Hq, D), lse (B, Hq, S/W). ulysses_degree U must divide W.
     """
-    W = group_size(group)
-    R, U = degrees("usp_attn", W, ulysses_degree)  # SeqparError naming the valid degrees
-    kernels._check(q, k, v, causal=False)  # all checks are local and equal on every rank: all raise, none hangs
-    if q.shape[1] != k.shape[1]:
-        raise SeqparError(
-            f"usp_attn needs q and k,v chunks of the same length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
-        )
-    check_heads("usp_attn", q.shape[2], k.shape[2], W, U)
-    if causal:  # the ring's zigzag halves must be whole: S % (2 R U) == 0
-        check_split("usp_attn", q.shape[1] * W, W, U)
-    kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
-    if U == 1:
-        return zigzag_ring_attn_attention(q, k, v, group=group, **kw)
-    if R == 1:
-        return ulysses_attn_attention(q, k, v, group=group, **kw)
-    uly_group, ring_group = subgroups(group, U)
-    qh = heads_to_seq(q, uly_group)  # (B, S/R, Hq/U, D): this ring rank's zigzag part, for Hq/U heads
-    kh = heads_to_seq(replicate_kv(k, U), uly_group)  # (B, S/R, max(Hkv/U, 1), D)
-    vh = heads_to_seq(replicate_kv(v, U), uly_group)
-    out, lse = zigzag_ring_attn_attention(qh, kh, vh, group=ring_group, **kw)  # (B, S/R, Hq/U, D), (B, Hq/U, S/R)
-    return seq_to_heads(out, uly_group), lse_to_seq_split(lse, uly_group)  # (B, S/W, Hq, D), (B, Hq, S/W)
+    return attention(q, k, v, "usp_attn", group=group, causal=causal, softmax_scale=softmax_scale,
+                     ulysses_degree=ulysses_degree, backend=backend)

@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqpar.errors import SeqparError
 from seqpar.runtime import kernels
+from seqpar.runtime.attention import attention
 from seqpar.runtime.comm import RingComm, group_rank, group_size
-from seqpar.modes import check_split
 
 
 def _plan(step: int, rank: int, causal: bool) -> str:
@@ -32,17 +31,8 @@ def _plan(step: int, rank: int, causal: bool) -> str:
     return "kv_first_half" if step <= rank else "q_second_half"  # step <= rank  <=>  source rank r - step < r
 
 
-def _validate(q: Tensor, k: Tensor, v: Tensor, causal: bool, world_size: int) -> None:
-    kernels._check(q, k, v, causal=False)
-    if q.shape[1] != k.shape[1]:
-        raise SeqparError(
-            f"zigzag_ring_attn needs q and k,v of the same local length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
-        )
-    if causal:  # every rank holds the same local length, so every rank raises this same error before any transfer
-        check_split("zigzag_ring_attn", q.shape[1] * world_size, world_size)
-
-
-def _forward(q, k, v, group, causal, scale, backend):
+def forward(q, k, v, *, group, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    """The ring: out (B, 2c, Hq, D) in q's dtype, lse (B, Hq, 2c) in the zigzag layout."""
     rank, W = group_rank(group), group_size(group)
     c = q.shape[1] // 2
     comm = RingComm(group)
@@ -62,10 +52,11 @@ def _forward(q, k, v, group, causal, scale, backend):
             out, lse = torch.cat([out[:, :c], o2], dim=1), torch.cat([lse[..., :c], l2], dim=-1)
         if handle is not None:
             k, v = handle.wait()
-    return out, lse
+    return out.to(q.dtype), lse
 
 
-def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
+def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The ring again, dK,dV travelling one step behind K,V: gradients in the inputs' dtypes."""
     rank, W = group_rank(group), group_size(group)
     c = q.shape[1] // 2
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -104,35 +95,16 @@ def _backward(dout, q, k, v, out, lse, group, causal, scale, backend):
         dkv_handle = dkv_comm.send_recv_many([dk, dv]) if W > 1 else None
     if dkv_handle is not None:
         dk, dv = dkv_handle.wait()  # after W hops: the full gradient of this rank's own K,V
-    return dq, dk, dv
-
-
-class _ZigzagRingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend):
-        out, lse = _forward(q, k, v, group, causal, scale, backend)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.group, ctx.causal, ctx.scale, ctx.backend)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def zigzag_ring_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None) -> tuple[Tensor, Tensor]:
     """Exact attention over a sequence held in zigzag layout across the group's ranks.
 
     q (B, S_local, Hq, D); k, v (B, S_local, Hkv, D), S_local = S / W from ``shard(x, "zigzag_ring_attn", ...)``.
-    Returns out (B, S_local, Hq, D) and lse (B, Hq, S_local), both in the same zigzag layout.
+    Returns out (B, S_local, Hq, D) and lse (B, Hq, S_local), both in the same zigzag layout; out differentiable.
     """
-    _validate(q, k, v, causal, group_size(group))
-    backend = kernels.select_backend(q.device, q.dtype, backend)
-    return _ZigzagRingAttention.apply(q, k, v, group, causal, kernels.default_scale(q, softmax_scale), backend)
+    return attention(q, k, v, "zigzag_ring_attn", group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
 
 
 zigzag_ring_attention = zigzag_ring_attn_attention  # the name ring-flash-attention users know

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from seqpar.errors import SeqparError
 from torch import Tensor
 
+from seqpar.errors import SeqparError
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # transformers' and torch's cross-entropy ignore index: labels that are not scored
 
 
 class _SumOverGroup(torch.autograd.Function):

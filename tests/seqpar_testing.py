@@ -1,4 +1,5 @@
-"""Test harness: run a function on W real gloo ranks (separate processes) and collect what each returns.
+"""seqpar's test harness (named so it cannot shadow an installed package): run a function on W real gloo ranks
+(separate processes) and collect what each returns; tolerances by dtype; test ids naming the mode and world size.
 
 ``run_ranks(fn, world_size, *args, timeout=60)`` spawns W processes (torch.multiprocessing's spawn context), each joins
 a gloo process group on a free localhost port with ``torch.set_num_threads(1)``, calls ``fn(rank, world_size, *args)``
@@ -99,9 +100,22 @@ def tolerances(dtype) -> dict:
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # children inherit it: keep gloo on loopback
 
 
+def case_id(mode: str | None = None, world_size: int | None = None, ulysses_degree: int | None = None) -> str:
+    """A test id naming the mode and the world size: "W2", "zigzag_ring_attn-W4", "usp_attn-W4-U2"."""
+    parts = [mode] if mode else []
+    parts += [f"W{world_size}"] if world_size is not None else []
+    parts += [f"U{ulysses_degree}"] if ulysses_degree is not None else []
+    return "-".join(parts)
+
+
+def world_ids(sizes) -> list[str]:
+    """ids for a world-size parameter: [2, 4] -> ["W2", "W4"]."""
+    return [case_id(world_size=w) for w in sizes]
+
+
 def error_messages(calls):
     """str() of the SeqparError each call raises ('no error' when it returns)."""
-    from seqpar.schema import SeqparError
+    from seqpar.errors import SeqparError
 
     msgs = []
     for fn in calls:

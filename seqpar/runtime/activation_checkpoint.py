@@ -1,0 +1,119 @@
+"""Activation checkpointing: the plan's ``checkpointing`` policy applied to a transformers model, in one place.
+
+``seqpar.apply(model, mode, checkpointing=...)`` calls ``apply_checkpointing``; the trainer calls ``seqpar.apply`` with the
+plan's ``strategy.checkpointing``, so the API, the trainer and the CLI's plans all go through here (torchtitan's
+activation_checkpoint.py: one function applies one policy).
+
+| policy    | what backward recomputes                          | how                                                            |
+|-----------|---------------------------------------------------|----------------------------------------------------------------|
+| none      | nothing                                           | the model's own checkpointing switched off                     |
+| full      | every decoder layer                               | transformers' layer checkpointing, non-reentrant               |
+| offload   | every decoder layer; its input waits in host RAM  | reentrant checkpointing under seqpar.runtime.offload (Unsloth) |
+| selective | every layer but attention: its out + lse are kept | non-reentrant, and seqpar.runtime.selective in the attention   |
+
+Adding a policy: a row in ``POLICIES`` (and a branch in ``apply_checkpointing`` if it needs more than those switches).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from seqpar.errors import SeqparError
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    use_reentrant: bool | None  # torch.utils.checkpoint's use_reentrant; None: no checkpointing
+    offload: bool  # each layer's input kept in (pinned) host memory until backward
+    keep_attention: bool  # attention keeps its out + lse for the recomputation (seqpar.runtime.selective)
+
+
+# The plan's Checkpointing values (seqpar.schema), in its order.
+POLICIES: dict[str, Policy] = {p.name: p for p in (
+    Policy("none", None, False, False),
+    Policy("full", False, False, False),
+    Policy("offload", True, True, False),
+    Policy("selective", False, False, True),
+)}
+
+
+def policy(name: str) -> Policy:
+    if name not in POLICIES:
+        raise SeqparError(f"checkpointing {name!r} is unknown; use one of {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
+def from_deprecated(checkpointing: str | None, offload_checkpoints: bool | None, keep_attention: bool | None) -> str | None:
+    """The policy the old booleans ask for (with a DeprecationWarning), or ``checkpointing`` when they are not passed."""
+    old = {k: v for k, v in (("offload_checkpoints", offload_checkpoints), ("keep_attention", keep_attention)) if v is not None}
+    if not old:
+        return checkpointing
+    warnings.warn(f"seqpar.apply({', '.join(f'{k}={v}' for k, v in old.items())}) is deprecated; pass "
+                  "checkpointing='offload' (offload_checkpoints) or checkpointing='selective' (keep_attention)",
+                  DeprecationWarning, stacklevel=3)
+    if offload_checkpoints and keep_attention:
+        raise SeqparError("keep_attention (selective checkpointing) and offload_checkpoints exclude each other: pick one "
+                          "checkpointing policy")
+    implied = "offload" if offload_checkpoints else "selective" if keep_attention else None
+    if implied is not None and checkpointing not in (None, implied):
+        raise SeqparError(f"checkpointing={checkpointing!r} contradicts {', '.join(f'{k}={v}' for k, v in old.items())}; "
+                          "pass checkpointing alone")
+    return checkpointing if implied is None else implied
+
+
+def _checkpoint_layers(model, use_reentrant: bool) -> None:
+    enable = getattr(model, "activation_checkpointing_enable", None)  # 5.x name; the old one warns there
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
+def is_checkpointing(model) -> bool:
+    """Whether the model's layers checkpoint (transformers 5's name first; 4.x has the older one)."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
+
+
+def _stop_checkpointing(model) -> None:
+    if is_checkpointing(model):
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+
+
+def _offloaded_checkpoint(function, *args, **kwargs):
+    """Checkpoint one layer with its inputs kept in (pinned) host memory until backward (the Unsloth variant).
+
+    Reentrant checkpointing saves exactly the layer inputs with save_for_backward, so the offload hooks move just those
+    (B, S, hidden) tensors to the host (pinned within a budget, seqpar.runtime.offload); the recomputation in backward
+    brings them back."""
+    from torch.utils.checkpoint import checkpoint
+
+    from seqpar.runtime.offload import HostOffload
+
+    kwargs.pop("use_reentrant", None)
+    with HostOffload():
+        return checkpoint(function, *args, use_reentrant=True, **kwargs)
+
+
+def apply_checkpointing(model, name: str) -> Policy:
+    """Switch the model's activation checkpointing to the policy ``name``; returns the policy.
+
+    The attention side of ``selective`` (keeping out + lse) is switched by seqpar.apply, which reads the returned
+    policy. Call it after any gradient_checkpointing_enable() of your own: that call would put back the plain
+    checkpoint function that ``offload`` replaces."""
+    p = policy(name)
+    if p.use_reentrant is None:
+        _stop_checkpointing(model)
+        return p
+    _checkpoint_layers(model, p.use_reentrant)
+    if p.offload:
+        for module in model.modules():
+            if hasattr(module, "gradient_checkpointing"):
+                module._gradient_checkpointing_func = _offloaded_checkpoint
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embeddings is not None and not embeddings.weight.requires_grad:
+            model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+    return p
