@@ -21,6 +21,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from seqpar.errors import SeqparError
 from seqpar.schema import (
     Checkpointing,
     FusedOps,
@@ -28,7 +29,6 @@ from seqpar.schema import (
     LossImpl,
     Mode,
     Optimizer,
-    SeqparError,
     Sharding,
     first_error,
     format_tokens,
@@ -130,7 +130,7 @@ def advise(
     tiled_mlp: Optional[bool] = typer.Option(None, "--tiled-mlp/--no-tiled-mlp", help="Pin TiledMLP (each MLP one sequence tile at a time: less memory, one more MLP forward); default: the search tries both."),
     micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="Sequences per data-parallel rank per forward pass."),
     tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", min=1, help="Tokens per optimizer step (sets gradient accumulation)."),
-    policy: Optional[Literal["rules", "cost"]] = typer.Option(None, "--policy", help="rules: the guide's tree; cost: the cost-model search (default when installed)."),
+    policy: Optional[Literal["rules", "cost"]] = typer.Option(None, "--policy", help="rules: the guide's tree; cost: the cost-model search (default)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the plan here (atomically; nothing is written on error)."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (only JSON)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Staged context extension: 1M (EasyContext's Llama-2-7B schedule) or smoke (CPU); each stage planned; seqpar launch runs them in order."),
@@ -149,7 +149,7 @@ def advise(
         seqpar advise --max-seq-len --gpu h200 --gpus 8 --optimizer adamw
         seqpar advise --seq-len 64k --gpu h200 --gpus 1 --optimizer none --tiled-mlp --fused-ops liger -o plan.json
     """
-    from seqpar.advisor.advise import advise as run_advice, default_policy
+    from seqpar.advisor.advise import advise as run_advice
     from seqpar.advisor.cluster import resolve_cluster
     from seqpar.advisor.request import AdviseRequest, check_fused_ops
     from seqpar.profiles import get_model
@@ -171,19 +171,16 @@ def advise(
     check_fused_ops(fused_ops, cl)
     req = AdviseRequest(
         model=spec, seq_len=n, cluster=cl, micro_batch_size=micro_batch, tokens_per_step=tokens_per_step,
-        dtype="fp32" if cl.accelerator == "cpu" else "bf16", optimizer=optimizer, policy=policy or default_policy(),
+        dtype="fp32" if cl.accelerator == "cpu" else "bf16", optimizer=optimizer, policy=policy or "cost",
         mode=mode, sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,
         fused_ops=fused_ops, tiled_mlp=tiled_mlp,
     )
-    notes: list[str] = []
     if recipe is not None:
         from seqpar.advisor.recipe import advise_recipe
 
-        plan = advise_recipe(req, recipe, cluster_note, notes)
+        plan = advise_recipe(req, recipe, cluster_note)
     else:
-        plan = run_advice(req, cluster_note, notes)
-    for line in notes:
-        note(f"note: {line}")
+        plan = run_advice(req, cluster_note)
     if output is not None:
         from seqpar.advisor.rules import launch_spec
 
@@ -194,7 +191,7 @@ def advise(
     if json_out:
         print_json(plan.to_json().rstrip("\n"))
     else:
-        from seqpar.advisor.report import render_plan
+        from seqpar.advisor.render import render_plan
 
         render_plan(plan, stdout())
 
@@ -225,7 +222,7 @@ def explain(
     if json_out:
         print_json(plan.to_json().rstrip("\n"))
         return
-    from seqpar.advisor.report import render_plan
+    from seqpar.advisor.render import render_plan
 
     render_plan(plan, stdout())
     from seqpar.advisor.explain import explain_tables  # the cost model's breakdowns (memory, time, alternatives)
@@ -274,7 +271,7 @@ def check(
     """
     from seqpar.advisor.cluster import resolve_cluster
     from seqpar.advisor.explain import check_lines
-    from seqpar.advisor.search import check as run_check
+    from seqpar.advisor.gate import check as run_check
 
     if plan_path is not None:
         target = LaunchPlan.load(plan_path)
@@ -397,7 +394,7 @@ def probe(json_out: bool = typer.Option(False, "--json", help="Print the probe r
     if json_out:
         print_json({"probe": res.model_dump(), "cluster": cl.model_dump() if cl else None})
         return
-    from seqpar.advisor.report import cluster_line, probe_tables
+    from seqpar.advisor.render import cluster_line, probe_tables
 
     con = stdout()
     for t in probe_tables(res):
@@ -421,7 +418,7 @@ def profiles_list(json_out: bool = typer.Option(False, "--json", help="Print eve
     if json_out:
         print_json({k: [s.model_dump() for s in v] for k, v in (("gpus", gpus), ("links", links), ("models", models))})
         return
-    from seqpar.advisor.report import profile_tables
+    from seqpar.advisor.render import profile_tables
 
     con = stdout()
     for t in profile_tables(gpus, links, models):
@@ -448,7 +445,7 @@ def profiles_show(
     if json_out:
         print_json(spec.model_dump())
         return
-    from seqpar.advisor.report import spec_table
+    from seqpar.advisor.render import spec_table
 
     stdout().print(spec_table(spec))
 

@@ -7,16 +7,17 @@ import pytest
 from typer.testing import CliRunner
 
 from seqpar.advisor.cluster import cluster_from_flags
+from seqpar.advisor.coefficients import load_coefficients
+from seqpar.advisor.gate import check
 from seqpar.advisor.memory import estimate_memory, kept_bytes_per_token, mlp_tile_tokens, saved_bytes_per_token
-from seqpar.advisor.predict import load_coefficients, predict
+from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
-from seqpar.advisor.search import advise_by_cost, check, describe, enumerate_strategies, max_seq_len
+from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, max_seq_len
 from seqpar.advisor.throughput import elementwise_time, estimate_time, linear_flops_per_token, width_efficiency
 from seqpar.cli import app
 from seqpar.profiles import get_model
 from seqpar.schema import LaunchPlan, ModelSpec, SeqparError, Strategy, Workload
 
-GIB = 2**30
 C = load_coefficients()
 M7 = get_model("llama-2-7b")
 H200 = cluster_from_flags("h200", 1)

@@ -3,12 +3,13 @@
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
+from seqpar.advisor.coefficients import load_coefficients
 from seqpar.advisor.memory import estimate_memory, kept_bytes_per_token, layer_params, model_states, precision, saved_bytes_per_token
-from seqpar.advisor.predict import load_coefficients, predict
+from seqpar.advisor.predict import predict
 from seqpar.profiles import get_model
 from seqpar.schema import ModelSpec, Strategy, Workload
+from seqpar.units import GIB
 
-GIB = 2**30
 TINY = ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=256)
 C = load_coefficients()

@@ -4,10 +4,12 @@
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags, default_cluster
+from seqpar.advisor.coefficients import load_coefficients
+from seqpar.advisor.gate import check
 from seqpar.advisor.memory import estimate_memory
-from seqpar.advisor.predict import load_coefficients, predict
+from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
-from seqpar.advisor.search import advise_by_cost, check, enumerate_strategies, max_seq_len
+from seqpar.advisor.search import advise_by_cost, enumerate_strategies, max_seq_len
 from seqpar.profiles import get_model
 from seqpar.schema import SeqparError, Strategy
 

@@ -3,7 +3,7 @@
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
-from seqpar.advisor.predict import Coefficients, load_coefficients
+from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.throughput import (
     attention_fwd_flops, elementwise_time, estimate_time, linear_flops_per_token, matmul_params, width_efficiency,
 )

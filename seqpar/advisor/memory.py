@@ -45,14 +45,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from seqpar.advisor.coefficients import Coefficients
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
+from seqpar.units import GIB
 
-if TYPE_CHECKING:
-    from seqpar.advisor.predict import Coefficients
-
-GIB = 2**30
 OPTIMIZER_BYTES = {"adamw": 12, "none": 0}  # per parameter: fp32 master + two fp32 moments (ZeRO paper's K = 12)
 
 
@@ -212,7 +209,7 @@ def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tupl
     return fwd, bwd
 
 
-def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: "Coefficients", r: int) -> dict:
+def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coefficients, r: int) -> dict:
     """Terms at the loss's peak. hf: forward holds bf16 logits + fp32 copy + log_softmax output (10 B/token/vocab), its
     backward the saved output + incoming grad + result (12); seqpar's LossModule returns only the loss, so nothing of the
     logits outlives the loss. chunked: one (chunk, V) block in both dtypes and its fp32 grads, the fp32 grad of the hidden."""
@@ -236,7 +233,7 @@ def _nccl_groups(strategy: Strategy, world: int) -> int:
     return 1 + (strategy.sp_degree > 1) + (strategy.mode == "usp_attn")
 
 
-def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> MemoryEstimate:
+def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> MemoryEstimate:
     m, dtype = w.model, w.dtype
     prec = precision(w, s, cluster.accelerator)
     p, r = prec.compute, prec.residual
@@ -323,7 +320,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coeffici
     return MemoryEstimate(peak, peak_phase, breakdown, totals, reserved, capacity, host, host_cap, not reason, reason)
 
 
-def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> float:
+def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> float:
     """Host RAM per node: every CUDA rank's own process (libraries and CUDA's host-side state, measured before any offload),
     ZeRO-3 offload's bf16 params, fp32 grads and optimizer, and the offloaded layer inputs. CPU clusters count none of it
     here: their ranks' memory is the "GPU" memory the rest of this module estimates."""

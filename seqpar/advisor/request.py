@@ -9,6 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
+from seqpar.errors import SeqparError
 from seqpar.schema import (
     Checkpointing,
     ClusterSpec,
@@ -18,7 +19,6 @@ from seqpar.schema import (
     Mode,
     ModelSpec,
     Optimizer,
-    SeqparError,
     Sharding,
     Workload,
     _Frozen,

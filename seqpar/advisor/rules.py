@@ -1,6 +1,6 @@
 """The guide's decision tree ("EasyContext best practices: choosing a sequence-parallel mode"), as data plus one function.
 
-The tree (shared/reference/anchors.md), evaluated top to bottom, first match wins:
+The tree as that article states it, evaluated top to bottom, first match wins:
   S < 64K -> data_parallel;  several nodes -> ulysses_attn;  64K <= S <= 256K -> dist_flash_attn;  S > 256K -> zigzag_ring_attn.
 Data parallel comes first because the guide says to start with it and switch to sequence parallelism at the first OOM (64K is
 where it places that switch), whatever the node count. The guide's by-hardware and by-phase tables are kept as data too; they
@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from seqpar import __version__
 from seqpar.advisor.request import AdviseRequest
+from seqpar.errors import SeqparError
 from seqpar.modes import check_heads, check_split
 from seqpar.schema import (
     ClusterSpec,
@@ -25,7 +26,6 @@ from seqpar.schema import (
     LaunchSpec,
     ModelSpec,
     Rationale,
-    SeqparError,
     Strategy,
     format_tokens,
 )
@@ -225,7 +225,7 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
                              and (req.mode != "usp_attn" or req.ulysses_degree))
     return LaunchPlan(
         created_by=f"seqpar {__version__} (advise, rules)",
-        created_at=_now(),
+        created_at=now(),
         workload=req.workload(),
         cluster=c,
         strategy=strategy,
@@ -241,7 +241,8 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
     )
 
 
-def _now() -> str:
+def now() -> str:
+    """ISO-8601 UTC time of writing, to the second (a plan's created_at)."""
     import datetime
 
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()

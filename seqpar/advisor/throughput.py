@@ -31,13 +31,10 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from seqpar.advisor.coefficients import Coefficients
 from seqpar.advisor.memory import layer_params, optimizer_bytes_per_param, precision
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
-
-if TYPE_CHECKING:
-    from seqpar.advisor.predict import Coefficients
 
 REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
 REF_WIDTH = 8192  # the matmul rate of kernel_tflops is an 8192^3 GEMM; the width efficiency is normalised to 1 there
@@ -126,7 +123,7 @@ def width_efficiency(hidden: int, h0: float) -> float:
     return (hidden / (hidden + h0)) / (REF_WIDTH / (REF_WIDTH + h0))
 
 
-def _bw(cluster: ClusterSpec, group: int, c: "Coefficients", contiguous_inner: int = 1) -> float:
+def _bw(cluster: ClusterSpec, group: int, c: Coefficients, contiguous_inner: int = 1) -> float:
     """Bytes/s per GPU for a group of ``group`` ranks laid out ``contiguous_inner`` apart: NVLink inside a node, else the NIC."""
     spans = group * contiguous_inner > cluster.gpus_per_node
     link = cluster.inter_node_link if spans and cluster.inter_node_link else cluster.intra_node_link
@@ -138,7 +135,7 @@ def _hidden(comm: float, compute: float, overlap: float) -> float:
     return max(comm - compute, 0.0) + (1.0 - overlap) * min(comm, compute)
 
 
-def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> TimeEstimate:
+def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> TimeEstimate:
     m, p = w.model, DTYPE_BYTES[w.dtype]
     b, S, P, world = w.micro_batch_size, w.seq_len, s.sp_degree, s.world_size
     t = b * S / P

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from seqpar.schema import GpuSpec, LinkSpec, ModelSpec, SeqparError, first_error
+from seqpar.errors import SeqparError
+from seqpar.schema import GpuSpec, LinkSpec, ModelSpec, first_error
 
 _HERE = Path(__file__).resolve().parent
 

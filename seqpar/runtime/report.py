@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.schema import LaunchPlan, write_atomic
-
-GIB = 2**30
+from seqpar.units import GIB
 
 
 def memory_now(device: torch.device) -> dict:
