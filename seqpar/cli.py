@@ -151,7 +151,7 @@ def advise(
     """
     from seqpar.advisor.advise import advise as run_advice
     from seqpar.advisor.cluster import resolve_cluster
-    from seqpar.advisor.request import AdviseRequest, check_fused_ops
+    from seqpar.advisor.request import AdviseRequest
     from seqpar.profiles import get_model
 
     if max_seq_len:
@@ -168,7 +168,6 @@ def advise(
     spec = get_model(model)
     cl, cluster_note = resolve_cluster(gpu, gpus, nodes, cluster, host_ram_gib)
     note(f"cluster: {cluster_note}")
-    check_fused_ops(fused_ops, cl)
     req = AdviseRequest(
         model=spec, seq_len=n, cluster=cl, micro_batch_size=micro_batch, tokens_per_step=tokens_per_step,
         dtype="fp32" if cl.accelerator == "cpu" else "bf16", optimizer=optimizer, policy=policy or "cost",
@@ -298,12 +297,11 @@ def check(
 def _request(seq_len, model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
              optimizer, loss_impl, micro_batch, fused_ops=None, tiled_mlp=None):
     from seqpar.advisor.cluster import resolve_cluster
-    from seqpar.advisor.request import AdviseRequest, check_fused_ops
+    from seqpar.advisor.request import AdviseRequest
     from seqpar.profiles import get_model
 
     cl, cluster_note = resolve_cluster(gpu, gpus, nodes, cluster, host_ram_gib)
     note(f"cluster: {cluster_note}")
-    check_fused_ops(fused_ops, cl)
     return AdviseRequest(model=get_model(model), seq_len=parse_seq_len(seq_len), cluster=cl, micro_batch_size=micro_batch,
                          dtype="fp32" if cl.accelerator == "cpu" else "bf16", optimizer=optimizer, policy="cost", mode=mode,
                          sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,

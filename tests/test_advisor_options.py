@@ -231,5 +231,5 @@ def test_cli_refuses_liger_without_cuda(tmp_path, cmd):
     r = run(*cmd, "--fused-ops", "liger", *(["-o", out] if cmd[0] == "advise" else []))
     assert r.exit_code == 2, (r.stdout, r.stderr)
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: fused_ops liger runs Liger-Kernel's Triton kernels on CUDA GPUs") and "--fused-ops none" in last
+    assert last.startswith("error: fused_ops liger runs Triton kernels on CUDA GPUs (Liger-Kernel)") and "use fused_ops none" in last
     assert r.stdout == "" and not out.exists()

@@ -88,7 +88,7 @@ def test_check_fits_and_fix():
 
 def test_degree_pins_are_honoured():
     a100x8 = cluster_from_flags("a100", 8)
-    with pytest.raises(SeqparError, match="sp_degree 3 does not divide the 8 GPUs"):
+    with pytest.raises(SeqparError, match="sp_degree 3 does not divide the 8 ranks"):
         advise_by_cost(AdviseRequest(model=M7, seq_len=131072, cluster=a100x8, sp_degree=3))
     s = advise_by_cost(AdviseRequest(model=M7, seq_len=131072, cluster=a100x8, sp_degree=2)).strategy
     assert s.mode != "data_parallel" and s.sp_degree == 2

@@ -74,9 +74,7 @@ def _row(d: dict, source: str) -> Measurement:
     sp, u = num("sp_degree", int) or 1, num("ulysses_degree", int) or 1
     world = num("gpus_per_node", int) * (num("nodes", int) or 1)
     mode = d["mode"]
-    strategy = Strategy(mode=mode, sp_degree=sp, dp_degree=world // sp, ulysses_degree=u if mode == "usp_attn" else 1,
-                        ring_degree=sp // u if mode == "usp_attn" else 1, checkpointing=d["checkpointing"],
-                        sharding=d["sharding"], loss_impl=d["loss_impl"])
+    strategy = Strategy.over(mode, sp, world, u, checkpointing=d["checkpointing"], sharding=d["sharding"], loss_impl=d["loss_impl"])
     workload = Workload(model=get_model(d["model"]), seq_len=num("seq_len", int), micro_batch_size=num("micro_batch_size", int) or 1,
                         dtype=d.get("dtype") or "bf16", optimizer=d["optimizer"])
     cluster = cluster_from_flags(d["gpu"], num("gpus_per_node", int), num("nodes", int) or 1)

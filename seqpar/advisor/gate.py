@@ -14,10 +14,11 @@ from typing import Iterator, Optional, Union
 from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.predict import predict
-from seqpar.advisor.request import AdviseRequest, check_fused_ops
-from seqpar.advisor.search import TILED_INVALID, advise_by_cost, describe, enumerate_strategies, evaluate
+from seqpar.advisor.request import AdviseRequest
+from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, evaluate
 from seqpar.errors import SeqparError
-from seqpar.schema import ClusterSpec, LaunchPlan, Prediction, Strategy, format_tokens
+from seqpar.schema import ClusterSpec, LaunchPlan, Prediction, Strategy, format_tokens, plan_problems
+
 
 @dataclass
 class CheckResult:
@@ -32,15 +33,17 @@ class CheckResult:
 
 
 def variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]:
-    yield "loss_impl chunked (logits a chunk at a time)", s.model_copy(update={"loss_impl": "chunked"})
-    for ck in ("full", "selective", "offload"):
-        yield f"checkpointing {ck}", s.model_copy(update={"checkpointing": ck})
-    for sh in ("zero2", "zero3", "zero3_offload"):
-        # DeepSpeed runs AdamW with an fp32 master: plans refuse zero* with another optimizer (schema.LaunchPlan)
-        if req.optimizer == "adamw" and not (s.tiled_mlp and sh in TILED_INVALID):
-            yield f"sharding {sh}", s.model_copy(update={"sharding": sh})
-    if not s.tiled_mlp and s.sharding not in TILED_INVALID:
-        yield "tiled_mlp (the MLP one sequence tile at a time)", s.model_copy(update={"tiled_mlp": True})
+    """(what changed, the strategy) for each single change of ``s`` the plan rules accept for req's workload and cluster."""
+    w = req.workload()
+    changes = [("loss_impl chunked (logits a chunk at a time)", {"loss_impl": "chunked"})]
+    changes += [(f"checkpointing {ck}", {"checkpointing": ck}) for ck in ("full", "selective", "offload")]
+    changes += [(f"sharding {sh}", {"sharding": sh}) for sh in ("zero2", "zero3", "zero3_offload")]
+    if not s.tiled_mlp:
+        changes.append(("tiled_mlp (the MLP one sequence tile at a time)", {"tiled_mlp": True}))
+    for what, update in changes:
+        v = s.model_copy(update=update)
+        if not plan_problems(w, req.cluster, v):
+            yield what, v
     valid, _ = enumerate_strategies(req.model_copy(update={"mode": None, "sp_degree": None, "ulysses_degree": None,
                                                             "checkpointing": s.checkpointing, "sharding": s.sharding, "loss_impl": s.loss_impl,
                                                             "fused_ops": s.fused_ops, "tiled_mlp": s.tiled_mlp}), req.workload())
@@ -58,7 +61,9 @@ def check(target: Union[LaunchPlan, AdviseRequest], cluster: Optional[ClusterSpe
         raise SeqparError(f"the plan needs {plan.strategy.world_size} GPUs but the cluster to check has {cluster.world_size}; "
                           f"check on the plan's own cluster or re-advise with `seqpar advise`")
     w, s = plan.workload, plan.strategy
-    check_fused_ops(s.fused_ops, cl)
+    problems = plan_problems(w, cl, s)  # the plan's own cluster accepted it; another may not (e.g. liger without CUDA)
+    if problems:
+        raise SeqparError(problems[0])
     pred = predict(w, cl, s, c)
     mem = estimate_memory(w, cl, s, c)
     terms = sorted(pred.memory_breakdown_gib.items(), key=lambda kv: -kv[1])[:4]

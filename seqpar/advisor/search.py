@@ -3,11 +3,16 @@
 ``advise_by_cost(req)`` enumerates modes x sp degrees (divisors of the GPU count; usp: ulysses x ring) x checkpointing x
 sharding x loss implementation x tiled_mlp off/on (pins in the request restrict each axis; fused_ops is never searched:
 Liger-Kernel is an optional dependency, so it is ``none`` unless pinned, and the rationale says when ``liger`` would be
-faster), drops invalid ones with the reason (tiled_mlp with ZeRO-3), predicts the rest (memory.py, throughput.py; ~30 us
+faster), drops those the plan rules refuse (schema.plan_problems: the same judge LaunchPlan validates with) and records
+why, predicts the rest (memory.py, throughput.py; ~30 us
 each) and returns the fastest that fits with headroom. tiled_mlp costs one more MLP forward and saves memory, so it can only
 win where its untiled twin does not fit, and only there is it predicted. The plan carries the guide tree's choice
 (rules.py) and, where the cost model departs from it, why. ``max_seq_len`` binary-searches the longest sequence that fits
 per mode. The OOM gate (``seqpar check``) is gate.py.
+
+Search space, not validity: dist_flash_attn is searched with checkpointing only (EasyContext runs its schedule under
+gradient checkpointing, modes.FACTS' needs_checkpointing) unless checkpointing is pinned; usp_attn's Ulysses degree
+ranges over 2..sp_degree/2 (a ring of one is ulysses_attn, a Ulysses group of one zigzag_ring_attn).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from itertools import product
 from typing import Iterator, Optional
 
 from seqpar import __version__
@@ -25,14 +31,11 @@ from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import launch_spec, now, tree_mode
 from seqpar.advisor.throughput import estimate_time
 from seqpar.errors import SeqparError
-from seqpar.modes import MODES, split_multiple
-from seqpar.schema import (
-    Alternative, ClusterSpec, LaunchPlan, ModelSpec, Rationale, Strategy, Workload, check_strategy_shape,
-)
+from seqpar.modes import FACTS, MODES, split_multiple
+from seqpar.schema import Alternative, ClusterSpec, LaunchPlan, ModelSpec, Rationale, Strategy, Workload, plan_problems
 from seqpar.units import GIB
 
 CHECKPOINTING = ("full", "selective", "none", "offload")
-TILED_INVALID = ("zero3", "zero3_offload")  # ZeRO-3's parameter hooks do not see TiledMLP's recomputation in backward
 SHARDING = ("ddp", "zero2", "zero3", "zero3_offload")  # fsdp costs the same as zero3 in this model; searched when pinned
 LOSS = ("chunked", "hf")
 
@@ -46,84 +49,65 @@ class Candidate:
     why: str = ""  # invalid / OOM reason
 
 
-def _degrees(mode: str, world: int, model: ModelSpec, req: AdviseRequest) -> Iterator[tuple[int, int]]:
-    """(sp_degree, ulysses_degree) pairs the mode can take on ``world`` ranks, honouring the pinned degrees: a pinned
-    sp_degree > 1 rules out data_parallel, a pinned Ulysses degree (> 1) rules out every mode but usp_attn."""
+def _degrees(mode: str, world: int, req: AdviseRequest) -> Iterator[tuple[int, int, str]]:
+    """(sp_degree, ulysses_degree, why not) the mode can take on ``world`` ranks, honouring the pinned degrees: a pinned
+    sp_degree > 1 rules out data_parallel, a pinned Ulysses degree (> 1) every mode but usp_attn. ``why not`` is set for
+    a pinned Ulysses degree that forms no usp_attn strategy over that sp_degree."""
     if req.ulysses_degree not in (None, 1) and mode != "usp_attn":
         return
     if mode == "data_parallel":
         if req.sp_degree in (None, 1):
-            yield 1, 1
+            yield 1, 1, ""
         return
     sps = [req.sp_degree] if req.sp_degree else [d for d in range(2, world + 1) if world % d == 0]
     for sp in sps:
         if mode != "usp_attn":
-            yield sp, 1
-            continue
-        us = [req.ulysses_degree] if req.ulysses_degree else [u for u in range(2, sp) if sp % u == 0]
-        for u in us:
-            yield sp, u
+            yield sp, 1, ""
+        elif req.ulysses_degree is None:
+            yield from ((sp, u, "") for u in range(2, sp) if sp % u == 0)
+        else:
+            u = req.ulysses_degree
+            ok = sp % u == 0 and 2 <= u < sp
+            yield sp, u, "" if ok else f"usp_attn needs ulysses_degree x ring_degree = {sp} with both >= 2, got ulysses {u}"
 
 
 def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[Strategy], list[tuple[Strategy | None, str]]]:
-    """(valid strategies, [(strategy or None, why invalid)])."""
-    c, m, world = req.cluster, req.model, req.cluster.world_size
-    valid, invalid = [], []
+    """(valid strategies, [(strategy, why invalid)]) over the request's search space; ``why`` is the first of the plan rules'
+    problems (schema.plan_problems), so LaunchPlan refuses each invalid strategy with that very line. The strategy is None
+    where a pinned Ulysses degree forms none."""
+    c, world = req.cluster, req.cluster.world_size
     modes = [req.mode] if req.mode else list(MODES)
     ckpts = [req.checkpointing] if req.checkpointing else list(CHECKPOINTING)
     if req.sharding:
         shards = [req.sharding]
-    elif req.cluster.accelerator == "cpu":  # DeepSpeed is GPU-only; gloo ranks shard with FSDP2
+    elif c.accelerator == "cpu":  # DeepSpeed is GPU-only; gloo ranks shard with FSDP2
         shards = ["ddp"] if world == 1 else ["ddp", "fsdp"]
     else:
         shards = ["ddp", "zero3_offload"] if world == 1 else list(SHARDING)
-    if workload.optimizer != "adamw":  # seqpar's DeepSpeed engine runs AdamW with an fp32 master (runtime/deepspeed.py)
-        shards = [sh for sh in shards if not sh.startswith("zero")] or ["ddp"]
-    if workload.dtype == "fp16" and req.cluster.accelerator == "cuda":  # only DeepSpeed scales fp16 losses here
-        shards = [sh for sh in shards if sh.startswith("zero")]
-        if not shards:
-            raise SeqparError(f"dtype fp16 needs a zero* sharding (DeepSpeed's loss scaling), not {req.sharding}; "
-                              "use dtype bf16, or --sharding zero3")
     losses = [req.loss_impl] if req.loss_impl else list(LOSS)
     tileds = [req.tiled_mlp] if req.tiled_mlp is not None else [False, True]
     fused = req.fused_ops or "none"
-    tiled_invalid: list[tuple[Strategy | None, str]] = []  # listed after the others: one reason repeated per combination
+    valid: list[Strategy] = []
+    invalid: list[tuple[Strategy | None, str]] = []
     for mode in modes:
-        for sp, u in _degrees(mode, world, m, req):
-            r = sp // u if mode == "usp_attn" else 1
-            try:
-                if world % sp:
-                    raise SeqparError(f"sp_degree {sp} does not divide the {world} GPUs")
-                if mode == "usp_attn" and (u < 2 or r < 2 or sp % u):
-                    raise SeqparError(f"usp_attn needs ulysses_degree x ring_degree = {sp} with both >= 2, got ulysses {u}")
-                base = Strategy(mode=mode, sp_degree=sp, dp_degree=world // sp, ulysses_degree=u if mode == "usp_attn" else 1,
-                                ring_degree=r if mode == "usp_attn" else 1)
-                check_strategy_shape(base, req.seq_len, m)
-            except (SeqparError, ValueError) as e:
-                invalid.append((None, f"{mode} sp={sp}" + (f" ulysses={u}" if mode == "usp_attn" else "") + f": {_one_line(e)}"))
+        for sp, u, why in _degrees(mode, world, req):
+            if why:
+                invalid.append((None, why))
                 continue
             gas = 1
             if req.tokens_per_step:
-                gas = max(1, round(req.tokens_per_step / (req.micro_batch_size * req.seq_len * base.dp_degree)))
-            for ck in ckpts:
-                if mode == "dist_flash_attn" and ck == "none":
-                    invalid.append((None, "dist_flash_attn checkpointing=none: its schedule needs gradient checkpointing (EasyContext)"))
+                gas = max(1, round(req.tokens_per_step / (req.micro_batch_size * req.seq_len * max(1, world // sp))))
+            for ck, sh, loss, tiled in product(ckpts, shards, losses, tileds):
+                if ck == "none" and FACTS[mode].needs_checkpointing and req.checkpointing is None:
                     continue
-                for sh in shards:
-                    for loss in losses:
-                        for tiled in tileds:
-                            st = base.model_copy(update={"checkpointing": ck, "sharding": sh, "loss_impl": loss,
-                                                         "gradient_accumulation_steps": gas, "fused_ops": fused, "tiled_mlp": tiled})
-                            if tiled and sh in TILED_INVALID:
-                                tiled_invalid.append((st, f"tiled_mlp with sharding {sh}: ZeRO-3 gathers parameters through module "
-                                                          "hooks that TiledMLP's recomputation in backward bypasses"))
-                                continue
-                            valid.append(st)
-    return valid, invalid + tiled_invalid
-
-
-def _one_line(e: Exception) -> str:
-    return str(e).splitlines()[0].removeprefix("Value error, ")
+                st = Strategy.over(mode, sp, world, u, checkpointing=ck, sharding=sh, loss_impl=loss,
+                                   gradient_accumulation_steps=gas, fused_ops=fused, tiled_mlp=tiled)
+                problems = plan_problems(workload, c, st)
+                if problems:
+                    invalid.append((st, problems[0]))
+                else:
+                    valid.append(st)
+    return valid, invalid
 
 
 def evaluate(workload: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> Candidate:
@@ -289,7 +273,8 @@ def max_seq_len(model: ModelSpec, cluster: ClusterSpec, modes: Optional[list[str
     for mode in modes or list(MODES):
         req0 = _request_for(model, cluster, 1024, mode=mode, **pins)
         w0 = req0.workload()
-        strategies, _ = enumerate_strategies(req0.model_copy(update={"seq_len": 2 * math.lcm(1024, *range(1, cluster.world_size + 1))}), w0)
+        any_len = 2 * math.lcm(1024, *range(1, cluster.world_size + 1))  # a length every mode splits: the options and heads decide
+        strategies, _ = enumerate_strategies(req0.model_copy(update={"seq_len": any_len}), w0.model_copy(update={"seq_len": any_len}))
         if not strategies:
             out[mode] = (0, None)
             continue
