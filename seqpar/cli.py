@@ -181,9 +181,9 @@ def advise(
     else:
         plan = run_advice(req, cluster_note)
     if output is not None:
-        from seqpar.advisor.rules import launch_spec
+        from seqpar.jobspec import launch_spec
 
-        plan = plan.model_copy(update={"launch": launch_spec(plan.cluster, str(output))})
+        plan = plan.model_copy(update={"launch": launch_spec(plan, output)})
         plan = LaunchPlan.model_validate(plan.model_dump())  # re-validate the edited plan before it touches disk
         plan.write(output)
         note(f"wrote {output}")
@@ -192,7 +192,7 @@ def advise(
     else:
         from seqpar.advisor.render import render_plan
 
-        render_plan(plan, stdout())
+        render_plan(plan, stdout(), str(output or "plan.json"))
 
 
 # --------------------------------------------------------------------------------------------- explain, schema
@@ -223,7 +223,7 @@ def explain(
         return
     from seqpar.advisor.render import render_plan
 
-    render_plan(plan, stdout())
+    render_plan(plan, stdout(), str(plan_path))
     from seqpar.advisor.explain import explain_tables  # the cost model's breakdowns (memory, time, alternatives)
 
     for t in explain_tables(plan):

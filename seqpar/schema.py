@@ -142,16 +142,18 @@ class ModelSpec(_Frozen):
         return self
 
     @property
-    def num_params(self) -> int:
-        """Parameter count of a Llama-style decoder (RMSNorm, SwiGLU, no biases but attention_bias)."""
+    def layer_params(self) -> int:
+        """Parameters of one Llama-style decoder layer: q, k, v, o (biases on q, k, v with attention_bias), the SwiGLU MLP's
+        three matrices and two RMSNorm weights."""
         h, d, a, kv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
-        attn = h * a * d + 2 * h * kv * d + a * d * h
-        if self.attention_bias:
-            attn += a * d + 2 * kv * d
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        attn = 2 * h * a * d + 2 * h * kv * d + ((a + 2 * kv) * d if self.attention_bias else 0)
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the model: the layers, the input embedding and LM head (one matrix when tied), the final norm."""
+        emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params + emb + self.hidden_size
 
 
 class Workload(_Frozen):
@@ -327,8 +329,12 @@ class TrainingSpec(_Frozen):
 
 class LaunchSpec(_Frozen):
     launcher: Literal["torchrun", "accelerate", "python"] = Field(default="torchrun", description="What starts the processes.")
-    command: list[str] = Field(default_factory=list, description="The command seqpar launch runs on each node (argv).")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for the job.")
+    command: list[str] = Field(
+        default_factory=list,
+        description="The command `seqpar launch` runs on each node (argv; a staged plan: its first stage's). 'python' is the "
+        "interpreter seqpar runs under; on several nodes $NODE_RANK and $MASTER_ADDR are each node's to fill in.",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for the job (they override seqpar launch's).")
 
 
 class Stage(_Frozen):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -33,6 +34,22 @@ def test_advise_json_matches_rules_exactly():
     assert plan.strategy == ref.strategy and plan.rationale.rule_path == ref.rationale.rule_path
     assert plan.rationale.cluster_note == "declared: 1 node(s) x 8 a100-80g-sxm"
     assert "seq_len 524288 (512K)" in r.stderr.splitlines()[0]
+
+
+@pytest.mark.parametrize("cluster", [["--cluster", "cpu:2"], ["--gpu", "a100", "--gpus", "8"]])
+def test_the_plan_records_what_seqpar_launch_runs(tmp_path, cluster):
+    """One builder (seqpar.jobspec): the plan's command and env are launch's (torchrun on CPU, accelerate for ZeRO on CUDA)."""
+    out = tmp_path / "plan.json"
+    r = run("advise", "-s", "256" if cluster[1] == "cpu:2" else "128k", "-m", "tiny", *cluster, "--policy", "rules", "-o", out)
+    assert r.exit_code == 0, r.stderr
+    plan = LaunchPlan.load(out)
+    r = run("launch", out, "--dry-run")
+    assert r.exit_code == 0, r.stderr
+    cmd = [ln for ln in r.stdout.splitlines() if "seqpar.runtime.train" in ln]
+    assert plan.launch.command[0] == "python" and cmd == [shlex.join([sys.executable, *plan.launch.command[1:]])]
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("export ")] == \
+        [f"export {k}={shlex.quote(v)}" for k, v in plan.launch.env.items()]
+    assert ("accelerate.commands.launch" in cmd[0]) == (plan.cluster.accelerator == "cuda")
 
 
 def test_advise_default_cluster_on_this_machine():

@@ -47,6 +47,7 @@ import math
 from dataclasses import dataclass
 
 from seqpar.advisor.coefficients import Coefficients
+from seqpar.flops import matmul_params
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.units import GIB
 
@@ -105,12 +106,6 @@ def optimizer_bytes_per_param(optimizer: str, dtype: str) -> int:
     return OPTIMIZER_BYTES[optimizer]
 
 
-def layer_params(m: ModelSpec) -> int:
-    h, d, a, kv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads
-    attn = 2 * h * a * d + 2 * h * kv * d + ((a + 2 * kv) * d if m.attention_bias else 0)
-    return attn + 3 * h * m.intermediate_size + 2 * h
-
-
 def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world: int, prec: "Precision | None" = None) -> dict[str, float]:
     """GPU bytes of weights, gradients and optimizer state at rest (ZeRO paper, sec. 5), plus ZeRO-3's gathered layers.
 
@@ -118,7 +113,7 @@ def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world:
     psi, n = m.num_params, world
     p = prec.compute if prec else DTYPE_BYTES[dtype]
     wb, gb, k = (prec.weight, prec.grad, prec.optim) if prec else (p, p, optimizer_bytes_per_param(optimizer, dtype))
-    lp = layer_params(m)
+    lp = m.layer_params
     if sharding == "ddp":
         return {"weights": psi * wb, "gradients": psi * gb, "optimizer_states": psi * k}
     if sharding == "zero2":
@@ -250,7 +245,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     kept = kept_bytes_per_token(m, dtype, s, r) * t
     offload_inflight = 2 * r * h * t if s.checkpointing == "offload" else 0.0
     # autocast caches a bf16 copy of every fp32 matmul weight until the forward's autocast region exits (before backward)
-    cache = 2 * (L * (layer_params(m) - 2 * h) + m.vocab_size * h) if prec.autocast_cache else 0.0
+    cache = 2 * matmul_params(m) if prec.autocast_cache else 0.0
     fwd_buf, bwd_buf = mode_buffers(m, dtype, s, t)
     carried_grads = grads_full if accum > 1 else 0.0  # gradient accumulation keeps them between micro-batches
 
@@ -287,10 +282,10 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     else:
         grad_flow = t * (2 * r * h + max(2 * p * i, p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim))
         tiled_buffers = 0.0
-    per_layer_grad = layer_params(m) * share
+    per_layer_grad = m.layer_params * share
     backward = {}
     for j in (L - 1, 0):
-        g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (layer_params(m) * p if gathered else 0.0))
+        g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (m.layer_params * p if gathered else 0.0))
         cand = {**opt, "gradients": g, "gathered_params": gathered, "checkpointed_activations": (j + 1) * kept + offload_inflight,
                 "layer_recompute": recompute, "gradient_flow": grad_flow, "tiled_mlp_buffers": tiled_buffers, "mode_buffers": bwd_buf}
         if sum(cand.values()) > sum(backward.values()):

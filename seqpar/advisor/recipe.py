@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 from seqpar.advisor.advise import advise
 from seqpar.advisor.request import AdviseRequest
 from seqpar.errors import SeqparError
+from seqpar.jobspec import launch_spec
 from seqpar.schema import LaunchPlan, Rationale, Stage
 
 
@@ -92,4 +93,5 @@ def advise_recipe(req: AdviseRequest, name: str, cluster_note: str = "") -> Laun
     data["training"] = {**data["training"], "steps": final.steps, "rope_theta": final.rope_theta}
     data["rationale"] = rationale.model_dump()
     data["stages"] = [s.model_dump() for s in stages]
-    return LaunchPlan.model_validate(data)
+    plan = LaunchPlan.model_validate(data)
+    return plan.model_copy(update={"launch": launch_spec(plan)})  # the first stage's job: what seqpar launch runs first

@@ -14,15 +14,16 @@ LaunchPlan (no prediction: the rules do not model memory or speed; ``--policy co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Callable, Optional
 
 from seqpar import __version__
 from seqpar.advisor.request import AdviseRequest
 from seqpar.errors import SeqparError
+from seqpar.jobspec import launch_spec
 from seqpar.schema import (
     ClusterSpec,
     LaunchPlan,
-    LaunchSpec,
     ModelSpec,
     Rationale,
     Strategy,
@@ -150,16 +151,6 @@ def choose_mode(
     )
 
 
-def launch_spec(cluster: ClusterSpec, plan_path: str = "plan.json") -> LaunchSpec:
-    """The torchrun command each node runs (``seqpar launch plan.json`` builds the same one)."""
-    cmd = ["torchrun", "--nnodes", str(cluster.nodes), "--nproc-per-node", str(cluster.gpus_per_node)]
-    if cluster.nodes > 1:
-        cmd += ["--node-rank", "$NODE_RANK", "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
-    cmd += ["-m", "seqpar.runtime.train", "--plan", plan_path]
-    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if cluster.accelerator == "cuda" else {"OMP_NUM_THREADS": "1"}
-    return LaunchSpec(launcher="torchrun", command=cmd, env=env)
-
-
 def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
     """A launch plan from the guide's tree. Pins in the request are honoured; no prediction (prediction=None)."""
     c, s = req.cluster, req.seq_len
@@ -210,29 +201,18 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
                        f"= {req.tokens_per_step / per_micro:.2f}, rounded")
     everything_pinned = bool(req.mode and (req.mode == "data_parallel" or req.sp_degree) and req.checkpointing and req.sharding and req.loss_impl
                              and (req.mode != "usp_attn" or req.ulysses_degree))
-    return LaunchPlan(
-        created_by=f"seqpar {__version__} (advise, rules)",
-        created_at=now(),
-        workload=req.workload(),
-        cluster=c,
-        strategy=strategy,
-        prediction=None,
-        rationale=Rationale(
-            policy="pinned" if everything_pinned else "rules",
-            rule_path=ch.rule_path,
-            rules_choice=ch.tree_mode,
-            reasons=reasons,
-            cluster_note=cluster_note,
-        ),
-        launch=launch_spec(c),
-    )
+    rationale = Rationale(policy="pinned" if everything_pinned else "rules", rule_path=ch.rule_path, rules_choice=ch.tree_mode,
+                          reasons=reasons, cluster_note=cluster_note)
+    return written_plan("rules", workload=w, cluster=c, strategy=strategy, prediction=None, rationale=rationale)
 
 
-def now() -> str:
-    """ISO-8601 UTC time of writing, to the second (a plan's created_at)."""
-    import datetime
+def written_plan(policy: str, **fields) -> LaunchPlan:
+    """A plan as the advisor writes it: by whom (seqpar's version, the policy) and when, with the command ``seqpar launch
+    plan.json`` will run (seqpar.jobspec; `seqpar advise -o PATH` records it for PATH)."""
+    created_at = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    plan = LaunchPlan(created_by=f"seqpar {__version__} (advise, {policy})", created_at=created_at, **fields)
+    return plan.model_copy(update={"launch": launch_spec(plan)})
 
-    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
 
-
-__all__ = ["TREE", "NEXT_CHOICE", "BY_HARDWARE", "BY_PHASE", "Choice", "tree_mode", "check_mode", "choose_mode", "advise_by_rules", "launch_spec"]
+__all__ = ["TREE", "NEXT_CHOICE", "BY_HARDWARE", "BY_PHASE", "Choice", "tree_mode", "check_mode", "choose_mode", "advise_by_rules",
+           "written_plan"]

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Iterator, Optional
 
-from seqpar import __version__
 from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
-from seqpar.advisor.rules import launch_spec, now, tree_mode
+from seqpar.advisor.rules import tree_mode, written_plan
 from seqpar.advisor.throughput import estimate_time
 from seqpar.errors import SeqparError
 from seqpar.modes import FACTS, MODES, split_multiple
@@ -157,8 +156,7 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
         alts.append(liger)
     rationale = Rationale(policy="pinned" if pinned else "cost", rule_path=rule_path, rules_choice=rules_mode,
                           reasons=reasons, alternatives=alts, cluster_note=cluster_note)
-    return LaunchPlan(created_by=f"seqpar {__version__} (advise, cost)", created_at=now(), workload=w, cluster=cl,
-                      strategy=best.strategy, prediction=pred, rationale=rationale, launch=launch_spec(cl))
+    return written_plan("cost", workload=w, cluster=cl, strategy=best.strategy, prediction=pred, rationale=rationale)
 
 
 def _predict_all(req: AdviseRequest, valid: list[Strategy], w: Workload, cl: ClusterSpec, c: Coefficients) -> list[Candidate]:

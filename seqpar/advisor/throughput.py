@@ -26,6 +26,8 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   carrying Q,K,V out and O,lse back; gradients: ring all-reduce 2(N-1)/N*2Psi (DDP), reduce-scatter + all-gather (ZeRO-2),
   per-layer all-gathers in forward and backward + reduce-scatter (ZeRO-3 / FSDP), hidden up to ``grad_comm_overlap``
   under backward; ZeRO-3 offload adds PCIe copies of the parameter shards and fp32 gradients and the CPU Adam step.
+* MFU: seqpar.flops' model FLOPs (no recompute) over the datasheet bf16 peak of every GPU, the count measured MFU
+  (seqpar.runtime.report) uses too.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.advisor.coefficients import Coefficients
-from seqpar.advisor.memory import layer_params, optimizer_bytes_per_param, precision
+from seqpar.advisor.memory import optimizer_bytes_per_param, precision
+from seqpar.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
 
 REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
@@ -49,15 +52,10 @@ class TimeEstimate:
     parts_s: dict[str, float]  # unscaled components the fit works on (ideal linear / attention time, fixed rest incl. elementwise)
 
 
-def matmul_params(m: ModelSpec) -> int:
-    """Parameters that take part in a matmul per token: decoder layers without norms, plus the LM head."""
-    return m.num_layers * (layer_params(m) - 2 * m.hidden_size) + m.vocab_size * m.hidden_size
-
-
 def linear_flops_per_token(m: ModelSpec, checkpointing: str, loss_impl: str, tiled_mlp: bool = False) -> float:
     """6*N_lin forward+backward, +2*N_lin of the layers for recompute, +2*V*h when the chunked loss recomputes logits,
     +2*3*h*I*L when tiled_mlp runs each MLP forward once more (its tiles are recomputed in backward)."""
-    n_layers = m.num_layers * (layer_params(m) - 2 * m.hidden_size)
+    n_layers = m.num_layers * layer_matmul_params(m)
     f = 6.0 * matmul_params(m)
     if checkpointing != "none":
         f += 2.0 * n_layers
@@ -82,11 +80,6 @@ def elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: fl
     passes = 1 + (1 if s.checkpointing != "none" else 0) + 2
     moved = total * passes + (swiglu if s.tiled_mlp else 0.0)
     return tokens * m.num_layers * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
-
-
-def attention_fwd_flops(m: ModelSpec, seq_len: int) -> float:
-    """Causal attention forward FLOPs of one sequence over all layers: 2 * S^2 * a * d per layer."""
-    return 2.0 * seq_len * seq_len * m.num_attention_heads * m.head_dim * m.num_layers
 
 
 def recomputes_attention(s: Strategy) -> bool:
@@ -216,7 +209,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     exposed = accum * sp_comm + grad_exposed
     step = compute + elementwise + exposed + offload + opt_t
     tokens = S * b * s.dp_degree * accum
-    model_flops = tokens * 6.0 * matmul_params(m) + b * s.dp_degree * accum * attention_fwd_flops(m, S) * 3.5
+    model_flops = b * s.dp_degree * accum * model_flops_per_sequence(m, S)  # seqpar.flops: the count measured MFU uses too
     mfu = model_flops / step / (world * cluster.gpu.bf16_tflops * 1e12)
     parts = {"linear_ideal": accum * lin_ideal, "attn_ideal": accum * attn_ideal, "cpu_adam": opt_t if s.sharding == "zero3_offload" else 0.0,
              "elementwise": elementwise}
