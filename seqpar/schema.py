@@ -395,14 +395,8 @@ class LaunchPlan(_Frozen):
     def load(cls, path: str | Path) -> "LaunchPlan":
         """Read and validate a plan file; SeqparError with one line on any problem."""
         p = Path(path)
-        if not p.is_file():
-            raise SeqparError(f"plan file {str(p)!r} does not exist; write one with `seqpar advise ... -o {p}`")
-        try:
-            data = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SeqparError(f"plan file {str(p)!r} is not valid JSON ({e}); regenerate it with `seqpar advise -o`") from None
-        if not isinstance(data, dict):
-            raise SeqparError(f"plan file {str(p)!r} holds a {type(data).__name__}, not a plan object")
+        data = read_json_object(p, "plan file", "plan", missing_fix=f"write one with `seqpar advise ... -o {p}`",
+                                invalid_fix="regenerate it with `seqpar advise -o`")
         ver = data.get("schema_version", SCHEMA_VERSION)
         if isinstance(ver, int) and ver > SCHEMA_VERSION:
             raise SeqparError(
@@ -422,6 +416,19 @@ def first_error(e: ValidationError) -> str:
     if err.get("type") == "extra_forbidden":
         msg = "unknown field (not part of schema version %d)" % SCHEMA_VERSION
     return f"{loc}: {msg}" if loc else msg  # a rule across fields (a model validator) has no field path
+
+
+def read_json_object(path: Path, what: str, kind: str, *, missing_fix: str, invalid_fix: str) -> dict:
+    """The JSON object in ``path``; SeqparError naming ``what`` file it is, what is wrong and a fix otherwise."""
+    if not path.is_file():
+        raise SeqparError(f"{what} {str(path)!r} does not exist; {missing_fix}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SeqparError(f"{what} {str(path)!r} is not valid JSON ({e}); {invalid_fix}") from None
+    if not isinstance(data, dict):
+        raise SeqparError(f"{what} {str(path)!r} holds a {type(data).__name__}, not a {kind} object")
+    return data
 
 
 def write_atomic(path: str | Path, text: str) -> Path:

@@ -190,6 +190,26 @@ def test_help_has_examples(cmd):
     assert r.exit_code == 0 and "Examples" in r.stdout and "seqpar " + cmd[0] in r.stdout
 
 
+@pytest.mark.parametrize("cmd,own", [("advise", ["--policy", "--max-seq-len", "--recipe", "--output", "--json"]),
+                                     ("check", ["--json", "PLAN.json"])])
+def test_advise_and_check_list_the_shared_options_in_panels(cmd, own):
+    """One declaration (seqpar.cli_options.RequestFlags) gives both commands every workload, cluster and pin option."""
+    import dataclasses
+    import typing
+
+    from seqpar.cli_options import RequestFlags
+
+    r = runner.invoke(app, [cmd, "--help"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    flags = [typing.get_args(hint)[1].default  # in Annotated, typer.Option's first argument is the flag
+             for hint in typing.get_type_hints(RequestFlags, include_extras=True).values()]
+    assert len(flags) == len(dataclasses.fields(RequestFlags)) == 18
+    for flag in flags + own:
+        assert flag.split("/")[0] in r.stdout, flag
+    for panel in ("Workload", "Cluster", "Pins", "Output"):
+        assert f"─ {panel}" in r.stdout, panel
+
+
 def test_advisor_and_cli_never_import_torch():
     code = ("import seqpar.advisor.rules, seqpar.advisor.probe, seqpar.cli, sys; "
             "from typer.testing import CliRunner; r = CliRunner().invoke(seqpar.cli.app, ['advise', '--seq-len', '512k', '--json']); "

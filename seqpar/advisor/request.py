@@ -63,11 +63,5 @@ class AdviseRequest(_Frozen):
         return self
 
     def workload(self) -> Workload:
-        return Workload(
-            model=self.model,
-            seq_len=self.seq_len,
-            micro_batch_size=self.micro_batch_size,
-            tokens_per_step=self.tokens_per_step,
-            dtype=self.dtype,
-            optimizer=self.optimizer,
-        )
+        """What is trained: the request's fields that Workload has (all of them)."""
+        return Workload(**{k: getattr(self, k) for k in Workload.model_fields})
