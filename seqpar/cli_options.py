@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Optional, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Optional, get_args, get_type_hints
 
 import typer
 
@@ -75,9 +75,9 @@ class RequestFlags:
     ] = None
 
     def pins(self) -> dict:
-        """The AdviseRequest pins, by field name."""
-        names = ("mode", "sp_degree", "ulysses_degree", "checkpointing", "sharding", "loss_impl", "fused_ops", "tiled_mlp")
-        return {k: getattr(self, k) for k in names}
+        """The pinned choices (the fields in the Pins panel), by name: AdviseRequest's names for them."""
+        hints = get_type_hints(RequestFlags, include_extras=True)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if get_args(hints[f.name])[1].rich_help_panel == PINS}
 
 
 def with_request_flags(command):

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from seqpar.advisor.coefficients import Coefficients
 from seqpar.flops import matmul_params
+from seqpar.modes import FACTS, degrees, head_degree
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.units import GIB
 
@@ -173,19 +174,22 @@ def kept_bytes_per_token(m: ModelSpec, dtype: str, strategy: Strategy, residual:
     return r * m.hidden_size
 
 
-def _ulysses(strategy: Strategy) -> int:
-    return strategy.sp_degree if strategy.mode == "ulysses_attn" else strategy.ulysses_degree if strategy.mode == "usp_attn" else 1
+def ulysses_ranks(s: Strategy) -> int:
+    """Ranks of the all-to-all head split (ulysses_attn, usp_attn's Ulysses part); 1 without one (seqpar.modes)."""
+    return head_degree(s.mode, s.sp_degree, s.ulysses_degree)
 
 
-def _ring(strategy: Strategy) -> int:
-    return strategy.sp_degree if strategy.mode == "zigzag_ring_attn" else strategy.ring_degree if strategy.mode == "usp_attn" else 1
+def ring_ranks(s: Strategy) -> int:
+    """Ranks of the zigzag ring passing K,V blocks (zigzag_ring_attn, usp_attn's ring part); 1 without one. dist_flash_attn's
+    contiguous schedule moves other tensors and is costed on its own."""
+    return degrees(s.mode, s.sp_degree, s.ulysses_degree)[0] if "zigzag" in FACTS[s.mode].layout else 1
 
 
 def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tuple[float, float]:
     """(forward, backward) bytes of the mode's communication buffers and accumulators for one layer, t local tokens."""
     p, a, d, kv = DTYPE_BYTES[dtype], m.num_attention_heads, m.head_dim, m.num_key_value_heads
     fwd = bwd = 0.0
-    u, r = _ulysses(strategy), _ring(strategy)
+    u, r = ulysses_ranks(strategy), ring_ranks(strategy)
     if u > 1:
         kv_eff = kv if kv % u == 0 else u  # KV heads replicated up to the Ulysses degree
         qkvo = t * p * (2 * a * d + 2 * kv_eff * d)  # same bytes at (S, heads/u) as at (S/u, heads)

@@ -35,8 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.advisor.coefficients import Coefficients
-from seqpar.advisor.memory import optimizer_bytes_per_param, precision
+from seqpar.advisor.memory import optimizer_bytes_per_param, precision, ring_ranks, ulysses_ranks
 from seqpar.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
+from seqpar.modes import split_multiple
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
 
 REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
@@ -93,14 +94,9 @@ def attention_multiplier(s: Strategy) -> float:
 
 
 def call_tokens(s: Strategy, seq_len: int) -> float:
-    """Query tokens of one attention kernel call."""
-    if s.mode in ("data_parallel", "ulysses_attn"):
-        return seq_len
-    if s.mode == "zigzag_ring_attn":
-        return seq_len / (2 * s.sp_degree)
-    if s.mode == "usp_attn":
-        return seq_len / (2 * s.ring_degree)
-    return seq_len / s.sp_degree  # dist_flash_attn
+    """Query tokens of one attention kernel call: one chunk of the mode's split (seqpar.modes), its Ulysses group's chunks
+    gathered (S for data parallel and Ulysses, S/(2P) for zigzag, S/(2R) for usp, S/P for dist flash)."""
+    return seq_len * ulysses_ranks(s) / split_multiple(s.mode, s.sp_degree, s.ulysses_degree)
 
 
 def imbalance(s: Strategy) -> float:
@@ -152,8 +148,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
 
     # ---- sequence-parallel communication of one micro-batch
     sp_comm = 0.0
-    u = P if s.mode == "ulysses_attn" else s.ulysses_degree if s.mode == "usp_attn" else 1
-    r = P if s.mode == "zigzag_ring_attn" else s.ring_degree if s.mode == "usp_attn" else 1
+    u, r = ulysses_ranks(s), ring_ranks(s)
     kv_eff = kv if (u == 1 or kv % u == 0) else u
     if u > 1:
         a2a_bytes = (u - 1) / u * t * p * (2 * a * d + 2 * kv_eff * d) * L  # q, k, v in and o out, one pass
