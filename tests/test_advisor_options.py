@@ -15,8 +15,9 @@ from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, max_seq_len
 from seqpar.advisor.throughput import elementwise_time, estimate_time, linear_flops_per_token, width_efficiency
 from seqpar.cli import app
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_model
-from seqpar.schema import LaunchPlan, ModelSpec, SeqparError, Strategy, Workload
+from seqpar.schema import LaunchPlan, ModelSpec, Strategy, Workload
 
 C = load_coefficients()
 M7 = get_model("llama-2-7b")

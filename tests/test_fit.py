@@ -11,8 +11,9 @@ from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost
 from seqpar.advisor.throughput import estimate_time
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_model
-from seqpar.schema import SeqparError, Strategy, Workload
+from seqpar.schema import Strategy, Workload
 
 C = load_coefficients()
 

@@ -7,8 +7,9 @@ import pytest
 from seqpar.advisor.cluster import cluster_from_flags, cpu_cluster, default_cluster
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import advise_by_rules, choose_mode
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_model
-from seqpar.schema import LaunchPlan, SeqparError
+from seqpar.schema import LaunchPlan
 
 K = 1024
 NO_DP = "seq_len < 64K: no"

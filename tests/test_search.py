@@ -10,8 +10,9 @@ from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, enumerate_strategies, max_seq_len
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_model
-from seqpar.schema import SeqparError, Strategy
+from seqpar.schema import Strategy
 
 M7 = get_model("llama-2-7b")
 C = load_coefficients()

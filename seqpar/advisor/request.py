@@ -62,6 +62,12 @@ class AdviseRequest(_Frozen):
         check_workload(self.workload(), self.cluster, self.fused_ops)
         return self
 
+    def accumulation_steps(self, dp_degree: int) -> int:
+        """Micro-batches per optimizer step that make tokens_per_step (rounded, at least 1) over dp_degree replicas."""
+        if not self.tokens_per_step:
+            return 1
+        return max(1, round(self.tokens_per_step / (self.micro_batch_size * self.seq_len * dp_degree)))
+
     def workload(self) -> Workload:
         """What is trained: the request's fields that Workload has (all of them)."""
         return Workload(**{k: getattr(self, k) for k in Workload.model_fields})

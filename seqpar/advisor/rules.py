@@ -169,10 +169,7 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
             reasons.append(f"the guide's by-hardware table says {BY_HARDWARE[hw]} for a {hw}; its by-length rule decides here")
     # EasyContext's recipe: gradient checkpointing, DeepSpeed ZeRO-3 with CPU offload, its own loss on full logits, micro-batch 1.
     ckpt, loss = req.checkpointing or "full", req.loss_impl or "hf"
-    gas = 1
-    if req.tokens_per_step:
-        per_micro = req.micro_batch_size * s * dp
-        gas = max(1, round(req.tokens_per_step / per_micro))
+    gas = req.accumulation_steps(dp)
     strategy = Strategy.over(ch.mode, ch.sp_degree, c.world_size, ch.ulysses_degree, checkpointing=ckpt, loss_impl=loss,
                              gradient_accumulation_steps=gas, fused_ops=req.fused_ops or "none", tiled_mlp=bool(req.tiled_mlp))
     # Sharding: the pin, else EasyContext's engine on CUDA (FSDP2 where the plan rules refuse ZeRO-3: another optimizer than
@@ -197,6 +194,7 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
         if pinned is not None:
             reasons.append(f"{what} {pinned}: pinned")
     if req.tokens_per_step:
+        per_micro = req.micro_batch_size * s * dp
         reasons.append(f"gradient_accumulation_steps {gas}: {req.tokens_per_step} tokens per step / ({req.micro_batch_size} x {s} x dp {dp}) "
                        f"= {req.tokens_per_step / per_micro:.2f}, rounded")
     everything_pinned = bool(req.mode and (req.mode == "data_parallel" or req.sp_degree) and req.checkpointing and req.sharding and req.loss_impl

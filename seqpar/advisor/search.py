@@ -93,9 +93,7 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
             if why:
                 invalid.append((None, why))
                 continue
-            gas = 1
-            if req.tokens_per_step:
-                gas = max(1, round(req.tokens_per_step / (req.micro_batch_size * req.seq_len * max(1, world // sp))))
+            gas = req.accumulation_steps(max(1, world // sp))
             for ck, sh, loss, tiled in product(ckpts, shards, losses, tileds):
                 if ck == "none" and FACTS[mode].needs_checkpointing and req.checkpointing is None:
                     continue
