@@ -17,7 +17,7 @@ import sys
 from datetime import datetime, timezone
 
 from seqpar.advisor.fit import coefficients_json, evaluate, load_measurements
-from seqpar.advisor.predict import COEFFICIENTS_PATH, load_coefficients
+from seqpar.advisor.coefficients import COEFFICIENTS_PATH, load_coefficients
 from seqpar.schema import write_atomic
 
 

@@ -3,7 +3,7 @@
     python bench/advise_speed.py
 
 Measures in a fresh interpreter (imports included, as a user's `seqpar advise` pays them) and in-process (search only).
-Target (issue 3): under 1 s on a 2-core CPU for the full search of 8 GPUs, no torch import.
+Target: under 1 s on a 2-core CPU for the full search of 8 GPUs, no torch import.
 """
 
 from __future__ import annotations

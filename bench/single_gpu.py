@@ -1,4 +1,4 @@
-"""One GPU: stock transformers, stock + Liger kernels, and `seqpar launch`, on the same model shapes (issue 7).
+"""One GPU: stock transformers, stock + Liger kernels, and `seqpar launch`, on the same model shapes.
 
 Each (variant, shape, seq_len) runs in its own subprocess so an OOM in one leaves the others' memory statistics clean.
 Results are JSON rows with the fields the cost model's measurement files use (tokens_per_s, peak_memory_gib, ...).
@@ -7,8 +7,8 @@ Results are JSON rows with the fields the cost model's measurement files use (to
         --steps 2 --out $OUT/single_gpu.json
     PYTHONPATH=. python3 bench/single_gpu.py --shape llama-3.2-1b --max-seq --start 64k --step 16k --variants stock
 
-Model FLOPs per step (for MFU): 6*N*T for the matrix products (N = parameters without the input embedding) plus causal attention
-3.5 * 2*S^2*h per layer per sequence (anchors.md: fwd = 2*s^2*h, fwd+bwd = 3.5x fwd); recompute is not counted (MFU, not HFU).
+Model FLOPs per step (for MFU): seqpar.flops, the count seqpar's predicted and measured MFU use (6 * matmul parameters per
+token plus causal attention, 3.5x its forward); recompute is not counted (MFU, not HFU).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 H200_DATASHEET_TFLOPS = 989.0  # dense bf16, NVIDIA H200 SXM datasheet
-H200_MATMUL_TFLOPS = 773.0  # measured bf16 8192^3 matmul on our H200, December 2026 (shared/reference/hardware.md)
+H200_MATMUL_TFLOPS = 773.0  # measured bf16 8192^3 matmul on the project's H200 (median of 10), torch 2.11 + CUDA 13.0, December 2026
 
 
 def parse_len(text: str) -> int:
@@ -32,19 +32,10 @@ def parse_len(text: str) -> int:
     return int(float(text.rstrip("km")) * mult)
 
 
-def model_flops_per_step(spec: dict, seq_len: int, batch: int = 1) -> float:
-    h, layers, vocab = spec["hidden_size"], spec["num_layers"], spec["vocab_size"]
-    n_matmul = spec["num_params"] - vocab * h  # the input embedding is a gather, not a product
-    return 6.0 * n_matmul * seq_len * batch + 3.5 * 2.0 * seq_len**2 * h * layers * batch
-
-
 def shape_spec(name: str) -> dict:
     from seqpar.profiles import get_model
 
-    m = get_model(name)
-    d = m.model_dump()
-    d["num_params"] = m.num_params
-    return d
+    return get_model(name).model_dump()
 
 
 def hf_config(spec: dict):
@@ -150,7 +141,10 @@ def worker(args) -> None:
         else:
             res = run_baseline(args.variant, spec, args.seq_len, args.steps, args.warmup, args.optimizer)
         t = sorted(res["step_times_s"])[len(res["step_times_s"]) // 2]
-        flops = model_flops_per_step(spec, args.seq_len)
+        from seqpar.flops import model_flops_per_sequence
+        from seqpar.profiles import get_model
+
+        flops = model_flops_per_sequence(get_model(args.shape), args.seq_len)
         row.update(res, ok=True, step_time_s=t, tokens_per_s=args.seq_len / t,
                    mfu_datasheet=flops / t / (H200_DATASHEET_TFLOPS * 1e12),
                    mfu_matmul_ceiling=flops / t / (H200_MATMUL_TFLOPS * 1e12))

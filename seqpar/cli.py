@@ -21,19 +21,9 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from seqpar.schema import (
-    Checkpointing,
-    FusedOps,
-    LaunchPlan,
-    LossImpl,
-    Mode,
-    Optimizer,
-    SeqparError,
-    Sharding,
-    first_error,
-    format_tokens,
-    parse_seq_len,
-)
+from seqpar.cli_options import OUTPUT, RequestFlags, advise_request, with_request_flags
+from seqpar.errors import SeqparError
+from seqpar.schema import LaunchPlan, first_error, format_tokens, parse_seq_len
 
 app = typer.Typer(
     name="seqpar",
@@ -43,6 +33,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
+ADVICE = "Advice"
 profiles_app = typer.Typer(help="GPU, link and model profiles seqpar knows.", no_args_is_help=True, rich_markup_mode="markdown")
 app.add_typer(profiles_app, name="profiles")
 
@@ -110,30 +101,14 @@ def print_json(obj) -> None:
 
 @app.command()
 @handle_errors
+@with_request_flags
 def advise(
-    seq_len: Optional[str] = typer.Option(None, "--seq-len", "-s", help="Tokens per sequence: 131072, 128k, 512K, 1M (k = 1024, M = 1024^2); required unless --max-seq-len."),
-    max_seq_len: bool = typer.Option(False, "--max-seq-len", help="Instead of a plan: the longest sequence that fits, per mode (pins apply)."),
-    model: str = typer.Option("llama-2-7b", "--model", "-m", help="Profile name (seqpar profiles list), Hub id, or a local config.json / folder."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU profile of the declared cluster, e.g. a100, h100, h200."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="GPUs per node of the declared cluster."),
-    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes of the declared cluster."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="cpu:N for N gloo CPU ranks (instead of --gpu/--gpus/--nodes)."),
-    host_ram_gib: Optional[float] = typer.Option(None, "--host-ram-gib", min=1, help="Host RAM per node, GiB (default: 2x the node's GPU memory)."),
-    mode: Optional[Mode] = typer.Option(None, "--mode", help="Pin the sequence-parallel mode."),
-    sp_degree: Optional[int] = typer.Option(None, "--sp-degree", min=1, help="Pin the sequence-parallel degree."),
-    ulysses_degree: Optional[int] = typer.Option(None, "--ulysses-degree", min=1, help="Pin the Ulysses degree (usp_attn)."),
-    checkpointing: Optional[Checkpointing] = typer.Option(None, "--checkpointing", help="Pin activation checkpointing."),
-    sharding: Optional[Sharding] = typer.Option(None, "--sharding", help="Pin model-state sharding."),
-    optimizer: Optimizer = typer.Option("adamw", "--optimizer", help="Optimizer of the workload."),
-    loss_impl: Optional[LossImpl] = typer.Option(None, "--loss-impl", help="Pin the loss implementation."),
-    fused_ops: Optional[FusedOps] = typer.Option(None, "--fused-ops", help="Pin fused kernels: liger = Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA, pip install liger-kernel); default none."),
-    tiled_mlp: Optional[bool] = typer.Option(None, "--tiled-mlp/--no-tiled-mlp", help="Pin TiledMLP (each MLP one sequence tile at a time: less memory, one more MLP forward); default: the search tries both."),
-    micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="Sequences per data-parallel rank per forward pass."),
-    tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", min=1, help="Tokens per optimizer step (sets gradient accumulation)."),
-    policy: Optional[Literal["rules", "cost"]] = typer.Option(None, "--policy", help="rules: the guide's tree; cost: the cost-model search (default when installed)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the plan here (atomically; nothing is written on error)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (only JSON)."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", help="Staged context extension: 1M (EasyContext's Llama-2-7B schedule) or smoke (CPU); each stage planned; seqpar launch runs them in order."),
+    flags: RequestFlags,
+    policy: Optional[Literal["rules", "cost"]] = typer.Option(None, "--policy", rich_help_panel=ADVICE, help="rules: the guide's tree; cost: the cost-model search (default)."),
+    max_seq_len: bool = typer.Option(False, "--max-seq-len", rich_help_panel=ADVICE, help="Instead of a plan: the longest sequence that fits, per mode (pins apply)."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", rich_help_panel=ADVICE, help="Staged context extension: 1M (EasyContext's Llama-2-7B schedule) or smoke (CPU); each stage planned; seqpar launch runs them in order."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", rich_help_panel=OUTPUT, help="Write the plan here (atomically; nothing is written on error)."),
+    json_out: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT, help="Print the plan as JSON on stdout (only JSON)."),
 ):
     """Advise a launch plan: which sequence-parallel mode, degrees, checkpointing and sharding, with the reasons.
 
@@ -149,14 +124,11 @@ def advise(
         seqpar advise --max-seq-len --gpu h200 --gpus 8 --optimizer adamw
         seqpar advise --seq-len 64k --gpu h200 --gpus 1 --optimizer none --tiled-mlp --fused-ops liger -o plan.json
     """
-    from seqpar.advisor.advise import advise as run_advice, default_policy
-    from seqpar.advisor.cluster import resolve_cluster
-    from seqpar.advisor.request import AdviseRequest, check_fused_ops
-    from seqpar.profiles import get_model
+    from seqpar.advisor.advise import advise as run_advice
 
     if max_seq_len:
-        return _max_seq_len_command(model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing,
-                                    sharding, optimizer, loss_impl, micro_batch, json_out, fused_ops, tiled_mlp)
+        return _max_seq_len_command(flags, json_out)
+    seq_len = flags.seq_len
     if recipe is not None and seq_len is None:  # the recipe's last stage; every stage is planned below
         from seqpar.advisor.recipe import recipe_seq_len
 
@@ -165,38 +137,26 @@ def advise(
         raise SeqparError("--seq-len is required (e.g. --seq-len 128k), unless you ask for --max-seq-len")
     n = parse_seq_len(seq_len)
     note(f"seq_len {n} ({format_tokens(n)})")
-    spec = get_model(model)
-    cl, cluster_note = resolve_cluster(gpu, gpus, nodes, cluster, host_ram_gib)
-    note(f"cluster: {cluster_note}")
-    check_fused_ops(fused_ops, cl)
-    req = AdviseRequest(
-        model=spec, seq_len=n, cluster=cl, micro_batch_size=micro_batch, tokens_per_step=tokens_per_step,
-        dtype="fp32" if cl.accelerator == "cpu" else "bf16", optimizer=optimizer, policy=policy or default_policy(),
-        mode=mode, sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,
-        fused_ops=fused_ops, tiled_mlp=tiled_mlp,
-    )
-    notes: list[str] = []
+    req, cluster_note = advise_request(flags, n, policy or "cost", note)
     if recipe is not None:
         from seqpar.advisor.recipe import advise_recipe
 
-        plan = advise_recipe(req, recipe, cluster_note, notes)
+        plan = advise_recipe(req, recipe, cluster_note)
     else:
-        plan = run_advice(req, cluster_note, notes)
-    for line in notes:
-        note(f"note: {line}")
+        plan = run_advice(req, cluster_note)
     if output is not None:
-        from seqpar.advisor.rules import launch_spec
+        from seqpar.jobspec import launch_spec
 
-        plan = plan.model_copy(update={"launch": launch_spec(plan.cluster, str(output))})
+        plan = plan.model_copy(update={"launch": launch_spec(plan, output)})
         plan = LaunchPlan.model_validate(plan.model_dump())  # re-validate the edited plan before it touches disk
         plan.write(output)
         note(f"wrote {output}")
     if json_out:
         print_json(plan.to_json().rstrip("\n"))
     else:
-        from seqpar.advisor.report import render_plan
+        from seqpar.advisor.render import render_plan
 
-        render_plan(plan, stdout())
+        render_plan(plan, stdout(), str(output or "plan.json"))
 
 
 # --------------------------------------------------------------------------------------------- explain, schema
@@ -225,9 +185,9 @@ def explain(
     if json_out:
         print_json(plan.to_json().rstrip("\n"))
         return
-    from seqpar.advisor.report import render_plan
+    from seqpar.advisor.render import render_plan
 
-    render_plan(plan, stdout())
+    render_plan(plan, stdout(), str(plan_path))
     from seqpar.advisor.explain import explain_tables  # the cost model's breakdowns (memory, time, alternatives)
 
     for t in explain_tables(plan):
@@ -239,31 +199,16 @@ def explain(
 
 @app.command()
 @handle_errors
+@with_request_flags
 def check(
-    plan_path: Optional[Path] = typer.Argument(None, metavar="[PLAN.json]", help="A plan written by `seqpar advise -o`; without it, the advise flags below."),
-    seq_len: Optional[str] = typer.Option(None, "--seq-len", "-s", help="Tokens per sequence (without a plan)."),
-    model: str = typer.Option("llama-2-7b", "--model", "-m", help="Model profile (without a plan)."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="Check on this GPU profile instead of the plan's (or the probed) one."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", min=1, help="GPUs per node."),
-    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="cpu:N for N gloo CPU ranks."),
-    host_ram_gib: Optional[float] = typer.Option(None, "--host-ram-gib", min=1, help="Host RAM per node, GiB."),
-    mode: Optional[Mode] = typer.Option(None, "--mode", help="Pin the mode (without a plan)."),
-    sp_degree: Optional[int] = typer.Option(None, "--sp-degree", min=1, help="Pin the sp degree (without a plan)."),
-    ulysses_degree: Optional[int] = typer.Option(None, "--ulysses-degree", min=1, help="Pin the Ulysses degree (without a plan)."),
-    checkpointing: Optional[Checkpointing] = typer.Option(None, "--checkpointing", help="Pin checkpointing (without a plan)."),
-    sharding: Optional[Sharding] = typer.Option(None, "--sharding", help="Pin sharding (without a plan)."),
-    optimizer: Optimizer = typer.Option("adamw", "--optimizer", help="Optimizer (without a plan)."),
-    loss_impl: Optional[LossImpl] = typer.Option(None, "--loss-impl", help="Pin the loss (without a plan)."),
-    fused_ops: Optional[FusedOps] = typer.Option(None, "--fused-ops", help="Pin fused kernels, none or liger (without a plan)."),
-    tiled_mlp: Optional[bool] = typer.Option(None, "--tiled-mlp/--no-tiled-mlp", help="Pin TiledMLP (without a plan)."),
-    micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="Micro-batch (without a plan)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the verdict as JSON on stdout."),
+    flags: RequestFlags,
+    plan_path: Optional[Path] = typer.Argument(None, metavar="[PLAN.json]", help="A plan written by `seqpar advise -o`; without it, the flags below describe one."),
+    json_out: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT, help="Print the verdict as JSON on stdout."),
 ):
     """Pre-launch OOM gate: exit 0 when the plan fits, 1 when it risks OOM (with the cheapest fix), 2 when it is invalid.
 
-    With a plan it is re-evaluated on the plan's cluster, or on --gpu/--gpus/--nodes when given; without one, the advise
-    flags describe the configuration (the cost model picks whatever is not pinned).
+    With a plan it is re-evaluated on the plan's cluster, or on the Cluster flags' when given; without one, the Workload,
+    Cluster and Pins flags describe the configuration, as for `seqpar advise` (the cost model picks whatever is not pinned).
 
     **Examples**
 
@@ -274,18 +219,17 @@ def check(
     """
     from seqpar.advisor.cluster import resolve_cluster
     from seqpar.advisor.explain import check_lines
-    from seqpar.advisor.search import check as run_check
+    from seqpar.advisor.gate import check as run_check
 
-    if plan_path is not None:
+    if plan_path is not None:  # re-checked on its own cluster, or on the Cluster flags' (the plan's node shape fills the gaps)
         target = LaunchPlan.load(plan_path)
-        flags = (gpu, gpus, nodes, cluster)
-        cl = resolve_cluster(gpu, gpus or target.cluster.gpus_per_node, nodes or target.cluster.nodes, cluster, host_ram_gib)[0] if any(f is not None for f in flags) else None
+        f, c = flags, target.cluster
+        declared = any(x is not None for x in (f.gpu, f.gpus, f.nodes, f.cluster))
+        cl = resolve_cluster(f.gpu, f.gpus or c.gpus_per_node, f.nodes or c.nodes, f.cluster, f.host_ram_gib)[0] if declared else None
     else:
-        if seq_len is None:
+        if flags.seq_len is None:
             raise SeqparError("give a plan file or --seq-len (with the advise flags); e.g. seqpar check plan.json")
-        target = _request(seq_len, model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing,
-                          sharding, optimizer, loss_impl, micro_batch, fused_ops, tiled_mlp)
-        cl = None
+        target, cl = advise_request(flags, parse_seq_len(flags.seq_len), "cost", note)[0], None
     res = run_check(target, cl)
     if json_out:
         print_json({"fits": res.fits, "exit_code": res.exit_code, "reason": res.reason, "fix": res.fix,
@@ -298,32 +242,15 @@ def check(
     raise typer.Exit(res.exit_code)
 
 
-def _request(seq_len, model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
-             optimizer, loss_impl, micro_batch, fused_ops=None, tiled_mlp=None):
-    from seqpar.advisor.cluster import resolve_cluster
-    from seqpar.advisor.request import AdviseRequest, check_fused_ops
-    from seqpar.profiles import get_model
-
-    cl, cluster_note = resolve_cluster(gpu, gpus, nodes, cluster, host_ram_gib)
-    note(f"cluster: {cluster_note}")
-    check_fused_ops(fused_ops, cl)
-    return AdviseRequest(model=get_model(model), seq_len=parse_seq_len(seq_len), cluster=cl, micro_batch_size=micro_batch,
-                         dtype="fp32" if cl.accelerator == "cpu" else "bf16", optimizer=optimizer, policy="cost", mode=mode,
-                         sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,
-                         fused_ops=fused_ops, tiled_mlp=tiled_mlp)
-
-
-def _max_seq_len_command(model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
-                         optimizer, loss_impl, micro_batch, json_out, fused_ops=None, tiled_mlp=None) -> None:
-    """`seqpar advise --max-seq-len`: the longest sequence that fits, per mode."""
+def _max_seq_len_command(flags: RequestFlags, json_out: bool) -> None:
+    """`seqpar advise --max-seq-len`: the longest sequence that fits, per mode (the pins apply)."""
     from seqpar.advisor.explain import max_seq_len_table
     from seqpar.advisor.search import max_seq_len as run_max
 
-    req = _request("1024", model, gpu, gpus, nodes, cluster, host_ram_gib, mode, sp_degree, ulysses_degree, checkpointing, sharding,
-                   optimizer, loss_impl, micro_batch, fused_ops, tiled_mlp)
-    pins = dict(sp_degree=sp_degree, ulysses_degree=ulysses_degree, checkpointing=checkpointing, sharding=sharding, loss_impl=loss_impl,
-                optimizer=optimizer, micro_batch_size=micro_batch, dtype=req.dtype, fused_ops=fused_ops, tiled_mlp=tiled_mlp)
-    res = run_max(req.model, req.cluster, [mode] if mode else None, **pins)
+    req, _ = advise_request(flags, 1024, "cost", note)  # the workload, cluster and pins; each mode's length is searched
+    pins = {k: v for k, v in flags.pins().items() if k != "mode"}
+    res = run_max(req.model, req.cluster, [flags.mode] if flags.mode else None, optimizer=req.optimizer,
+                  micro_batch_size=req.micro_batch_size, dtype=req.dtype, **pins)
     if json_out:
         print_json({m: {"max_seq_len": n, "strategy": s.model_dump() if s else None} for m, (n, s) in res.items()})
     else:
@@ -397,7 +324,7 @@ def probe(json_out: bool = typer.Option(False, "--json", help="Print the probe r
     if json_out:
         print_json({"probe": res.model_dump(), "cluster": cl.model_dump() if cl else None})
         return
-    from seqpar.advisor.report import cluster_line, probe_tables
+    from seqpar.advisor.render import cluster_line, probe_tables
 
     con = stdout()
     for t in probe_tables(res):
@@ -421,7 +348,7 @@ def profiles_list(json_out: bool = typer.Option(False, "--json", help="Print eve
     if json_out:
         print_json({k: [s.model_dump() for s in v] for k, v in (("gpus", gpus), ("links", links), ("models", models))})
         return
-    from seqpar.advisor.report import profile_tables
+    from seqpar.advisor.render import profile_tables
 
     con = stdout()
     for t in profile_tables(gpus, links, models):
@@ -448,7 +375,7 @@ def profiles_show(
     if json_out:
         print_json(spec.model_dump())
         return
-    from seqpar.advisor.report import spec_table
+    from seqpar.advisor.render import spec_table
 
     stdout().print(spec_table(spec))
 

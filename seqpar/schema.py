@@ -3,7 +3,9 @@
 Ground floor of seqpar: pydantic v2 models only, no torch, nothing else of the project imported.
 Every model is frozen with ``extra="forbid"``; every field has a description and its unit in its name
 (``_gib`` = 2**30 bytes, ``_gb_s`` = 10**9 bytes per second per direction, ``_tflops`` = 10**12 FLOP/s, ``_s`` = seconds).
-Cross-field rules live in validators and their messages carry the numbers and a fix.
+Cross-field rules live in validators and their messages carry the numbers and a fix. Which strategies a workload can run
+on a cluster is judged once, by ``plan_problems``: LaunchPlan raises its first problem, the advisor's search filters with
+it, so the advisor cannot propose a plan this module refuses.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from seqpar.errors import SeqparError
-from seqpar.modes import MODES, check_heads, check_split, nearest_multiples, split_multiple
+from seqpar.modes import MODES, check_heads, check_split
 
 SCHEMA_VERSION = 1
 
@@ -140,16 +142,18 @@ class ModelSpec(_Frozen):
         return self
 
     @property
-    def num_params(self) -> int:
-        """Parameter count of a Llama-style decoder (RMSNorm, SwiGLU, no biases but attention_bias)."""
+    def layer_params(self) -> int:
+        """Parameters of one Llama-style decoder layer: q, k, v, o (biases on q, k, v with attention_bias), the SwiGLU MLP's
+        three matrices and two RMSNorm weights."""
         h, d, a, kv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
-        attn = h * a * d + 2 * h * kv * d + a * d * h
-        if self.attention_bias:
-            attn += a * d + 2 * kv * d
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        attn = 2 * h * a * d + 2 * h * kv * d + ((a + 2 * kv) * d if self.attention_bias else 0)
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the model: the layers, the input embedding and LM head (one matrix when tied), the final norm."""
+        emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params + emb + self.hidden_size
 
 
 class Workload(_Frozen):
@@ -207,6 +211,15 @@ class Strategy(_Frozen):
     def world_size(self) -> int:
         return self.sp_degree * self.dp_degree
 
+    @classmethod
+    def over(cls, mode: str, sp_degree: int, world_size: int, ulysses_degree: Optional[int] = None, **options) -> "Strategy":
+        """``mode`` over groups of sp_degree ranks, data parallel across the groups of ``world_size`` ranks (usp_attn:
+        ulysses_degree x ring_degree = sp_degree); ``options``: the other fields."""
+        usp = mode == "usp_attn"
+        u = ulysses_degree if usp and ulysses_degree else 1
+        return cls(mode=mode, sp_degree=sp_degree, dp_degree=max(1, world_size // sp_degree), ulysses_degree=u,
+                   ring_degree=sp_degree // u if usp else 1, **options)
+
 
 def check_strategy_shape(strategy: "Strategy", seq_len: int, model: ModelSpec) -> None:
     """SeqparError when the strategy's mode cannot split seq_len over its ranks or split the model's heads
@@ -214,6 +227,59 @@ def check_strategy_shape(strategy: "Strategy", seq_len: int, model: ModelSpec) -
     u = strategy.ulysses_degree if strategy.mode == "usp_attn" else None
     check_split(strategy.mode, seq_len, strategy.sp_degree, u)
     check_heads(strategy.mode, model.num_attention_heads, model.num_key_value_heads, strategy.sp_degree, u, owner=model.name)
+
+
+# --------------------------------------------------------------------------------------------- plan validity
+
+ZERO3 = ("zero3", "zero3_offload")  # ZeRO-3: parameters gathered by module hooks
+
+
+def layout_problems(strategy: Strategy, seq_len: int, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
+    """Why the strategy's ranks and split cannot hold seq_len tokens of ``model`` on ``cluster`` (empty = they can):
+    the world size, then the mode's sequence split and head split (seqpar.modes)."""
+    s, c, out = strategy, cluster, []
+    if s.world_size != c.world_size:
+        if c.world_size % s.sp_degree:
+            divisors = [d for d in range(1, c.world_size + 1) if c.world_size % d == 0]
+            out.append(f"sp_degree {s.sp_degree} does not divide the {c.world_size} ranks of the cluster ({c.nodes} x "
+                       f"{c.gpus_per_node}), so no dp_degree fills it; use an sp_degree in {divisors}")
+        else:
+            out.append(f"sp_degree {s.sp_degree} x dp_degree {s.dp_degree} = {s.world_size} ranks, but the cluster has "
+                       f"{c.nodes} x {c.gpus_per_node} = {c.world_size}; make them equal")
+    try:
+        check_strategy_shape(s, seq_len, model)
+    except SeqparError as e:
+        out.append(str(e))
+    return out
+
+
+def option_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy) -> list[str]:
+    """Why the strategy's options (sharding, fused ops, tiled MLP) cannot train this workload on this cluster: the
+    engines behind them (seqpar.runtime.engine and deepspeed.py, fused.py, tiled_mlp.py) refuse the combination."""
+    s, c, w, out = strategy, cluster, workload, []
+    cuda, zero = c.accelerator == "cuda", s.sharding.startswith("zero")  # CPU ranks run zero* as FSDP2 (no DeepSpeed)
+    if cuda and zero and w.optimizer != "adamw":
+        out.append(f"sharding {s.sharding} runs DeepSpeed's AdamW with an fp32 master copy, so optimizer {w.optimizer} cannot "
+                   f"run there; use sharding fsdp (or ddp), or optimizer adamw")
+    if cuda and w.dtype == "fp16" and not zero:
+        fix = "use dtype bf16, or a zero* sharding" if w.optimizer == "adamw" else \
+            f"use dtype bf16 (zero* shardings run AdamW only, not optimizer {w.optimizer})"
+        out.append(f"dtype fp16 needs a zero* sharding (fp16 needs DeepSpeed's loss scaling), so sharding {s.sharding} would "
+                   f"train without loss scaling; {fix}")
+    if s.fused_ops == "liger" and not cuda:
+        out.append(f"fused_ops liger runs Triton kernels on CUDA GPUs (Liger-Kernel), but the cluster's accelerator is "
+                   f"{c.accelerator}; use fused_ops none")
+    if s.tiled_mlp and s.sharding in ZERO3:
+        out.append(f"tiled_mlp with sharding {s.sharding}: ZeRO-3 gathers parameters through module hooks that the tiles' "
+                   "recomputation in backward bypasses; use sharding fsdp or ddp, or tiled_mlp false")
+    return out
+
+
+def plan_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy) -> list[str]:
+    """Every reason ``strategy`` cannot train ``workload`` on ``cluster``, one line each naming the value, the rule and a
+    fix; empty when it can. The one judge of plan validity: LaunchPlan raises the first, the advisor's search drops a
+    strategy with any and records the first as the reason, the rules and the request ask it too."""
+    return layout_problems(strategy, workload.seq_len, workload.model, cluster) + option_problems(workload, cluster, strategy)
 
 
 # --------------------------------------------------------------------------------------------- prediction and plan
@@ -263,8 +329,12 @@ class TrainingSpec(_Frozen):
 
 class LaunchSpec(_Frozen):
     launcher: Literal["torchrun", "accelerate", "python"] = Field(default="torchrun", description="What starts the processes.")
-    command: list[str] = Field(default_factory=list, description="The command seqpar launch runs on each node (argv).")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for the job.")
+    command: list[str] = Field(
+        default_factory=list,
+        description="The command `seqpar launch` runs on each node (argv; a staged plan: its first stage's). 'python' is the "
+        "interpreter seqpar runs under; on several nodes $NODE_RANK and $MASTER_ADDR are each node's to fill in.",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for the job (they override seqpar launch's).")
 
 
 class Stage(_Frozen):
@@ -304,39 +374,12 @@ class LaunchPlan(_Frozen):
 
     @model_validator(mode="after")
     def _fits_cluster(self) -> "LaunchPlan":
-        s, c, w = self.strategy, self.cluster, self.workload
-        if s.world_size != c.world_size:
-            raise ValueError(
-                f"sp_degree {s.sp_degree} x dp_degree {s.dp_degree} = {s.world_size} ranks, but the cluster has "
-                f"{c.nodes} x {c.gpus_per_node} = {c.world_size}; make them equal"
-            )
-        if c.accelerator == "cuda" and s.sharding.startswith("zero") and w.optimizer != "adamw":
-            raise ValueError(
-                f"sharding {s.sharding} runs DeepSpeed's AdamW with an fp32 master copy, so optimizer {w.optimizer} cannot "
-                f"run there; use sharding fsdp (or ddp), or optimizer adamw"
-            )
-        if c.accelerator == "cuda" and w.dtype == "fp16" and not s.sharding.startswith("zero"):
-            raise ValueError(
-                f"dtype fp16 with sharding {s.sharding} would train without loss scaling; use dtype bf16, "
-                f"or a zero* sharding (DeepSpeed scales fp16 losses)"
-            )
-        if s.fused_ops == "liger" and c.accelerator != "cuda":
-            raise ValueError(f"fused_ops liger runs Triton kernels on CUDA GPUs, but the cluster's accelerator is {c.accelerator}; "
-                             "use fused_ops none")
-        if s.tiled_mlp and s.sharding in ("zero3", "zero3_offload"):
-            raise ValueError(f"tiled_mlp with sharding {s.sharding}: ZeRO-3 gathers parameters through module hooks that the "
-                             "tiles' recomputation in backward bypasses; use sharding fsdp or ddp, or tiled_mlp false")
-        try:
-            check_strategy_shape(s, w.seq_len, w.model)
-        except SeqparError as e:
-            raise ValueError(str(e)) from None
+        problems = plan_problems(self.workload, self.cluster, self.strategy)
         for i, st in enumerate(self.stages):
-            if st.strategy.world_size != c.world_size:
-                raise ValueError(f"stage {i}: {st.strategy.world_size} ranks, but the cluster has {c.world_size}; make them equal")
-            try:
-                check_strategy_shape(st.strategy, st.seq_len, w.model)
-            except SeqparError as e:
-                raise ValueError(f"stage {i}: {e}") from None
+            stage_workload = self.workload.model_copy(update={"seq_len": st.seq_len})
+            problems += [f"stage {i}: {p}" for p in plan_problems(stage_workload, self.cluster, st.strategy)]
+        if problems:
+            raise ValueError(problems[0])
         return self
 
     # ----- files
@@ -352,14 +395,8 @@ class LaunchPlan(_Frozen):
     def load(cls, path: str | Path) -> "LaunchPlan":
         """Read and validate a plan file; SeqparError with one line on any problem."""
         p = Path(path)
-        if not p.is_file():
-            raise SeqparError(f"plan file {str(p)!r} does not exist; write one with `seqpar advise ... -o {p}`")
-        try:
-            data = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SeqparError(f"plan file {str(p)!r} is not valid JSON ({e}); regenerate it with `seqpar advise -o`") from None
-        if not isinstance(data, dict):
-            raise SeqparError(f"plan file {str(p)!r} holds a {type(data).__name__}, not a plan object")
+        data = read_json_object(p, "plan file", "plan", missing_fix=f"write one with `seqpar advise ... -o {p}`",
+                                invalid_fix="regenerate it with `seqpar advise -o`")
         ver = data.get("schema_version", SCHEMA_VERSION)
         if isinstance(ver, int) and ver > SCHEMA_VERSION:
             raise SeqparError(
@@ -374,11 +411,24 @@ class LaunchPlan(_Frozen):
 def first_error(e: ValidationError) -> str:
     """One line from a pydantic error: the field path and the message."""
     err = e.errors()[0]
-    loc = ".".join(str(x) for x in err.get("loc", ())) or "(plan)"
+    loc = ".".join(str(x) for x in err.get("loc", ()))
     msg = err.get("msg", "invalid").removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
         msg = "unknown field (not part of schema version %d)" % SCHEMA_VERSION
-    return f"{loc}: {msg}"
+    return f"{loc}: {msg}" if loc else msg  # a rule across fields (a model validator) has no field path
+
+
+def read_json_object(path: Path, what: str, kind: str, *, missing_fix: str, invalid_fix: str) -> dict:
+    """The JSON object in ``path``; SeqparError naming ``what`` file it is, what is wrong and a fix otherwise."""
+    if not path.is_file():
+        raise SeqparError(f"{what} {str(path)!r} does not exist; {missing_fix}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SeqparError(f"{what} {str(path)!r} is not valid JSON ({e}); {invalid_fix}") from None
+    if not isinstance(data, dict):
+        raise SeqparError(f"{what} {str(path)!r} holds a {type(data).__name__}, not a {kind} object")
+    return data
 
 
 def write_atomic(path: str | Path, text: str) -> Path:

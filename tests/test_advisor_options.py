@@ -7,16 +7,18 @@ import pytest
 from typer.testing import CliRunner
 
 from seqpar.advisor.cluster import cluster_from_flags
+from seqpar.advisor.coefficients import load_coefficients
+from seqpar.advisor.gate import check
 from seqpar.advisor.memory import estimate_memory, kept_bytes_per_token, mlp_tile_tokens, saved_bytes_per_token
-from seqpar.advisor.predict import load_coefficients, predict
+from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
-from seqpar.advisor.search import advise_by_cost, check, describe, enumerate_strategies, max_seq_len
+from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, max_seq_len
 from seqpar.advisor.throughput import elementwise_time, estimate_time, linear_flops_per_token, width_efficiency
 from seqpar.cli import app
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_model
-from seqpar.schema import LaunchPlan, ModelSpec, SeqparError, Strategy, Workload
+from seqpar.schema import LaunchPlan, ModelSpec, Strategy, Workload
 
-GIB = 2**30
 C = load_coefficients()
 M7 = get_model("llama-2-7b")
 H200 = cluster_from_flags("h200", 1)
@@ -230,5 +232,5 @@ def test_cli_refuses_liger_without_cuda(tmp_path, cmd):
     r = run(*cmd, "--fused-ops", "liger", *(["-o", out] if cmd[0] == "advise" else []))
     assert r.exit_code == 2, (r.stdout, r.stderr)
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: fused_ops liger runs Liger-Kernel's Triton kernels on CUDA GPUs") and "--fused-ops none" in last
+    assert last.startswith("error: fused_ops liger runs Triton kernels on CUDA GPUs (Liger-Kernel)") and "use fused_ops none" in last
     assert r.stdout == "" and not out.exists()

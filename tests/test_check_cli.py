@@ -87,7 +87,7 @@ def test_check_never_proposes_deepspeed_for_an_optimizer_it_cannot_run():
     """zero* runs DeepSpeed's AdamW with an fp32 master; plans refuse it with optimizer none / adamw-bf16 on CUDA."""
     from seqpar.advisor.cluster import cluster_from_flags
     from seqpar.advisor.request import AdviseRequest
-    from seqpar.advisor.search import _variants, check
+    from seqpar.advisor.gate import check, variants
     from seqpar.profiles import get_model
     from seqpar.schema import Strategy
 
@@ -96,7 +96,7 @@ def test_check_never_proposes_deepspeed_for_an_optimizer_it_cannot_run():
                             mode="data_parallel", checkpointing="full", sharding="ddp", optimizer=optimizer, loss_impl="hf")
         res = check(req)
         pinned = Strategy(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="hf")
-        labels = [label for label, _ in _variants(pinned, req)]
+        labels = [label for label, _ in variants(pinned, req)]
         assert any(lab.startswith("sharding zero") for lab in labels) == allowed, (optimizer, labels)
         if not allowed and res.fix_strategy is not None:
             assert not res.fix_strategy.sharding.startswith("zero"), res.fix

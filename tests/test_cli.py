@@ -1,16 +1,16 @@
-"""The CLI through typer's CliRunner: exit codes (0 ok, 1 known failure, 2 bad input), --json is only JSON, every bad input of
-issue 2 (one line, exit 2, nothing written), help with examples, and no torch import on the advisor path."""
+"""The CLI through typer's CliRunner: exit codes (0 ok, 1 known failure, 2 bad input), --json is only JSON, every bad input
+(one line, exit 2, nothing written), help with examples, and no torch import on the advisor path."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
 import pytest
 from typer.testing import CliRunner
 
-from seqpar.advisor.advise import cost_model_available
 from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import advise_by_rules
@@ -34,6 +34,22 @@ def test_advise_json_matches_rules_exactly():
     assert plan.strategy == ref.strategy and plan.rationale.rule_path == ref.rationale.rule_path
     assert plan.rationale.cluster_note == "declared: 1 node(s) x 8 a100-80g-sxm"
     assert "seq_len 524288 (512K)" in r.stderr.splitlines()[0]
+
+
+@pytest.mark.parametrize("cluster", [["--cluster", "cpu:2"], ["--gpu", "a100", "--gpus", "8"]])
+def test_the_plan_records_what_seqpar_launch_runs(tmp_path, cluster):
+    """One builder (seqpar.jobspec): the plan's command and env are launch's (torchrun on CPU, accelerate for ZeRO on CUDA)."""
+    out = tmp_path / "plan.json"
+    r = run("advise", "-s", "256" if cluster[1] == "cpu:2" else "128k", "-m", "tiny", *cluster, "--policy", "rules", "-o", out)
+    assert r.exit_code == 0, r.stderr
+    plan = LaunchPlan.load(out)
+    r = run("launch", out, "--dry-run")
+    assert r.exit_code == 0, r.stderr
+    cmd = [ln for ln in r.stdout.splitlines() if "seqpar.runtime.train" in ln]
+    assert plan.launch.command[0] == "python" and cmd == [shlex.join([sys.executable, *plan.launch.command[1:]])]
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("export ")] == \
+        [f"export {k}={shlex.quote(v)}" for k, v in plan.launch.env.items()]
+    assert ("accelerate.commands.launch" in cmd[0]) == (plan.cluster.accelerator == "cuda")
 
 
 def test_advise_default_cluster_on_this_machine():
@@ -69,14 +85,11 @@ def test_advise_pins_reach_the_plan():
     assert (p.workload.optimizer, p.workload.micro_batch_size, p.rationale.policy) == ("adamw-bf16", 2, "pinned")
 
 
-def test_policy_cost_or_its_fallback():
+def test_policy_cost_predicts():
     r = run("advise", "-s", "512k", *A100X8, "--policy", "cost", "--json")
     assert r.exit_code == 0, r.stderr
     p = LaunchPlan.model_validate_json(r.stdout)
-    if cost_model_available():
-        assert p.rationale.policy in ("cost", "pinned") and p.prediction is not None
-    else:
-        assert p.rationale.policy == "rules" and "not installed" in r.stderr
+    assert p.rationale.policy in ("cost", "pinned") and p.prediction is not None
 
 
 @pytest.mark.parametrize(
@@ -175,6 +188,26 @@ def test_schema_profiles_probe_json():
 def test_help_has_examples(cmd):
     r = run(*cmd, "--help")
     assert r.exit_code == 0 and "Examples" in r.stdout and "seqpar " + cmd[0] in r.stdout
+
+
+@pytest.mark.parametrize("cmd,own", [("advise", ["--policy", "--max-seq-len", "--recipe", "--output", "--json"]),
+                                     ("check", ["--json", "PLAN.json"])])
+def test_advise_and_check_list_the_shared_options_in_panels(cmd, own):
+    """One declaration (seqpar.cli_options.RequestFlags) gives both commands every workload, cluster and pin option."""
+    import dataclasses
+    import typing
+
+    from seqpar.cli_options import RequestFlags
+
+    r = runner.invoke(app, [cmd, "--help"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    flags = [typing.get_args(hint)[1].default  # in Annotated, typer.Option's first argument is the flag
+             for hint in typing.get_type_hints(RequestFlags, include_extras=True).values()]
+    assert len(flags) == len(dataclasses.fields(RequestFlags)) == 18
+    for flag in flags + own:
+        assert flag.split("/")[0] in r.stdout, flag
+    for panel in ("Workload", "Cluster", "Pins", "Output"):
+        assert f"─ {panel}" in r.stdout, panel
 
 
 def test_advisor_and_cli_never_import_torch():

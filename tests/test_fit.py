@@ -5,13 +5,15 @@ import json
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
+from seqpar.advisor.coefficients import load_coefficients
 from seqpar.advisor.fit import Measurement, calibrate, evaluate, fit, load_measurements, row_from_report
-from seqpar.advisor.predict import load_coefficients, predict
-from seqpar.advisor.search import advise_by_cost
+from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
+from seqpar.advisor.search import advise_by_cost
 from seqpar.advisor.throughput import estimate_time
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_model
-from seqpar.schema import SeqparError, Strategy, Workload
+from seqpar.schema import Strategy, Workload
 
 C = load_coefficients()
 

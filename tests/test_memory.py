@@ -3,12 +3,13 @@
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
-from seqpar.advisor.memory import estimate_memory, kept_bytes_per_token, layer_params, model_states, precision, saved_bytes_per_token
-from seqpar.advisor.predict import load_coefficients, predict
+from seqpar.advisor.coefficients import load_coefficients
+from seqpar.advisor.memory import estimate_memory, kept_bytes_per_token, model_states, precision, saved_bytes_per_token
+from seqpar.advisor.predict import predict
 from seqpar.profiles import get_model
 from seqpar.schema import ModelSpec, Strategy, Workload
+from seqpar.units import GIB
 
-GIB = 2**30
 TINY = ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=256)
 C = load_coefficients()
@@ -16,7 +17,7 @@ C = load_coefficients()
 
 def test_tiny_param_count_by_hand():
     # attention: q 64*64 + k,v 2*64*32 + o 64*64 = 12288; SwiGLU 3*64*128 = 24576; two norms 128 -> 36992 per layer
-    assert layer_params(TINY) == 36992
+    assert TINY.layer_params == 36992
     assert TINY.num_params == 2 * 36992 + 2 * 256 * 64 + 64 == 106816
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from seqpar.advisor.cluster import resolve_cluster
 from seqpar.advisor.probe import infiniband_ports, probe
-from seqpar.schema import SeqparError
+from seqpar.errors import SeqparError
 
 MIB = 2**20
 LEVEL_LABEL = {

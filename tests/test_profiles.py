@@ -8,11 +8,11 @@ import json
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags, cpu_cluster, default_cluster, parse_cluster
+from seqpar.errors import SeqparError
 from seqpar.profiles import find_profile, get_gpu, get_link, get_model, list_gpus, list_links, list_models, match_nvml_name
-from seqpar.schema import SeqparError
 
-ISSUE_GPUS = {"a100-40g-sxm", "a100-80g-sxm", "a100-80g-pcie", "h100-sxm", "h100-pcie", "h200", "l40s", "l4", "a10g", "rtx-4090", "cpu"}
-ISSUE_LINKS = {"nvlink3", "nvlink4", "pcie4", "pcie5", "ib_hdr", "ib_ndr"}
+PROFILED_GPUS = {"a100-40g-sxm", "a100-80g-sxm", "a100-80g-pcie", "h100-sxm", "h100-pcie", "h200", "l40s", "l4", "a10g", "rtx-4090", "cpu"}
+PROFILED_LINKS = {"nvlink3", "nvlink4", "pcie4", "pcie5", "ib_hdr", "ib_ndr"}
 
 # Published parameter counts (model cards / the Hub's safetensors metadata), billions.
 PUBLISHED_PARAMS_B = {
@@ -24,8 +24,8 @@ PUBLISHED_PARAMS_B = {
 
 
 def test_every_profile_validates_and_has_a_source():
-    assert {g.name for g in list_gpus()} == ISSUE_GPUS
-    assert ISSUE_LINKS <= {link.kind for link in list_links()}
+    assert {g.name for g in list_gpus()} == PROFILED_GPUS
+    assert PROFILED_LINKS <= {link.kind for link in list_links()}
     assert {m.name for m in list_models()} == set(PUBLISHED_PARAMS_B) | {"tiny"}
     for spec in list_gpus() + list_links() + list_models():
         assert spec.source, spec

@@ -7,8 +7,9 @@ import pytest
 from seqpar.advisor.cluster import cluster_from_flags, cpu_cluster, default_cluster
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import advise_by_rules, choose_mode
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_model
-from seqpar.schema import LaunchPlan, SeqparError
+from seqpar.schema import LaunchPlan
 
 K = 1024
 NO_DP = "seq_len < 64K: no"
@@ -137,10 +138,20 @@ def test_tokens_per_step_sets_accumulation():
 
 
 def test_launch_command():
+    # EasyContext's ZeRO-3 with CPU offload on CUDA: seqpar launch runs accelerate with the DeepSpeed config it writes
     p = _plan(cluster=h100(8, 2))
     cmd = p.launch.command
-    assert cmd[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
-    assert cmd[-3:] == ["seqpar.runtime.train", "--plan", "plan.json"] and "--rdzv-endpoint" in cmd
+    assert p.launch.launcher == "accelerate"
+    assert cmd[:7] == ["python", "-m", "accelerate.commands.launch", "--config_file", "runs/plan/accelerate.yaml", "-m",
+                       "seqpar.runtime.train"]
+    assert cmd[-2:] == ["--plan", "plan.json"]
+    # FSDP: torchrun; each node fills in its rank and the rendezvous host
+    p = _plan(cluster=h100(8, 2), sharding="fsdp")
+    cmd = p.launch.command
+    assert p.launch.launcher == "torchrun"
+    assert cmd[:9] == ["python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8", "--max-restarts", "0"]
+    assert "--node-rank $NODE_RANK --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500" in " ".join(cmd)
+    assert cmd[-2:] == ["--plan", "plan.json"]
     assert p.launch.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 

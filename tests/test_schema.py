@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from seqpar.advisor.cluster import cluster_from_flags, default_cluster
+from seqpar.errors import SeqparError
 from seqpar.modes import check_heads, check_split, nearest_multiples
 from seqpar.profiles import get_link, get_model
 from seqpar.schema import (
@@ -16,7 +17,6 @@ from seqpar.schema import (
     LaunchPlan,
     ModelSpec,
     Rationale,
-    SeqparError,
     Strategy,
     Workload,
     format_tokens,

@@ -4,12 +4,15 @@
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags, default_cluster
+from seqpar.advisor.coefficients import load_coefficients
+from seqpar.advisor.gate import check
 from seqpar.advisor.memory import estimate_memory
-from seqpar.advisor.predict import load_coefficients, predict
+from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
-from seqpar.advisor.search import advise_by_cost, check, enumerate_strategies, max_seq_len
+from seqpar.advisor.search import advise_by_cost, enumerate_strategies, max_seq_len
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_model
-from seqpar.schema import SeqparError, Strategy
+from seqpar.schema import Strategy
 
 M7 = get_model("llama-2-7b")
 C = load_coefficients()
@@ -86,7 +89,7 @@ def test_check_fits_and_fix():
 
 def test_degree_pins_are_honoured():
     a100x8 = cluster_from_flags("a100", 8)
-    with pytest.raises(SeqparError, match="sp_degree 3 does not divide the 8 GPUs"):
+    with pytest.raises(SeqparError, match="sp_degree 3 does not divide the 8 ranks"):
         advise_by_cost(AdviseRequest(model=M7, seq_len=131072, cluster=a100x8, sp_degree=3))
     s = advise_by_cost(AdviseRequest(model=M7, seq_len=131072, cluster=a100x8, sp_degree=2)).strategy
     assert s.mode != "data_parallel" and s.sp_degree == 2

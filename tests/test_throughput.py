@@ -3,10 +3,9 @@
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
-from seqpar.advisor.predict import Coefficients, load_coefficients
-from seqpar.advisor.throughput import (
-    attention_fwd_flops, elementwise_time, estimate_time, linear_flops_per_token, matmul_params, width_efficiency,
-)
+from seqpar.advisor.coefficients import Coefficients, load_coefficients
+from seqpar.advisor.throughput import elementwise_time, estimate_time, linear_flops_per_token, width_efficiency
+from seqpar.flops import attention_fwd_flops, matmul_params, model_flops_per_sequence
 from seqpar.profiles import get_model
 from seqpar.schema import LinkSpec, ModelSpec, Strategy, Workload
 
@@ -28,6 +27,16 @@ def test_linear_flops_by_hand():
     assert linear_flops_per_token(TINY, "none", "hf") == 6 * 90112
     assert linear_flops_per_token(TINY, "full", "hf") == 6 * 90112 + 2 * 73728  # layers recomputed
     assert linear_flops_per_token(TINY, "full", "chunked") == 6 * 90112 + 2 * 73728 + 2 * 16384  # logits recomputed too
+
+
+def test_model_flops_by_hand_and_predicted_mfu_counts_them():
+    # 6 * matmul params per token (no input embedding, no norms) + 3.5 x the causal attention forward; no recompute
+    assert model_flops_per_sequence(TINY, 1024) == 6 * 90112 * 1024 + 3.5 * 268435456
+    m, cl = get_model("llama-2-7b"), cluster_from_flags("h200", 8)
+    s = Strategy(mode="zigzag_ring_attn", sp_degree=4, dp_degree=2, checkpointing="full", gradient_accumulation_steps=3)
+    t = estimate_time(Workload(model=m, seq_len=65536, micro_batch_size=2), cl, s, load_coefficients())
+    sequences = 2 * 2 * 3  # micro-batch x dp x accumulation: what seqpar.runtime.report counts per step
+    assert t.mfu == pytest.approx(sequences * model_flops_per_sequence(m, 65536) / t.step_time_s / (8 * 989e12), rel=1e-12)
 
 
 def test_one_gpu_step_time_by_hand():

@@ -7,11 +7,12 @@ Every resolution returns a note saying which, for ``rationale.cluster_note`` and
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Callable, Optional
 
+from seqpar.advisor.probe import probe, read_host_ram_gib
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_link, gpu_profile
-from seqpar.schema import ClusterSpec, SeqparError
+from seqpar.schema import ClusterSpec
 
 # EasyContext's published hardware: one DGX-style node of 8x A100-80G SXM with NVLink3. EasyContext publishes no host RAM;
 # a DGX A100 ships 1 TB (320 GB model) or 2 TB (640 GB model), so 1 TiB is the conservative choice.
@@ -49,17 +50,6 @@ def cluster_from_flags(
     )
 
 
-def host_ram_gib(meminfo: str | Path = "/proc/meminfo") -> Optional[float]:
-    """MemTotal from /proc/meminfo in GiB, or None where there is no such file (macOS, Windows)."""
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 1024**2  # the file counts kB (KiB)
-    except OSError:
-        return None
-    return None
-
-
 def cpu_cluster(n: int) -> ClusterSpec:
     """``n`` CPU ranks on this host, talking gloo over loopback (tests, examples, smoke runs)."""
     if not isinstance(n, int) or n < 1:
@@ -70,7 +60,7 @@ def cpu_cluster(n: int) -> ClusterSpec:
         gpus_per_node=n,
         gpu=gpu_profile("cpu").spec,
         intra_node_link=get_link("loopback"),
-        host_ram_gib=host_ram_gib() or 16.0,
+        host_ram_gib=read_host_ram_gib() or 16.0,
         source="declared",
     )
 
@@ -108,9 +98,7 @@ def resolve_cluster(
         return c, f"declared: --cluster {cluster.strip()} ({c.world_size} CPU ranks, gloo)"
     probed = None
     if gpu is None or gpus is None:
-        if probe_fn is None:
-            from seqpar.advisor.probe import probe as probe_fn
-        probed = probe_fn()
+        probed = (probe_fn or probe)()
     if gpu is not None or gpus is not None or nodes is not None:
         # Fill what the flags leave open from the probe when it found profiled GPUs, else from the default.
         base = probed.matched_gpu() if probed is not None else None

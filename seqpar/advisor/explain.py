@@ -1,6 +1,6 @@
 """The cost model's side of `seqpar explain` / `check` / `advise --max-seq-len`: breakdown tables, the OOM verdict, the plot.
 
-report.py renders the plan itself; these add the memory breakdown at the peak phase with every phase's total, the step time
+render.py renders the plan itself; these add the memory breakdown at the peak phase with every phase's total, the step time
 split, the alternatives with their predictions and why each lost, the check verdict, and the memory-vs-seq_len plot
 (matplotlib is imported only when a plot is asked for).
 """
@@ -14,10 +14,12 @@ from rich.console import RenderableType
 from rich.table import Table
 
 from seqpar.advisor.memory import estimate_memory
-from seqpar.advisor.predict import GIB, Coefficients, load_coefficients
-from seqpar.advisor.search import CheckResult, describe
+from seqpar.advisor.coefficients import Coefficients, load_coefficients
+from seqpar.advisor.gate import CheckResult
+from seqpar.advisor.search import describe
 from seqpar.modes import MODES, split_multiple
 from seqpar.schema import LaunchPlan, Strategy, format_tokens
+from seqpar.units import GIB
 
 
 def _table(title: str, *cols: str) -> Table:

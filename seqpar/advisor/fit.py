@@ -26,9 +26,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Optional
 
-from seqpar.advisor.predict import Coefficients, load_coefficients
+from seqpar.advisor.cluster import cluster_from_flags
+from seqpar.advisor.coefficients import COEFFICIENTS_PATH, Coefficients, load_coefficients
+from seqpar.advisor.predict import predict
 from seqpar.advisor.throughput import estimate_time
-from seqpar.schema import ClusterSpec, LaunchPlan, SeqparError, Strategy, Workload, write_atomic
+from seqpar.errors import SeqparError
+from seqpar.profiles import get_model
+from seqpar.schema import ClusterSpec, LaunchPlan, Strategy, Workload, write_atomic
 
 MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "profiles" / "measurements"
 # n0 is held at its hardware-derived value (coefficients.json) unless a grid is passed: five rows cannot pin four numbers.
@@ -63,9 +67,6 @@ class FitResult:
 
 
 def _row(d: dict, source: str) -> Measurement:
-    from seqpar.advisor.cluster import cluster_from_flags
-    from seqpar.profiles import get_model
-
     def num(k, cast=float):
         v = (d.get(k) or "").strip() if isinstance(d.get(k), str) else d.get(k)
         return cast(v) if v not in (None, "") else None
@@ -73,9 +74,7 @@ def _row(d: dict, source: str) -> Measurement:
     sp, u = num("sp_degree", int) or 1, num("ulysses_degree", int) or 1
     world = num("gpus_per_node", int) * (num("nodes", int) or 1)
     mode = d["mode"]
-    strategy = Strategy(mode=mode, sp_degree=sp, dp_degree=world // sp, ulysses_degree=u if mode == "usp_attn" else 1,
-                        ring_degree=sp // u if mode == "usp_attn" else 1, checkpointing=d["checkpointing"],
-                        sharding=d["sharding"], loss_impl=d["loss_impl"])
+    strategy = Strategy.over(mode, sp, world, u, checkpointing=d["checkpointing"], sharding=d["sharding"], loss_impl=d["loss_impl"])
     workload = Workload(model=get_model(d["model"]), seq_len=num("seq_len", int), micro_batch_size=num("micro_batch_size", int) or 1,
                         dtype=d.get("dtype") or "bf16", optimizer=d["optimizer"])
     cluster = cluster_from_flags(d["gpu"], num("gpus_per_node", int), num("nodes", int) or 1)
@@ -221,8 +220,6 @@ def fit(rows: list[Measurement], base: Optional[Coefficients] = None, n0_grid: O
 def evaluate(rows: list[Measurement], base: Optional[Coefficients] = None,
              h0_grid: Optional[Iterable[float]] = H0_GRID) -> FitResult:
     """Fit on all rows, then each row's residual and its leave-one-out error (refit without it, predict it)."""
-    from seqpar.advisor.predict import predict
-
     c = fit(rows, base, h0_grid=h0_grid)
     timed = _timed(rows)
     out = []
@@ -244,8 +241,6 @@ def evaluate(rows: list[Measurement], base: Optional[Coefficients] = None,
 
 def coefficients_json(c: Coefficients, result: Optional[FitResult] = None, sources: Iterable[str] = ()) -> dict:
     """The coefficients file for ``c``: the shipped file's text with new values, a new version and the fit's report."""
-    from seqpar.advisor.predict import COEFFICIENTS_PATH
-
     data = json.loads(COEFFICIENTS_PATH.read_text())
     data["schema"] = 2  # 2: per-GPU time_factors and matmul_width_h0
     data["values"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.values().items()}

@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from seqpar.advisor.coefficients import Coefficients
+from seqpar.flops import matmul_params
+from seqpar.modes import FACTS, degrees, head_degree
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
+from seqpar.units import GIB
 
-if TYPE_CHECKING:
-    from seqpar.advisor.predict import Coefficients
-
-GIB = 2**30
 OPTIMIZER_BYTES = {"adamw": 12, "none": 0}  # per parameter: fp32 master + two fp32 moments (ZeRO paper's K = 12)
 
 
@@ -108,12 +107,6 @@ def optimizer_bytes_per_param(optimizer: str, dtype: str) -> int:
     return OPTIMIZER_BYTES[optimizer]
 
 
-def layer_params(m: ModelSpec) -> int:
-    h, d, a, kv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads
-    attn = 2 * h * a * d + 2 * h * kv * d + ((a + 2 * kv) * d if m.attention_bias else 0)
-    return attn + 3 * h * m.intermediate_size + 2 * h
-
-
 def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world: int, prec: "Precision | None" = None) -> dict[str, float]:
     """GPU bytes of weights, gradients and optimizer state at rest (ZeRO paper, sec. 5), plus ZeRO-3's gathered layers.
 
@@ -121,7 +114,7 @@ def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world:
     psi, n = m.num_params, world
     p = prec.compute if prec else DTYPE_BYTES[dtype]
     wb, gb, k = (prec.weight, prec.grad, prec.optim) if prec else (p, p, optimizer_bytes_per_param(optimizer, dtype))
-    lp = layer_params(m)
+    lp = m.layer_params
     if sharding == "ddp":
         return {"weights": psi * wb, "gradients": psi * gb, "optimizer_states": psi * k}
     if sharding == "zero2":
@@ -181,19 +174,22 @@ def kept_bytes_per_token(m: ModelSpec, dtype: str, strategy: Strategy, residual:
     return r * m.hidden_size
 
 
-def _ulysses(strategy: Strategy) -> int:
-    return strategy.sp_degree if strategy.mode == "ulysses_attn" else strategy.ulysses_degree if strategy.mode == "usp_attn" else 1
+def ulysses_ranks(s: Strategy) -> int:
+    """Ranks of the all-to-all head split (ulysses_attn, usp_attn's Ulysses part); 1 without one (seqpar.modes)."""
+    return head_degree(s.mode, s.sp_degree, s.ulysses_degree)
 
 
-def _ring(strategy: Strategy) -> int:
-    return strategy.sp_degree if strategy.mode == "zigzag_ring_attn" else strategy.ring_degree if strategy.mode == "usp_attn" else 1
+def ring_ranks(s: Strategy) -> int:
+    """Ranks of the zigzag ring passing K,V blocks (zigzag_ring_attn, usp_attn's ring part); 1 without one. dist_flash_attn's
+    contiguous schedule moves other tensors and is costed on its own."""
+    return degrees(s.mode, s.sp_degree, s.ulysses_degree)[0] if "zigzag" in FACTS[s.mode].layout else 1
 
 
 def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tuple[float, float]:
     """(forward, backward) bytes of the mode's communication buffers and accumulators for one layer, t local tokens."""
     p, a, d, kv = DTYPE_BYTES[dtype], m.num_attention_heads, m.head_dim, m.num_key_value_heads
     fwd = bwd = 0.0
-    u, r = _ulysses(strategy), _ring(strategy)
+    u, r = ulysses_ranks(strategy), ring_ranks(strategy)
     if u > 1:
         kv_eff = kv if kv % u == 0 else u  # KV heads replicated up to the Ulysses degree
         qkvo = t * p * (2 * a * d + 2 * kv_eff * d)  # same bytes at (S, heads/u) as at (S/u, heads)
@@ -212,7 +208,7 @@ def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tupl
     return fwd, bwd
 
 
-def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: "Coefficients", r: int) -> dict:
+def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coefficients, r: int) -> dict:
     """Terms at the loss's peak. hf: forward holds bf16 logits + fp32 copy + log_softmax output (10 B/token/vocab), its
     backward the saved output + incoming grad + result (12); seqpar's LossModule returns only the loss, so nothing of the
     logits outlives the loss. chunked: one (chunk, V) block in both dtypes and its fp32 grads, the fp32 grad of the hidden."""
@@ -236,7 +232,7 @@ def _nccl_groups(strategy: Strategy, world: int) -> int:
     return 1 + (strategy.sp_degree > 1) + (strategy.mode == "usp_attn")
 
 
-def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> MemoryEstimate:
+def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> MemoryEstimate:
     m, dtype = w.model, w.dtype
     prec = precision(w, s, cluster.accelerator)
     p, r = prec.compute, prec.residual
@@ -253,7 +249,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coeffici
     kept = kept_bytes_per_token(m, dtype, s, r) * t
     offload_inflight = 2 * r * h * t if s.checkpointing == "offload" else 0.0
     # autocast caches a bf16 copy of every fp32 matmul weight until the forward's autocast region exits (before backward)
-    cache = 2 * (L * (layer_params(m) - 2 * h) + m.vocab_size * h) if prec.autocast_cache else 0.0
+    cache = 2 * matmul_params(m) if prec.autocast_cache else 0.0
     fwd_buf, bwd_buf = mode_buffers(m, dtype, s, t)
     carried_grads = grads_full if accum > 1 else 0.0  # gradient accumulation keeps them between micro-batches
 
@@ -290,10 +286,10 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coeffici
     else:
         grad_flow = t * (2 * r * h + max(2 * p * i, p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim))
         tiled_buffers = 0.0
-    per_layer_grad = layer_params(m) * share
+    per_layer_grad = m.layer_params * share
     backward = {}
     for j in (L - 1, 0):
-        g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (layer_params(m) * p if gathered else 0.0))
+        g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (m.layer_params * p if gathered else 0.0))
         cand = {**opt, "gradients": g, "gathered_params": gathered, "checkpointed_activations": (j + 1) * kept + offload_inflight,
                 "layer_recompute": recompute, "gradient_flow": grad_flow, "tiled_mlp_buffers": tiled_buffers, "mode_buffers": bwd_buf}
         if sum(cand.values()) > sum(backward.values()):
@@ -323,7 +319,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coeffici
     return MemoryEstimate(peak, peak_phase, breakdown, totals, reserved, capacity, host, host_cap, not reason, reason)
 
 
-def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> float:
+def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> float:
     """Host RAM per node: every CUDA rank's own process (libraries and CUDA's host-side state, measured before any offload),
     ZeRO-3 offload's bf16 params, fp32 grads and optimizer, and the offloaded layer inputs. CPU clusters count none of it
     here: their ranks' memory is the "GPU" memory the rest of this module estimates."""

@@ -1,134 +1,24 @@
-"""One configuration in, one prediction out: the cost model's entry point, and the coefficients it runs on.
+"""One configuration in, one prediction out: the cost model's entry point.
 
 ``predict(workload, cluster, strategy)`` combines the memory model (memory.py: peak allocated bytes per GPU over the phases
 of a step) and the throughput model (throughput.py: step time split into compute / exposed communication / offload /
-optimizer) into a ``seqpar.schema.Prediction``. The coefficients (seqpar/profiles/coefficients.json, versioned, refitted by
-fit.py) are loaded once; pass ``coeffs`` to evaluate another set. Pure Python: no torch, no numpy.
+optimizer) into a ``seqpar.schema.Prediction``, with the coefficients of coefficients.py (the shipped ones unless
+``coeffs`` names another set). Pure Python: no torch, no numpy.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from pathlib import Path
 from typing import Optional
 
-from seqpar.schema import ClusterSpec, Prediction, SeqparError, Strategy, Workload
-
-GIB = 2**30
-COEFFICIENTS_PATH = Path(__file__).resolve().parent.parent / "profiles" / "coefficients.json"
-
-
-@dataclass(frozen=True)
-class Coefficients:
-    """The cost model's few numbers; see coefficients.json for the source of each."""
-
-    version: str
-    linear_time_factor: float = 1.0  # measured / ideal time of the matmul part (launch gaps ride on it; norms, RoPE and SwiGLU
-    # are throughput.elementwise_time, a fixed HBM-bandwidth term)
-    attn_time_factor: float = 1.0  # measured / ideal time of the attention kernels
-    attn_block_tokens: float = 2048.0  # n0 in eff(n) = eff_max * n / (n + n0), n = query length of one kernel call
-    matmul_width_h0: float = 0.0  # h0 in the matmul efficiency h / (h + h0), h = hidden size (GEMM inner dimension)
-    ring_overlap: float = 0.9  # share of a ring step's transfer hidden under that step's attention compute
-    grad_comm_overlap: float = 0.8  # share of gradient all-reduce / ZeRO traffic hidden under backward
-    comm_bandwidth_efficiency: float = 0.75  # NCCL bus bandwidth / datasheet link bandwidth
-    offload_bandwidth_gb_s: float = 12.0  # effective host<->device bandwidth per GPU for offloaded states / checkpoints
-    cpu_adam_gparams_per_s: float = 8.0  # CPU Adam throughput per node, 1e9 parameters per second
-    allocator_reserve_fraction: float = 0.05
-    allocator_reserve_gib: float = 0.5
-    cuda_context_gib: float = 0.55
-    nccl_buffer_gib_per_group: float = 0.25
-    headroom_gib: float = 1.0
-    loss_chunk_tokens: int = 4096
-    host_ram_usable_fraction: float = 0.9
-    host_process_gib: float = 14.5  # host RSS of one CUDA training process before any offload (libraries, CUDA's host state)
-    kernel_tflops: dict = field(default_factory=dict, hash=False, compare=False)
-    time_factors: dict = field(default_factory=dict, hash=False, compare=False)  # GPU profile -> its fitted factors
-    min_cudnn_capability: float = 9.0
-    fitted: tuple[str, ...] = ()
-
-    _VALUE_FIELDS = (
-        "linear_time_factor", "attn_time_factor", "attn_block_tokens", "matmul_width_h0", "ring_overlap", "grad_comm_overlap",
-        "comm_bandwidth_efficiency", "offload_bandwidth_gb_s", "cpu_adam_gparams_per_s", "allocator_reserve_fraction",
-        "allocator_reserve_gib", "cuda_context_gib", "nccl_buffer_gib_per_group", "headroom_gib", "loss_chunk_tokens",
-        "host_ram_usable_fraction", "host_process_gib",
-    )
-
-    def with_values(self, **values: float) -> "Coefficients":
-        return replace(self, **values)
-
-    def values(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self._VALUE_FIELDS}
-
-    # ---- time factors: the GPU's own (fitted on its rows) when it has them, else the global fit over all rows
-
-    def factors(self, cluster: ClusterSpec) -> tuple[float, float]:
-        """(linear_time_factor, attn_time_factor) for this GPU profile."""
-        row = self.time_factors.get(cluster.gpu.name)
-        if row:
-            return float(row["linear_time_factor"]), float(row["attn_time_factor"])
-        return self.linear_time_factor, self.attn_time_factor
-
-    def factors_note(self, cluster: ClusterSpec) -> str:
-        name = cluster.gpu.name
-        return f"{name} factors" if name in self.time_factors else f"global factors, no {name} rows"
-
-    # ---- kernel rates
-
-    def attention_backend(self, cluster: ClusterSpec) -> str:
-        cc = cluster.gpu.compute_capability
-        return "cudnn" if cc is not None and float(cc) >= self.min_cudnn_capability else "flash"
-
-    def kernel_rate_tflops(self, cluster: ClusterSpec, kernel: str) -> float:
-        """Measured rate of ``kernel`` (matmul | cudnn | flash | efficient) on this GPU, else datasheet x default fraction."""
-        row = self.kernel_tflops.get(cluster.gpu.name)
-        if row and kernel in row:
-            return float(row[kernel])
-        frac = self.kernel_tflops.get("default_fraction", {}).get(kernel, 0.5)
-        return float(frac) * cluster.gpu.bf16_tflops
-
-
-def coefficients_from_dict(data: dict) -> Coefficients:
-    vals = data.get("values", {})
-    known = set(Coefficients._VALUE_FIELDS)
-    unknown = set(vals) - known
-    if unknown:
-        raise SeqparError(f"coefficients file has unknown values {sorted(unknown)}; known: {sorted(known)}")
-    return Coefficients(
-        version=str(data.get("version", "")),
-        kernel_tflops=data.get("kernel_tflops", {}),
-        min_cudnn_capability=float(data.get("attention_backend", {}).get("min_cudnn_capability", 9.0)),
-        fitted=tuple(data.get("fitted", ())),
-        time_factors={k: v for k, v in data.get("time_factors", {}).items() if isinstance(v, dict)},
-        **{k: (int(v) if k == "loss_chunk_tokens" else float(v)) for k, v in vals.items()},
-    )
-
-
-def load_coefficients(path: Optional[str | Path] = None) -> Coefficients:
-    """Those in ``path`` (a file written by `seqpar calibrate -o`), else in $SEQPAR_COEFFICIENTS, else the shipped ones (cached)."""
-    import os
-
-    path = path or os.environ.get("SEQPAR_COEFFICIENTS") or None
-    if path is None:
-        return _shipped()
-    p = Path(path)
-    try:
-        return coefficients_from_dict(json.loads(p.read_text()))
-    except (OSError, json.JSONDecodeError) as e:
-        raise SeqparError(f"coefficients file {str(p)!r} cannot be read ({e}); write one with `seqpar calibrate -o`") from None
-
-
-@lru_cache(maxsize=1)
-def _shipped() -> Coefficients:
-    return coefficients_from_dict(json.loads(COEFFICIENTS_PATH.read_text()))
+from seqpar.advisor.coefficients import Coefficients, load_coefficients
+from seqpar.advisor.memory import estimate_memory
+from seqpar.advisor.throughput import estimate_time
+from seqpar.schema import ClusterSpec, Prediction, Strategy, Workload
+from seqpar.units import GIB
 
 
 def predict(workload: Workload, cluster: ClusterSpec, strategy: Strategy, coeffs: Optional[Coefficients] = None) -> Prediction:
     """Peak memory, OOM verdict and throughput of one configuration on one cluster."""
-    from seqpar.advisor.memory import estimate_memory
-    from seqpar.advisor.throughput import estimate_time
-
     c = coeffs or load_coefficients()
     mem = estimate_memory(workload, cluster, strategy, c)
     tim = estimate_time(workload, cluster, strategy, c)

@@ -13,9 +13,10 @@ from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from seqpar.advisor.cluster import host_ram_gib as read_host_ram
+from seqpar.errors import SeqparError
 from seqpar.profiles import get_link, gpu_profile, match_nvml_name
-from seqpar.schema import ClusterSpec, GpuSpec, SeqparError
+from seqpar.schema import ClusterSpec, GpuSpec
+from seqpar.units import GIB
 
 
 class _Result(BaseModel):
@@ -97,6 +98,17 @@ class ProbeResult(_Result):
             host_ram_gib=host_ram_gib or self.host_ram_gib or 2.0 * self.gpu_count * spec.memory_gib,
             source="probed",
         )
+
+
+def read_host_ram_gib(meminfo: str | Path = "/proc/meminfo") -> Optional[float]:
+    """MemTotal from /proc/meminfo in GiB, or None where there is no such file (macOS, Windows)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024**2  # the file counts kB (KiB)
+    except OSError:
+        return None
+    return None
 
 
 def _topology_label(nvml: Any, a: Any, b: Any) -> str:
@@ -191,7 +203,7 @@ def probe(
 ) -> ProbeResult:
     """Probe this machine. ``nvml``: the pynvml module (default) or a double with the same functions."""
     env = os.environ if env is None else env
-    common = dict(**_job(env), host_ram_gib=read_host_ram(meminfo), ib_ports=infiniband_ports(ib_root))
+    common = dict(**_job(env), host_ram_gib=read_host_ram_gib(meminfo), ib_ports=infiniband_ports(ib_root))
     if nvml is None:
         try:
             import pynvml as nvml
@@ -214,8 +226,8 @@ def probe(
                     index=i,
                     name=name,
                     profile=prof.name if prof else None,
-                    memory_total_gib=mem.total / 2**30,
-                    memory_free_gib=mem.free / 2**30,
+                    memory_total_gib=mem.total / GIB,
+                    memory_free_gib=mem.free / GIB,
                     compute_capability=f"{major}.{minor}",
                     nvlinks_active=_nvlinks(nvml, h),
                     pcie_gen=_maybe(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),

@@ -3,8 +3,8 @@
 EasyContext extends Llama-2-7B to 1M tokens in stages that raise the sequence length and the RoPE base together
 (train_scripts/EasyContext-1M-Llama-2-7B.sh, jzhang38/EasyContext): about 1M tokens per optimizer step, data parallel up to
 64K, zigzag ring attention beyond, each stage starting from the previous stage's weights (its final rope theta is then
-raised to 1e9 for 1M-token inference). ``advise_recipe`` plans every stage with the active policy (the cost-model search
-when installed, else the guide's rules) on the same cluster; ``seqpar launch`` runs the stages in order.
+raised to 1e9 for 1M-token inference). ``advise_recipe`` plans every stage with the request's policy (the cost-model search
+or the guide's rules) on the same cluster; ``seqpar launch`` runs the stages in order.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from typing import NamedTuple, Optional
 
 from seqpar.advisor.advise import advise
 from seqpar.advisor.request import AdviseRequest
-from seqpar.schema import LaunchPlan, Rationale, SeqparError, Stage
+from seqpar.errors import SeqparError
+from seqpar.jobspec import launch_spec
+from seqpar.schema import LaunchPlan, Rationale, Stage
 
 
 class RecipeStage(NamedTuple):
@@ -64,18 +66,17 @@ def recipe_seq_len(name: str) -> int:
     return get_recipe(name).stages[-1].seq_len
 
 
-def advise_recipe(req: AdviseRequest, name: str, cluster_note: str = "", notes: Optional[list[str]] = None) -> LaunchPlan:
+def advise_recipe(req: AdviseRequest, name: str, cluster_note: str = "") -> LaunchPlan:
     """A staged plan: every stage of the recipe planned for req's model and cluster (req.seq_len is not used).
 
     The top-level workload/strategy/prediction are the last (longest) stage's, so `seqpar explain` and `seqpar check` judge
     the hardest stage; ``stages`` lists all of them in order."""
     recipe = get_recipe(name)
-    notes = [] if notes is None else notes
     stages, last = [], None
     for i, st in enumerate(recipe.stages):
         stage_req = req.model_copy(update={"seq_len": st.seq_len, "tokens_per_step": req.tokens_per_step or recipe.tokens_per_step})
         try:
-            last = advise(stage_req, cluster_note, notes)
+            last = advise(stage_req, cluster_note)
         except SeqparError as e:
             raise SeqparError(f"recipe {name} stage {i} (seq_len {st.seq_len}): {e}") from None
         stages.append(Stage(seq_len=st.seq_len, rope_theta=st.rope_theta, steps=st.steps, strategy=last.strategy,
@@ -92,4 +93,5 @@ def advise_recipe(req: AdviseRequest, name: str, cluster_note: str = "", notes: 
     data["training"] = {**data["training"], "steps": final.steps, "rope_theta": final.rope_theta}
     data["rationale"] = rationale.model_dump()
     data["stages"] = [s.model_dump() for s in stages]
-    return LaunchPlan.model_validate(data)
+    plan = LaunchPlan.model_validate(data)
+    return plan.model_copy(update={"launch": launch_spec(plan)})  # the first stage's job: what seqpar launch runs first

@@ -5,10 +5,11 @@ Shared by both policies (the guide's rules in rules.py and the cost-model search
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from pydantic import Field, model_validator
 
+from seqpar.errors import SeqparError
 from seqpar.schema import (
     Checkpointing,
     ClusterSpec,
@@ -18,18 +19,23 @@ from seqpar.schema import (
     Mode,
     ModelSpec,
     Optimizer,
-    SeqparError,
     Sharding,
+    Strategy,
     Workload,
     _Frozen,
+    plan_problems,
 )
 
 
-def check_fused_ops(fused_ops: Optional[str], cluster: ClusterSpec) -> None:
-    """SeqparError (one line) when Liger's Triton kernels are asked for on a cluster without CUDA GPUs."""
-    if fused_ops == "liger" and cluster.accelerator != "cuda":
-        raise SeqparError(f"fused_ops liger runs Liger-Kernel's Triton kernels on CUDA GPUs, but this cluster's accelerator is "
-                          f"{cluster.accelerator} ({cluster.gpu.name}); use --fused-ops none")
+def check_workload(workload: Workload, cluster: ClusterSpec, fused_ops: Optional[str] = None) -> None:
+    """SeqparError when no strategy can train ``workload`` (with these fused kernels) on ``cluster``: the plan rules
+    (schema.plan_problems) refuse every sharding, e.g. fp16 needs DeepSpeed's loss scaling, which runs AdamW only, or
+    Liger's kernels need CUDA. Probed with whole sequences on every rank, so only the option rules can refuse."""
+    probes = [Strategy.over("data_parallel", 1, cluster.world_size, sharding=sh, fused_ops=fused_ops or "none")
+              for sh in get_args(Sharding)]
+    problems = [plan_problems(workload, cluster, st) for st in probes]
+    if all(problems):
+        raise SeqparError(problems[0][0])
 
 
 class AdviseRequest(_Frozen):
@@ -52,21 +58,16 @@ class AdviseRequest(_Frozen):
     tiled_mlp: Optional[bool] = Field(default=None, description="Pinned TiledMLP (None = the search tries both).")
 
     @model_validator(mode="after")
-    def _fp16(self) -> "AdviseRequest":
-        if self.dtype == "fp16" and self.optimizer != "adamw" and self.cluster.accelerator == "cuda":
-            raise ValueError(
-                f"dtype fp16 needs DeepSpeed's loss scaling, which seqpar runs with AdamW only, not optimizer "
-                f"{self.optimizer}; use dtype bf16"
-            )
-        check_fused_ops(self.fused_ops, self.cluster)
+    def _runnable(self) -> "AdviseRequest":
+        check_workload(self.workload(), self.cluster, self.fused_ops)
         return self
 
+    def accumulation_steps(self, dp_degree: int) -> int:
+        """Micro-batches per optimizer step that make tokens_per_step (rounded, at least 1) over dp_degree replicas."""
+        if not self.tokens_per_step:
+            return 1
+        return max(1, round(self.tokens_per_step / (self.micro_batch_size * self.seq_len * dp_degree)))
+
     def workload(self) -> Workload:
-        return Workload(
-            model=self.model,
-            seq_len=self.seq_len,
-            micro_batch_size=self.micro_batch_size,
-            tokens_per_step=self.tokens_per_step,
-            dtype=self.dtype,
-            optimizer=self.optimizer,
-        )
+        """What is trained: the request's fields that Workload has (all of them)."""
+        return Workload(**{k: getattr(self, k) for k in Workload.model_fields})

@@ -1,6 +1,6 @@
 """The guide's decision tree ("EasyContext best practices: choosing a sequence-parallel mode"), as data plus one function.
 
-The tree (shared/reference/anchors.md), evaluated top to bottom, first match wins:
+The tree as that article states it, evaluated top to bottom, first match wins:
   S < 64K -> data_parallel;  several nodes -> ulysses_attn;  64K <= S <= 256K -> dist_flash_attn;  S > 256K -> zigzag_ring_attn.
 Data parallel comes first because the guide says to start with it and switch to sequence parallelism at the first OOM (64K is
 where it places that switch), whatever the node count. The guide's by-hardware and by-phase tables are kept as data too; they
@@ -14,20 +14,22 @@ LaunchPlan (no prediction: the rules do not model memory or speed; ``--policy co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Callable, Optional
 
 from seqpar import __version__
 from seqpar.advisor.request import AdviseRequest
-from seqpar.modes import check_heads, check_split
+from seqpar.errors import SeqparError
+from seqpar.jobspec import launch_spec
 from seqpar.schema import (
     ClusterSpec,
     LaunchPlan,
-    LaunchSpec,
     ModelSpec,
     Rationale,
-    SeqparError,
     Strategy,
     format_tokens,
+    layout_problems,
+    plan_problems,
 )
 
 K64, K256 = 64 * 1024, 256 * 1024
@@ -102,8 +104,6 @@ def check_mode(
             return None, f"ulysses_degree {u_pin} is pinned, which only usp_attn takes"
         return (1, 1), ""
     sp = sp_pin or world
-    if world % sp:
-        return None, f"sp_degree {sp} does not divide the {world} ranks of the cluster"
     if sp < 2:
         return None, f"{mode} needs at least 2 ranks to split a sequence over, the cluster has {world}"
     if mode != "usp_attn" and u_pin not in (None, 1):
@@ -115,12 +115,8 @@ def check_mode(
         u = u_pin or _usp_ulysses_degree(model, sp, cluster.gpus_per_node)
         if u < 2 or sp % u:
             return None, f"usp_attn found no Ulysses degree >= 2 dividing sp_degree {sp} and {model.name}'s {model.num_attention_heads} heads"
-    try:
-        check_split(mode, seq_len, sp, u)
-        check_heads(mode, model.num_attention_heads, model.num_key_value_heads, sp, u, owner=model.name)
-    except SeqparError as e:
-        return None, str(e)
-    return (sp, u), ""
+    problems = layout_problems(Strategy.over(mode, sp, world, u), seq_len, model, cluster)  # ranks, split, heads
+    return (None, problems[0]) if problems else ((sp, u), "")
 
 
 def choose_mode(
@@ -155,16 +151,6 @@ def choose_mode(
     )
 
 
-def launch_spec(cluster: ClusterSpec, plan_path: str = "plan.json") -> LaunchSpec:
-    """The torchrun command each node runs (``seqpar launch plan.json`` builds the same one)."""
-    cmd = ["torchrun", "--nnodes", str(cluster.nodes), "--nproc-per-node", str(cluster.gpus_per_node)]
-    if cluster.nodes > 1:
-        cmd += ["--node-rank", "$NODE_RANK", "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
-    cmd += ["-m", "seqpar.runtime.train", "--plan", plan_path]
-    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if cluster.accelerator == "cuda" else {"OMP_NUM_THREADS": "1"}
-    return LaunchSpec(launcher="torchrun", command=cmd, env=env)
-
-
 def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
     """A launch plan from the guide's tree. Pins in the request are honoured; no prediction (prediction=None)."""
     c, s = req.cluster, req.seq_len
@@ -182,69 +168,49 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
         if hw and BY_HARDWARE[hw] != ch.mode:
             reasons.append(f"the guide's by-hardware table says {BY_HARDWARE[hw]} for a {hw}; its by-length rule decides here")
     # EasyContext's recipe: gradient checkpointing, DeepSpeed ZeRO-3 with CPU offload, its own loss on full logits, micro-batch 1.
-    ckpt = req.checkpointing or "full"
-    # EasyContext's engine (ZeRO-3 + CPU offload) runs AdamW with an fp32 master; other optimizers shard with FSDP2
-    sharding = req.sharding or ("ddp" if c.accelerator != "cuda" else "zero3_offload" if req.optimizer == "adamw" else "fsdp")
-    if req.tiled_mlp and sharding in ("zero3", "zero3_offload"):
-        if req.sharding:
-            raise SeqparError(f"tiled_mlp with sharding {sharding}: ZeRO-3 gathers parameters through module hooks that TiledMLP's "
-                              "recomputation in backward bypasses; use --sharding fsdp or ddp, or --no-tiled-mlp")
-        sharding = "fsdp"
-        reasons.append("tiled_mlp pinned: sharding fsdp instead of EasyContext's ZeRO-3 offload (ZeRO-3's parameter hooks do not "
-                       "see TiledMLP's recomputation)")
-    loss = req.loss_impl or "hf"
+    ckpt, loss = req.checkpointing or "full", req.loss_impl or "hf"
+    gas = req.accumulation_steps(dp)
+    strategy = Strategy.over(ch.mode, ch.sp_degree, c.world_size, ch.ulysses_degree, checkpointing=ckpt, loss_impl=loss,
+                             gradient_accumulation_steps=gas, fused_ops=req.fused_ops or "none", tiled_mlp=bool(req.tiled_mlp))
+    # Sharding: the pin, else EasyContext's engine on CUDA (FSDP2 where the plan rules refuse ZeRO-3: another optimizer than
+    # AdamW, tiled_mlp) and plain DDP on gloo CPU ranks (DeepSpeed is a GPU engine).
+    w = req.workload()
+    shardings = [req.sharding] if req.sharding else ["zero3_offload", "fsdp"] if c.accelerator == "cuda" else ["ddp"]
+    tried = [(sh, plan_problems(w, c, strategy.model_copy(update={"sharding": sh}))) for sh in shardings]
+    sharding = next((sh for sh, problems in tried if not problems), None)
+    if sharding is None:
+        raise SeqparError(tried[0][1][0])
+    strategy = strategy.model_copy(update={"sharding": sharding})
+    sharding_why = ("EasyContext's engine: DeepSpeed ZeRO-3 with CPU offload; pin --sharding fsdp to run without DeepSpeed"
+                    if sharding == "zero3_offload" else f"not EasyContext's zero3_offload: {tried[0][1][0]}" if sharding != shardings[0]
+                    else "gloo CPU ranks: plain data-parallel gradients (DeepSpeed is a GPU engine)")
     for what, pinned, val, why in (
         ("checkpointing", req.checkpointing, ckpt, "EasyContext trains with gradient checkpointing (dist_flash_attn requires it)"),
-        ("sharding", req.sharding, sharding, "EasyContext's engine: DeepSpeed ZeRO-3 with CPU offload; pin --sharding fsdp to run without DeepSpeed"
-         if c.accelerator == "cuda" else "gloo CPU ranks: plain data-parallel gradients (DeepSpeed is a GPU engine)"),
+        ("sharding", req.sharding, sharding, sharding_why),
         ("loss_impl", req.loss_impl, loss, "EasyContext computes the loss on full logits (transformers' way)"),
     ):
         reasons.append(f"{what} {val}: " + ("pinned" if pinned else why))
     for what, pinned in (("fused_ops", req.fused_ops), ("tiled_mlp", req.tiled_mlp)):
         if pinned is not None:
             reasons.append(f"{what} {pinned}: pinned")
-    gas = 1
     if req.tokens_per_step:
         per_micro = req.micro_batch_size * s * dp
-        gas = max(1, round(req.tokens_per_step / per_micro))
-        reasons.append(f"gradient_accumulation_steps {gas}: {req.tokens_per_step} tokens per step / ({req.micro_batch_size} x {s} x dp {dp}) = {req.tokens_per_step / per_micro:.2f}, rounded")
-    strategy = Strategy(
-        mode=ch.mode,
-        sp_degree=ch.sp_degree,
-        ulysses_degree=ch.ulysses_degree if ch.mode == "usp_attn" else 1,
-        ring_degree=ch.sp_degree // ch.ulysses_degree if ch.mode == "usp_attn" else 1,
-        dp_degree=dp,
-        checkpointing=ckpt,
-        sharding=sharding,
-        loss_impl=loss,
-        gradient_accumulation_steps=gas,
-        fused_ops=req.fused_ops or "none",
-        tiled_mlp=bool(req.tiled_mlp),
-    )
+        reasons.append(f"gradient_accumulation_steps {gas}: {req.tokens_per_step} tokens per step / ({req.micro_batch_size} x {s} x dp {dp}) "
+                       f"= {req.tokens_per_step / per_micro:.2f}, rounded")
     everything_pinned = bool(req.mode and (req.mode == "data_parallel" or req.sp_degree) and req.checkpointing and req.sharding and req.loss_impl
                              and (req.mode != "usp_attn" or req.ulysses_degree))
-    return LaunchPlan(
-        created_by=f"seqpar {__version__} (advise, rules)",
-        created_at=_now(),
-        workload=req.workload(),
-        cluster=c,
-        strategy=strategy,
-        prediction=None,
-        rationale=Rationale(
-            policy="pinned" if everything_pinned else "rules",
-            rule_path=ch.rule_path,
-            rules_choice=ch.tree_mode,
-            reasons=reasons,
-            cluster_note=cluster_note,
-        ),
-        launch=launch_spec(c),
-    )
+    rationale = Rationale(policy="pinned" if everything_pinned else "rules", rule_path=ch.rule_path, rules_choice=ch.tree_mode,
+                          reasons=reasons, cluster_note=cluster_note)
+    return written_plan("rules", workload=w, cluster=c, strategy=strategy, prediction=None, rationale=rationale)
 
 
-def _now() -> str:
-    import datetime
+def written_plan(policy: str, **fields) -> LaunchPlan:
+    """A plan as the advisor writes it: by whom (seqpar's version, the policy) and when, with the command ``seqpar launch
+    plan.json`` will run (seqpar.jobspec; `seqpar advise -o PATH` records it for PATH)."""
+    created_at = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    plan = LaunchPlan(created_by=f"seqpar {__version__} (advise, {policy})", created_at=created_at, **fields)
+    return plan.model_copy(update={"launch": launch_spec(plan)})
 
-    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
 
-
-__all__ = ["TREE", "NEXT_CHOICE", "BY_HARDWARE", "BY_PHASE", "Choice", "tree_mode", "check_mode", "choose_mode", "advise_by_rules", "launch_spec"]
+__all__ = ["TREE", "NEXT_CHOICE", "BY_HARDWARE", "BY_PHASE", "Choice", "tree_mode", "check_mode", "choose_mode", "advise_by_rules",
+           "written_plan"]

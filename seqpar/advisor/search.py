@@ -3,36 +3,40 @@
 ``advise_by_cost(req)`` enumerates modes x sp degrees (divisors of the GPU count; usp: ulysses x ring) x checkpointing x
 sharding x loss implementation x tiled_mlp off/on (pins in the request restrict each axis; fused_ops is never searched:
 Liger-Kernel is an optional dependency, so it is ``none`` unless pinned, and the rationale says when ``liger`` would be
-faster), drops invalid ones with the reason (tiled_mlp with ZeRO-3), predicts the rest (memory.py, throughput.py; ~30 us
+faster), drops those the plan rules refuse (schema.plan_problems: the same judge LaunchPlan validates with) and records
+why, predicts the rest (memory.py, throughput.py; ~30 us
 each) and returns the fastest that fits with headroom. tiled_mlp costs one more MLP forward and saves memory, so it can only
 win where its untiled twin does not fit, and only there is it predicted. The plan carries the guide tree's choice
 (rules.py) and, where the cost model departs from it, why. ``max_seq_len`` binary-searches the longest sequence that fits
-per mode; ``check`` re-evaluates a plan (or a request) and names the cheapest fix when it does not fit.
+per mode. The OOM gate (``seqpar check``) is gate.py.
+
+Search space, not validity: dist_flash_attn is searched with checkpointing only (EasyContext runs its schedule under
+gradient checkpointing, modes.FACTS' needs_checkpointing) unless checkpointing is pinned; usp_attn's Ulysses degree
+ranges over 2..sp_degree/2 (a ring of one is ulysses_attn, a Ulysses group of one zigzag_ring_attn).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from dataclasses import dataclass
+from itertools import product
+from typing import Iterator, Optional
 
-from seqpar import __version__
+from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.memory import estimate_memory
-from seqpar.advisor.predict import Coefficients, load_coefficients, predict
-from seqpar.advisor.request import AdviseRequest, check_fused_ops
+from seqpar.advisor.predict import predict
+from seqpar.advisor.request import AdviseRequest
+from seqpar.advisor.rules import tree_mode, written_plan
 from seqpar.advisor.throughput import estimate_time
-from seqpar.modes import MODES, split_multiple
-from seqpar.schema import (
-    Alternative, ClusterSpec, LaunchPlan, ModelSpec, Prediction, Rationale, SeqparError, Strategy, Workload,
-    check_strategy_shape, format_tokens,
-)
+from seqpar.errors import SeqparError
+from seqpar.modes import FACTS, MODES, split_multiple
+from seqpar.schema import Alternative, ClusterSpec, LaunchPlan, ModelSpec, Rationale, Strategy, Workload, plan_problems
+from seqpar.units import GIB
 
 CHECKPOINTING = ("full", "selective", "none", "offload")
-TILED_INVALID = ("zero3", "zero3_offload")  # ZeRO-3's parameter hooks do not see TiledMLP's recomputation in backward
 SHARDING = ("ddp", "zero2", "zero3", "zero3_offload")  # fsdp costs the same as zero3 in this model; searched when pinned
 LOSS = ("chunked", "hf")
-GIB = 2**30
 
 
 @dataclass
@@ -44,87 +48,66 @@ class Candidate:
     why: str = ""  # invalid / OOM reason
 
 
-def _degrees(mode: str, world: int, model: ModelSpec, req: AdviseRequest) -> Iterator[tuple[int, int]]:
-    """(sp_degree, ulysses_degree) pairs the mode can take on ``world`` ranks, honouring the pinned degrees: a pinned
-    sp_degree > 1 rules out data_parallel, a pinned Ulysses degree (> 1) rules out every mode but usp_attn."""
+def _degrees(mode: str, world: int, req: AdviseRequest) -> Iterator[tuple[int, int, str]]:
+    """(sp_degree, ulysses_degree, why not) the mode can take on ``world`` ranks, honouring the pinned degrees: a pinned
+    sp_degree > 1 rules out data_parallel, a pinned Ulysses degree (> 1) every mode but usp_attn. ``why not`` is set for
+    a pinned Ulysses degree that forms no usp_attn strategy over that sp_degree."""
     if req.ulysses_degree not in (None, 1) and mode != "usp_attn":
         return
     if mode == "data_parallel":
         if req.sp_degree in (None, 1):
-            yield 1, 1
+            yield 1, 1, ""
         return
     sps = [req.sp_degree] if req.sp_degree else [d for d in range(2, world + 1) if world % d == 0]
     for sp in sps:
         if mode != "usp_attn":
-            yield sp, 1
-            continue
-        us = [req.ulysses_degree] if req.ulysses_degree else [u for u in range(2, sp) if sp % u == 0]
-        for u in us:
-            yield sp, u
+            yield sp, 1, ""
+        elif req.ulysses_degree is None:
+            yield from ((sp, u, "") for u in range(2, sp) if sp % u == 0)
+        else:
+            u = req.ulysses_degree
+            ok = sp % u == 0 and 2 <= u < sp
+            yield sp, u, "" if ok else f"usp_attn needs ulysses_degree x ring_degree = {sp} with both >= 2, got ulysses {u}"
 
 
 def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[Strategy], list[tuple[Strategy | None, str]]]:
-    """(valid strategies, [(strategy or None, why invalid)])."""
-    c, m, world = req.cluster, req.model, req.cluster.world_size
-    valid, invalid = [], []
+    """(valid strategies, [(strategy, why invalid)]) over the request's search space; ``why`` is the first of the plan rules'
+    problems (schema.plan_problems), so LaunchPlan refuses each invalid strategy with that very line. The strategy is None
+    where a pinned Ulysses degree forms none."""
+    c, world = req.cluster, req.cluster.world_size
     modes = [req.mode] if req.mode else list(MODES)
     ckpts = [req.checkpointing] if req.checkpointing else list(CHECKPOINTING)
     if req.sharding:
         shards = [req.sharding]
-    elif req.cluster.accelerator == "cpu":  # DeepSpeed is GPU-only; gloo ranks shard with FSDP2
+    elif c.accelerator == "cpu":  # DeepSpeed is GPU-only; gloo ranks shard with FSDP2
         shards = ["ddp"] if world == 1 else ["ddp", "fsdp"]
     else:
         shards = ["ddp", "zero3_offload"] if world == 1 else list(SHARDING)
-    if workload.optimizer != "adamw":  # seqpar's DeepSpeed engine runs AdamW with an fp32 master (runtime/deepspeed.py)
-        shards = [sh for sh in shards if not sh.startswith("zero")] or ["ddp"]
-    if workload.dtype == "fp16" and req.cluster.accelerator == "cuda":  # only DeepSpeed scales fp16 losses here
-        shards = [sh for sh in shards if sh.startswith("zero")]
-        if not shards:
-            raise SeqparError(f"dtype fp16 needs a zero* sharding (DeepSpeed's loss scaling), not {req.sharding}; "
-                              "use dtype bf16, or --sharding zero3")
     losses = [req.loss_impl] if req.loss_impl else list(LOSS)
     tileds = [req.tiled_mlp] if req.tiled_mlp is not None else [False, True]
     fused = req.fused_ops or "none"
-    tiled_invalid: list[tuple[Strategy | None, str]] = []  # listed after the others: one reason repeated per combination
+    valid: list[Strategy] = []
+    invalid: list[tuple[Strategy | None, str]] = []
     for mode in modes:
-        for sp, u in _degrees(mode, world, m, req):
-            r = sp // u if mode == "usp_attn" else 1
-            try:
-                if world % sp:
-                    raise SeqparError(f"sp_degree {sp} does not divide the {world} GPUs")
-                if mode == "usp_attn" and (u < 2 or r < 2 or sp % u):
-                    raise SeqparError(f"usp_attn needs ulysses_degree x ring_degree = {sp} with both >= 2, got ulysses {u}")
-                base = Strategy(mode=mode, sp_degree=sp, dp_degree=world // sp, ulysses_degree=u if mode == "usp_attn" else 1,
-                                ring_degree=r if mode == "usp_attn" else 1)
-                check_strategy_shape(base, req.seq_len, m)
-            except (SeqparError, ValueError) as e:
-                invalid.append((None, f"{mode} sp={sp}" + (f" ulysses={u}" if mode == "usp_attn" else "") + f": {_one_line(e)}"))
+        for sp, u, why in _degrees(mode, world, req):
+            if why:
+                invalid.append((None, why))
                 continue
-            gas = 1
-            if req.tokens_per_step:
-                gas = max(1, round(req.tokens_per_step / (req.micro_batch_size * req.seq_len * base.dp_degree)))
-            for ck in ckpts:
-                if mode == "dist_flash_attn" and ck == "none":
-                    invalid.append((None, "dist_flash_attn checkpointing=none: its schedule needs gradient checkpointing (EasyContext)"))
+            gas = req.accumulation_steps(max(1, world // sp))
+            for ck, sh, loss, tiled in product(ckpts, shards, losses, tileds):
+                if ck == "none" and FACTS[mode].needs_checkpointing and req.checkpointing is None:
                     continue
-                for sh in shards:
-                    for loss in losses:
-                        for tiled in tileds:
-                            st = base.model_copy(update={"checkpointing": ck, "sharding": sh, "loss_impl": loss,
-                                                         "gradient_accumulation_steps": gas, "fused_ops": fused, "tiled_mlp": tiled})
-                            if tiled and sh in TILED_INVALID:
-                                tiled_invalid.append((st, f"tiled_mlp with sharding {sh}: ZeRO-3 gathers parameters through module "
-                                                          "hooks that TiledMLP's recomputation in backward bypasses"))
-                                continue
-                            valid.append(st)
-    return valid, invalid + tiled_invalid
+                st = Strategy.over(mode, sp, world, u, checkpointing=ck, sharding=sh, loss_impl=loss,
+                                   gradient_accumulation_steps=gas, fused_ops=fused, tiled_mlp=tiled)
+                problems = plan_problems(workload, c, st)
+                if problems:
+                    invalid.append((st, problems[0]))
+                else:
+                    valid.append(st)
+    return valid, invalid
 
 
-def _one_line(e: Exception) -> str:
-    return str(e).splitlines()[0].removeprefix("Value error, ")
-
-
-def _evaluate(workload: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> Candidate:
+def evaluate(workload: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> Candidate:
     mem = estimate_memory(workload, cluster, s, c)
     tim = estimate_time(workload, cluster, s, c)
     return Candidate(s, tim.tokens_per_s, mem.peak_bytes / GIB, mem.fits, mem.reason)
@@ -136,14 +119,6 @@ def describe(s: Strategy) -> str:
         deg += f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})"
     extra = (" mlp=tiled" if s.tiled_mlp else "") + (f" ops={s.fused_ops}" if s.fused_ops != "none" else "")
     return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing} {s.sharding} loss={s.loss_impl}{extra}"
-
-
-def _rules_choice(req: AdviseRequest) -> tuple[Optional[str], list[str]]:
-    try:
-        from seqpar.advisor.rules import tree_mode
-    except ImportError:  # the guide's tree is optional for the search
-        return None, []
-    return tree_mode(req.seq_len, req.cluster)
 
 
 def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cluster_note: str = "") -> LaunchPlan:
@@ -165,7 +140,7 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
         reasons.append(f"nothing fits: the smallest footprint is {describe(best.strategy)} and it {best.why}; "
                        f"see `seqpar advise --max-seq-len` for what fits on this cluster")
     pred = predict(w, cl, best.strategy, c)
-    rules_mode, rule_path = _rules_choice(req)
+    rules_mode, rule_path = tree_mode(req.seq_len, req.cluster)
     reasons.insert(0, f"cost model: {describe(best.strategy)}: {pred.tokens_per_s:,.0f} tokens/s, peak {pred.peak_memory_gib:.1f} GiB "
                       f"allocated ({pred.reserved_memory_gib:.1f} reserved) of {pred.capacity_gib:.1f} GiB, MFU {pred.mfu:.0%}"
                       f" ({len(cands)} strategies predicted, {len(fitting)} fit, {len(invalid)} invalid)")
@@ -179,26 +154,23 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
         alts.append(liger)
     rationale = Rationale(policy="pinned" if pinned else "cost", rule_path=rule_path, rules_choice=rules_mode,
                           reasons=reasons, alternatives=alts, cluster_note=cluster_note)
-    from seqpar.advisor.rules import _now, launch_spec
-
-    return LaunchPlan(created_by=f"seqpar {__version__} (advise, cost)", created_at=_now(), workload=w, cluster=cl,
-                      strategy=best.strategy, prediction=pred, rationale=rationale, launch=launch_spec(cl))
+    return written_plan("cost", workload=w, cluster=cl, strategy=best.strategy, prediction=pred, rationale=rationale)
 
 
 def _predict_all(req: AdviseRequest, valid: list[Strategy], w: Workload, cl: ClusterSpec, c: Coefficients) -> list[Candidate]:
     """Every valid strategy's prediction, except that an unpinned tiled_mlp is predicted only where its untiled twin does not
     fit: tiling costs one more MLP forward and is never faster, so it can only win where it is the one that fits."""
     if req.tiled_mlp is not None:
-        return [_evaluate(w, cl, s, c) for s in valid]
+        return [evaluate(w, cl, s, c) for s in valid]
     tiled = {s.model_copy(update={"tiled_mlp": False}): s for s in valid if s.tiled_mlp}
     out = []
     for s in valid:
         if s.tiled_mlp:
             continue
-        x = _evaluate(w, cl, s, c)
+        x = evaluate(w, cl, s, c)
         out.append(x)
         if not x.fits and s in tiled:
-            out.append(_evaluate(w, cl, tiled[s], c))
+            out.append(evaluate(w, cl, tiled[s], c))
     return out
 
 
@@ -229,13 +201,13 @@ def _option_notes(req: AdviseRequest, best: Candidate, cands: list[Candidate], v
     if req.fused_ops is not None or cl.accelerator != "cuda":
         return out
     if best.fits:
-        alt = _evaluate(w, cl, s.model_copy(update={"fused_ops": "liger"}), c)
+        alt = evaluate(w, cl, s.model_copy(update={"fused_ops": "liger"}), c)
         if alt.fits and alt.tokens_per_s > best.tokens_per_s:
             out.append(f"fused_ops liger (Liger-Kernel's fused RMSNorm, RoPE and SwiGLU; optional: pip install liger-kernel) would "
                        f"run {alt.tokens_per_s:,.0f} tokens/s ({alt.tokens_per_s / best.tokens_per_s - 1:+.0%}) at a peak of "
                        f"{alt.peak_gib:.1f} GiB; pin --fused-ops liger to use it")
         return out
-    fits = [x for x in (_evaluate(w, cl, v.model_copy(update={"fused_ops": "liger"}), c) for v in valid) if x.fits]
+    fits = [x for x in (evaluate(w, cl, v.model_copy(update={"fused_ops": "liger"}), c) for v in valid) if x.fits]
     if fits:
         top = max(fits, key=lambda x: x.tokens_per_s)
         out.append(f"with --fused-ops liger (Liger-Kernel, optional: pip install liger-kernel) {describe(top.strategy)} fits: "
@@ -297,7 +269,8 @@ def max_seq_len(model: ModelSpec, cluster: ClusterSpec, modes: Optional[list[str
     for mode in modes or list(MODES):
         req0 = _request_for(model, cluster, 1024, mode=mode, **pins)
         w0 = req0.workload()
-        strategies, _ = enumerate_strategies(req0.model_copy(update={"seq_len": 2 * math.lcm(1024, *range(1, cluster.world_size + 1))}), w0)
+        any_len = 2 * math.lcm(1024, *range(1, cluster.world_size + 1))  # a length every mode splits: the options and heads decide
+        strategies, _ = enumerate_strategies(req0.model_copy(update={"seq_len": any_len}), w0.model_copy(update={"seq_len": any_len}))
         if not strategies:
             out[mode] = (0, None)
             continue
@@ -318,71 +291,3 @@ def max_seq_len(model: ModelSpec, cluster: ClusterSpec, modes: Optional[list[str
             lo, hi = (mid, hi) if fitting(mid * unit) else (lo, mid)
         out[mode] = (lo * unit, fitting(lo * unit) if lo else None)
     return out
-
-
-# --------------------------------------------------------------------------------------------- the OOM gate
-
-
-@dataclass
-class CheckResult:
-    fits: bool
-    prediction: Prediction
-    biggest_terms: list[tuple[str, float]]  # (term, GiB) at the peak phase, largest first
-    fix: str  # the cheapest change that fits (empty when it fits)
-    fix_strategy: Optional[Strategy] = None
-    reason: str = ""
-    exit_code: int = 0  # 0 fits, 1 risks OOM
-    plan: Optional[LaunchPlan] = field(default=None, repr=False)
-
-
-def _variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]:
-    yield "loss_impl chunked (logits a chunk at a time)", s.model_copy(update={"loss_impl": "chunked"})
-    for ck in ("full", "selective", "offload"):
-        yield f"checkpointing {ck}", s.model_copy(update={"checkpointing": ck})
-    for sh in ("zero2", "zero3", "zero3_offload"):
-        # DeepSpeed runs AdamW with an fp32 master: plans refuse zero* with another optimizer (schema.LaunchPlan)
-        if req.optimizer == "adamw" and not (s.tiled_mlp and sh in TILED_INVALID):
-            yield f"sharding {sh}", s.model_copy(update={"sharding": sh})
-    if not s.tiled_mlp and s.sharding not in TILED_INVALID:
-        yield "tiled_mlp (the MLP one sequence tile at a time)", s.model_copy(update={"tiled_mlp": True})
-    valid, _ = enumerate_strategies(req.model_copy(update={"mode": None, "sp_degree": None, "ulysses_degree": None,
-                                                            "checkpointing": s.checkpointing, "sharding": s.sharding, "loss_impl": s.loss_impl,
-                                                            "fused_ops": s.fused_ops, "tiled_mlp": s.tiled_mlp}), req.workload())
-    for v in valid:
-        if (v.mode, v.sp_degree) != (s.mode, s.sp_degree):
-            yield f"{v.mode} with sp_degree {v.sp_degree}", v
-
-
-def check(target: Union[LaunchPlan, AdviseRequest], cluster: Optional[ClusterSpec] = None, coeffs: Optional[Coefficients] = None) -> CheckResult:
-    """Does it fit? The predicted peak, the biggest terms and, when it does not fit, the cheapest fix (fastest single change that fits)."""
-    c = coeffs or load_coefficients()
-    plan = target if isinstance(target, LaunchPlan) else advise_by_cost(target, c)
-    cl = cluster or plan.cluster
-    if cluster is not None and cluster.world_size != plan.strategy.world_size:
-        raise SeqparError(f"the plan needs {plan.strategy.world_size} GPUs but the cluster to check has {cluster.world_size}; "
-                          f"check on the plan's own cluster or re-advise with `seqpar advise`")
-    w, s = plan.workload, plan.strategy
-    check_fused_ops(s.fused_ops, cl)
-    pred = predict(w, cl, s, c)
-    mem = estimate_memory(w, cl, s, c)
-    terms = sorted(pred.memory_breakdown_gib.items(), key=lambda kv: -kv[1])[:4]
-    if mem.fits:
-        return CheckResult(True, pred, terms, "", None, "", 0, plan)
-    req = AdviseRequest(model=w.model, seq_len=w.seq_len, cluster=cl, micro_batch_size=w.micro_batch_size, dtype=w.dtype,
-                        optimizer=w.optimizer, tokens_per_step=w.tokens_per_step,
-                        fused_ops=s.fused_ops if s.fused_ops != "none" else None)  # keep the plan's kernels for the fallback advice
-    best: Optional[tuple[float, str, Strategy]] = None
-    for what, v in _variants(s, req):
-        cand = _evaluate(w, cl, v, c)
-        if cand.fits and (best is None or cand.tokens_per_s > best[0]):
-            best = (cand.tokens_per_s, what, v)
-    if best:
-        fix = f"{best[1]} -> fits, {best[0]:,.0f} tokens/s ({describe(best[2])})"
-    else:
-        try:
-            alt = advise_by_cost(req, c)
-            fix = (f"no single change fits; `seqpar advise` proposes {describe(alt.strategy)}" if alt.prediction and not alt.prediction.oom_risk
-                   else f"nothing fits {format_tokens(w.seq_len)} tokens on this cluster: more GPUs, or a shorter sequence")
-        except SeqparError as e:
-            fix = str(e)
-    return CheckResult(False, pred, terms, fix, best[2] if best else None, mem.reason, 1, plan)

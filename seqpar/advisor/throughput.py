@@ -26,18 +26,19 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   carrying Q,K,V out and O,lse back; gradients: ring all-reduce 2(N-1)/N*2Psi (DDP), reduce-scatter + all-gather (ZeRO-2),
   per-layer all-gathers in forward and backward + reduce-scatter (ZeRO-3 / FSDP), hidden up to ``grad_comm_overlap``
   under backward; ZeRO-3 offload adds PCIe copies of the parameter shards and fp32 gradients and the CPU Adam step.
+* MFU: seqpar.flops' model FLOPs (no recompute) over the datasheet bf16 peak of every GPU, the count measured MFU
+  (seqpar.runtime.report) uses too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from seqpar.advisor.memory import layer_params, optimizer_bytes_per_param, precision
+from seqpar.advisor.coefficients import Coefficients
+from seqpar.advisor.memory import optimizer_bytes_per_param, precision, ring_ranks, ulysses_ranks
+from seqpar.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
+from seqpar.modes import split_multiple
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
-
-if TYPE_CHECKING:
-    from seqpar.advisor.predict import Coefficients
 
 REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
 REF_WIDTH = 8192  # the matmul rate of kernel_tflops is an 8192^3 GEMM; the width efficiency is normalised to 1 there
@@ -52,15 +53,10 @@ class TimeEstimate:
     parts_s: dict[str, float]  # unscaled components the fit works on (ideal linear / attention time, fixed rest incl. elementwise)
 
 
-def matmul_params(m: ModelSpec) -> int:
-    """Parameters that take part in a matmul per token: decoder layers without norms, plus the LM head."""
-    return m.num_layers * (layer_params(m) - 2 * m.hidden_size) + m.vocab_size * m.hidden_size
-
-
 def linear_flops_per_token(m: ModelSpec, checkpointing: str, loss_impl: str, tiled_mlp: bool = False) -> float:
     """6*N_lin forward+backward, +2*N_lin of the layers for recompute, +2*V*h when the chunked loss recomputes logits,
     +2*3*h*I*L when tiled_mlp runs each MLP forward once more (its tiles are recomputed in backward)."""
-    n_layers = m.num_layers * (layer_params(m) - 2 * m.hidden_size)
+    n_layers = m.num_layers * layer_matmul_params(m)
     f = 6.0 * matmul_params(m)
     if checkpointing != "none":
         f += 2.0 * n_layers
@@ -87,11 +83,6 @@ def elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: fl
     return tokens * m.num_layers * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
 
 
-def attention_fwd_flops(m: ModelSpec, seq_len: int) -> float:
-    """Causal attention forward FLOPs of one sequence over all layers: 2 * S^2 * a * d per layer."""
-    return 2.0 * seq_len * seq_len * m.num_attention_heads * m.head_dim * m.num_layers
-
-
 def recomputes_attention(s: Strategy) -> bool:
     """full and offload recompute the whole layer, attention included; selective recomputes the layer around attention
     (seqpar.runtime.selective hands the kept output back), none recomputes nothing."""
@@ -103,14 +94,9 @@ def attention_multiplier(s: Strategy) -> float:
 
 
 def call_tokens(s: Strategy, seq_len: int) -> float:
-    """Query tokens of one attention kernel call."""
-    if s.mode in ("data_parallel", "ulysses_attn"):
-        return seq_len
-    if s.mode == "zigzag_ring_attn":
-        return seq_len / (2 * s.sp_degree)
-    if s.mode == "usp_attn":
-        return seq_len / (2 * s.ring_degree)
-    return seq_len / s.sp_degree  # dist_flash_attn
+    """Query tokens of one attention kernel call: one chunk of the mode's split (seqpar.modes), its Ulysses group's chunks
+    gathered (S for data parallel and Ulysses, S/(2P) for zigzag, S/(2R) for usp, S/P for dist flash)."""
+    return seq_len * ulysses_ranks(s) / split_multiple(s.mode, s.sp_degree, s.ulysses_degree)
 
 
 def imbalance(s: Strategy) -> float:
@@ -126,7 +112,7 @@ def width_efficiency(hidden: int, h0: float) -> float:
     return (hidden / (hidden + h0)) / (REF_WIDTH / (REF_WIDTH + h0))
 
 
-def _bw(cluster: ClusterSpec, group: int, c: "Coefficients", contiguous_inner: int = 1) -> float:
+def _bw(cluster: ClusterSpec, group: int, c: Coefficients, contiguous_inner: int = 1) -> float:
     """Bytes/s per GPU for a group of ``group`` ranks laid out ``contiguous_inner`` apart: NVLink inside a node, else the NIC."""
     spans = group * contiguous_inner > cluster.gpus_per_node
     link = cluster.inter_node_link if spans and cluster.inter_node_link else cluster.intra_node_link
@@ -138,7 +124,7 @@ def _hidden(comm: float, compute: float, overlap: float) -> float:
     return max(comm - compute, 0.0) + (1.0 - overlap) * min(comm, compute)
 
 
-def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficients") -> TimeEstimate:
+def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> TimeEstimate:
     m, p = w.model, DTYPE_BYTES[w.dtype]
     b, S, P, world = w.micro_batch_size, w.seq_len, s.sp_degree, s.world_size
     t = b * S / P
@@ -162,8 +148,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficien
 
     # ---- sequence-parallel communication of one micro-batch
     sp_comm = 0.0
-    u = P if s.mode == "ulysses_attn" else s.ulysses_degree if s.mode == "usp_attn" else 1
-    r = P if s.mode == "zigzag_ring_attn" else s.ring_degree if s.mode == "usp_attn" else 1
+    u, r = ulysses_ranks(s), ring_ranks(s)
     kv_eff = kv if (u == 1 or kv % u == 0) else u
     if u > 1:
         a2a_bytes = (u - 1) / u * t * p * (2 * a * d + 2 * kv_eff * d) * L  # q, k, v in and o out, one pass
@@ -219,7 +204,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: "Coefficien
     exposed = accum * sp_comm + grad_exposed
     step = compute + elementwise + exposed + offload + opt_t
     tokens = S * b * s.dp_degree * accum
-    model_flops = tokens * 6.0 * matmul_params(m) + b * s.dp_degree * accum * attention_fwd_flops(m, S) * 3.5
+    model_flops = b * s.dp_degree * accum * model_flops_per_sequence(m, S)  # seqpar.flops: the count measured MFU uses too
     mfu = model_flops / step / (world * cluster.gpu.bf16_tflops * 1e12)
     parts = {"linear_ideal": accum * lin_ideal, "attn_ideal": accum * attn_ideal, "cpu_adam": opt_t if s.sharding == "zero3_offload" else 0.0,
              "elementwise": elementwise}

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from seqpar.schema import GpuSpec, LinkSpec, ModelSpec, SeqparError, first_error
+from seqpar.errors import SeqparError
+from seqpar.schema import GpuSpec, LinkSpec, ModelSpec, first_error, read_json_object
 
 _HERE = Path(__file__).resolve().parent
 
@@ -160,14 +161,8 @@ def model_from_config(path: str | Path) -> ModelSpec:
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
-        raise SeqparError(f"model config {str(p)!r} does not exist; pass a folder holding config.json or the file itself")
-    try:
-        cfg = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SeqparError(f"model config {str(p)!r} is not valid JSON ({e}); check the file") from None
-    if not isinstance(cfg, dict):
-        raise SeqparError(f"model config {str(p)!r} holds a {type(cfg).__name__}, not a config object")
+    cfg = read_json_object(p, "model config", "config", missing_fix="pass a folder holding config.json or the file itself",
+                           invalid_fix="check the file")
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
     missing = [src for src in _REQUIRED.values() if cfg.get(src) is None]

@@ -4,9 +4,8 @@
 use the plan's field names (``tokens_per_s``, ``peak_memory_gib``, ``reserved_memory_gib``, ``step_time_s``, ``mfu``) so a
 measured/predicted pair lines up by key.
 
-MFU follows nanoGPT's ``estimate_mfu`` and the anchors' FLOP counts: 6*N per token for the linear part (forward + backward,
-no recompute counted) plus causal attention 2*s^2*h per layer forward, x3.5 for forward + backward
-(Korthikanti et al. 2022; flash-attention's backward costs 2.5 forwards), against the datasheet bf16 peak of every GPU.
+MFU = model FLOPs per step (seqpar.flops, the count the advisor's predicted MFU uses: 6 * matmul parameters per token plus
+causal attention, no recompute) / step time / the datasheet bf16 peak of every GPU.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from seqpar.flops import model_flops_per_sequence
 from seqpar.schema import LaunchPlan, write_atomic
-
-GIB = 2**30
+from seqpar.units import GIB
 
 
 def memory_now(device: torch.device) -> dict:
@@ -36,14 +35,6 @@ def memory_now(device: torch.device) -> dict:
     else:
         out["peak_allocated_gib"] = out["peak_reserved_gib"] = out["peak_rss_gib"]
     return out
-
-
-def flops_per_step(plan: LaunchPlan, sequences: int) -> float:
-    """Model FLOPs of one optimizer step over ``sequences`` sequences of plan.workload.seq_len tokens."""
-    m, s = plan.workload.model, plan.workload.seq_len
-    linear = 6.0 * m.num_params * s * sequences
-    attention = 3.5 * 2.0 * s * s * (m.num_attention_heads * m.head_dim) * m.num_layers * sequences
-    return linear + attention
 
 
 class Metrics:
@@ -97,7 +88,8 @@ def write_report(out: Path, plan: LaunchPlan, *, step_times: list[float], tokens
     total = sum(timed)
     tps = tokens_per_step * len(timed) / total if total > 0 else 0.0
     peak_flops = plan.cluster.gpu.bf16_tflops * 1e12 * plan.cluster.world_size
-    mfu = flops_per_step(plan, sequences_per_step) / step_s / peak_flops if step_s > 0 else 0.0
+    flops = sequences_per_step * model_flops_per_sequence(plan.workload.model, plan.workload.seq_len)
+    mfu = flops / step_s / peak_flops if step_s > 0 else 0.0
     measured = {
         "tokens_per_s": tps,
         "peak_memory_gib": max(r["peak_allocated_gib"] for r in per_rank),

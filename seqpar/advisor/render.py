@@ -36,7 +36,8 @@ def plan_summary(plan: LaunchPlan) -> str:
     return f"{s.mode}, {degrees}, seq_len {w.seq_len} ({format_tokens(w.seq_len)}), {w.model.name}, {cluster_line(plan.cluster)}"
 
 
-def plan_tables(plan: LaunchPlan) -> list[RenderableType]:
+def plan_tables(plan: LaunchPlan, plan_path: str = "plan.json") -> list[RenderableType]:
+    """The plan's sections; ``plan_path``: where the plan is (or would be) written, for the launch line."""
     w, c, s, r = plan.workload, plan.cluster, plan.strategy, plan.rationale
     out: list[RenderableType] = [
         _kv("Workload", [
@@ -75,16 +76,15 @@ def plan_tables(plan: LaunchPlan) -> list[RenderableType]:
         why.add_row(f"[dim]not[/] {alt.strategy.mode} sp {alt.strategy.sp_degree}: {alt.rejected_because}")
     out.append(why)
     launch = " ".join(shlex.quote(a) if not a.startswith("$") else a for a in plan.launch.command)
-    cmd = plan.launch.command
-    plan_file = cmd[cmd.index("--plan") + 1] if "--plan" in cmd[:-1] else "plan.json"
-    out.append(_kv("Launch", [("run", f"seqpar launch {plan_file}"), ("or on each node", launch or "-"),
+    runs = f"{plan.launch.launcher} on each node" + (f" (stage 0 of {len(plan.stages)})" if plan.stages else "")
+    out.append(_kv("Launch", [("run", f"seqpar launch {plan_path}"), (runs, launch or "-"),
                               ("env", " ".join(f"{k}={v}" for k, v in plan.launch.env.items()) or "-")]))
     return out
 
 
-def render_plan(plan: LaunchPlan, console: Console) -> None:
+def render_plan(plan: LaunchPlan, console: Console, plan_path: str = "plan.json") -> None:
     console.print(f"[bold]{plan_summary(plan)}[/]")
-    for t in plan_tables(plan):
+    for t in plan_tables(plan, plan_path):
         console.print(t)
         console.print()
 
