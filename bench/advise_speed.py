@@ -52,7 +52,9 @@ def main() -> int:
         f = fresh(model, n)
         worst = max(worst, f)
         print(f"| {model} | {n} | {f:.3f} | {statistics.median(runs):.3f} |")
-    print(f"worst fresh-process time {worst:.3f} s ({'under' if worst < 1 else 'OVER'} 1 s); torch imported: {'torch' in sys.modules}")
+    print(
+        f"worst fresh-process time {worst:.3f} s ({'under' if worst < 1 else 'OVER'} 1 s); torch imported: {'torch' in sys.modules}"
+    )
     return 0 if worst < 1 and "torch" not in sys.modules else 1
 
 

@@ -45,7 +45,10 @@ def block_flops(sq: int, sk: int, causal: bool, heads: int, d: int) -> float:
 
 def _zigzag_calls(S: int, W: int, heads: int) -> list[list[tuple]]:
     c = S // (2 * W)
-    return [[(2 * c, 2 * c, True, heads)] + [(2 * c, c, False, heads)] * r + [(c, 2 * c, False, heads)] * (W - 1 - r) for r in range(W)]
+    return [
+        [(2 * c, 2 * c, True, heads)] + [(2 * c, c, False, heads)] * r + [(c, 2 * c, False, heads)] * (W - 1 - r)
+        for r in range(W)
+    ]
 
 
 def rank_calls(mode: str, S: int, W: int, H: int, usp_u: int) -> list[list[tuple]]:
@@ -94,8 +97,7 @@ def time_block(sq, sk, causal, heads, d, backend, min_seconds=1.0) -> float:
     times = [once()]
     while sum(times) < min_seconds and len(times) < 20 and first < min_seconds:
         times.append(once())
-    del q, k, v, do
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # the block's tensors go with this frame
     return sorted(times)[len(times) // 2]
 
 
@@ -138,15 +140,22 @@ def main(argv=None) -> int:
             busiest = max(range(W), key=per_rank.__getitem__)
             pct = 100.0 * (single_s / W) / per_rank[busiest]
             row = {
-                **base, "mode": mode, "rank_seconds": per_rank, "busiest_rank": busiest,
+                **base,
+                "mode": mode,
+                "rank_seconds": per_rank,
+                "busiest_rank": busiest,
                 "rank_tflops": flops[busiest] / per_rank[busiest] / 1e12,
                 "useful_tflops": single_flops / W / per_rank[busiest] / 1e12,
-                "pct_of_single_gpu": pct, "calls_per_rank": [len(c) for c in calls],
+                "pct_of_single_gpu": pct,
+                "calls_per_rank": [len(c) for c in calls],
             }
             if mode == "usp_attn":
                 row["ulysses_degree"] = args.usp_ulysses
             rows.append(row)
-            print(f"S={S:>8} {mode:<18} {per_rank[busiest]:8.3f} s  {row['useful_tflops']:6.1f} TFLOP/s  {pct:5.1f}% of single GPU", flush=True)
+            print(
+                f"S={S:>8} {mode:<18} {per_rank[busiest]:8.3f} s  {row['useful_tflops']:6.1f} TFLOP/s  {pct:5.1f}% of single GPU",
+                flush=True,
+            )
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": torch.cuda.get_device_name(0),

@@ -56,7 +56,10 @@ def _rank(rank, W, modes, S, backend, D, device):
     rows = []
     for hq, hkv in HEADS:
         g = torch.Generator().manual_seed(hq * 10 + hkv)
-        full = {n: torch.randn(1, S, h, D, generator=g).to(dev, torch.bfloat16) for n, h in (("q", hq), ("k", hkv), ("v", hkv), ("do", hq))}
+        full = {
+            n: torch.randn(1, S, h, D, generator=g).to(dev, torch.bfloat16)
+            for n, h in (("q", hq), ("k", hkv), ("v", hkv), ("do", hq))
+        }
         ref = {n: full[n].clone().requires_grad_() for n in ("q", "k", "v")}
         out_ref, lse_ref = local_attention(ref["q"], ref["k"], ref["v"], causal=True, backend=chosen)
         out_ref.backward(full["do"])
@@ -81,7 +84,9 @@ def _rank(rank, W, modes, S, backend, D, device):
                 row["seconds"] = time.perf_counter() - t0
                 got = {"out": out, "lse": lse, "dq": lq.grad, "dk": lk.grad, "dv": lv.grad}
                 for name, a in got.items():
-                    b, t = (shard(x[name], mode, rank, W, dim=2 if name == "lse" else 1, ulysses_degree=u) for x in (expected, truth))
+                    b, t = (
+                        shard(x[name], mode, rank, W, dim=2 if name == "lse" else 1, ulysses_degree=u) for x in (expected, truth)
+                    )
                     atol = (1e-3 if name in ("out", "lse") else 8e-3) * W
                     row[name] = _errors(a, b, t, (b.float() - t).abs().max().item(), atol, 1e-3 * W)
                 row["pass"] = True  # decided over all ranks' shards in main()
@@ -131,9 +136,14 @@ def main(argv=None) -> int:
                     merged["pass"] &= merged[f"{n}_err_vs_fp32"] <= merged[f"{n}_single_gpu_err_vs_fp32"] + atol
                 merged["seconds_max"] = max(r["seconds"] for r in rows)
             summary.append(merged)
-            detail = merged.get("error") or "  ".join(
-                f"{n} {merged[f'{n}_err_vs_fp32']:.1e}/{merged[f'{n}_single_gpu_err_vs_fp32']:.1e}" for n in ("out", "lse", "dq", "dk", "dv")
-            ) + f"  CP-literal {'pass' if merged['pass_cp'] else 'fail'}"
+            detail = (
+                merged.get("error")
+                or "  ".join(
+                    f"{n} {merged[f'{n}_err_vs_fp32']:.1e}/{merged[f'{n}_single_gpu_err_vs_fp32']:.1e}"
+                    for n in ("out", "lse", "dq", "dk", "dv")
+                )
+                + f"  CP-literal {'pass' if merged['pass_cp'] else 'fail'}"
+            )
             print(f"W={W} {merged['mode']:<17} {merged['heads']:<4} {'PASS' if merged['pass'] else 'FAIL'}  {detail}")
     import torch
 

@@ -60,7 +60,9 @@ def varlen_flash(q, k, v, lens, dout, scale):
 
     def run():
         o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, True, False, scale=scale)
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(dout, q, k, v, o, lse, cu, cu, m, m, 0.0, True, rng, unused, scale=scale)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, o, lse, cu, cu, m, m, 0.0, True, rng, unused, scale=scale
+        )
         return o, _lse_hs(lse, q.shape[0], q.shape[1]), dq, dk, dv
 
     return run
@@ -73,7 +75,9 @@ def varlen_cudnn(q, k, v, lens, dout, scale):
     def run():
         r = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, m, m, True, 0.0, True, False, scale=scale)
         o, lse, seed, offset = r[0], r[1], r[6], r[7]
-        g = torch.ops.aten._cudnn_attention_backward(dout, q, k, v, o, lse, seed, offset, None, cu, cu, m, m, 0.0, True, scale=scale)
+        g = torch.ops.aten._cudnn_attention_backward(
+            dout, q, k, v, o, lse, seed, offset, None, cu, cu, m, m, 0.0, True, scale=scale
+        )
         return (o, _lse_hs(lse, q.shape[0], q.shape[1])) + tuple(g[:3])
 
     return run
@@ -112,9 +116,28 @@ def _cudnn_causal(q, k, v, dout, scale):
     o, lse = r[0], r[1]
     seed = torch.empty((), dtype=torch.long, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        doh, qh, kh, vh, o, lse.view(1, q.shape[1], q.shape[0], 1), seed, seed, None, None, None, q.shape[0], q.shape[0], 0.0, True,
-        scale=scale)
-    fold = (lambda x: x[0].transpose(0, 1).reshape(q.shape[0], k.shape[1], g, -1).sum(2)) if g > 1 else (lambda x: x[0].transpose(0, 1))
+        doh,
+        qh,
+        kh,
+        vh,
+        o,
+        lse.view(1, q.shape[1], q.shape[0], 1),
+        seed,
+        seed,
+        None,
+        None,
+        None,
+        q.shape[0],
+        q.shape[0],
+        0.0,
+        True,
+        scale=scale,
+    )
+    fold = (
+        (lambda x: x[0].transpose(0, 1).reshape(q.shape[0], k.shape[1], g, -1).sum(2))
+        if g > 1
+        else (lambda x: x[0].transpose(0, 1))
+    )
     return o[0].transpose(0, 1), lse.reshape(q.shape[1], q.shape[0]), dq[0].transpose(0, 1), fold(dk), fold(dv)
 
 
@@ -123,8 +146,11 @@ def per_doc(q, k, v, lens, dout, scale):
 
     def run():
         parts = [_cudnn_causal(q[a:b], k[a:b], v[a:b], dout[a:b], scale) for a, b in zip(bounds, bounds[1:])]
-        return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], dim=1),
-                *(torch.cat([p[i] for p in parts]) for i in (2, 3, 4)))
+        return (
+            torch.cat([p[0] for p in parts]),
+            torch.cat([p[1] for p in parts], dim=1),
+            *(torch.cat([p[i] for p in parts]) for i in (2, 3, 4)),
+        )
 
     return run
 

@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 H200_DATASHEET_TFLOPS = 989.0  # dense bf16, NVIDIA H200 SXM datasheet
-H200_MATMUL_TFLOPS = 773.0  # measured bf16 8192^3 matmul on the project's H200 (median of 10), torch 2.11 + CUDA 13.0, December 2026
+H200_MATMUL_TFLOPS = (
+    773.0  # measured bf16 8192^3 matmul on the project's H200 (median of 10), torch 2.11 + CUDA 13.0, December 2026
+)
 
 
 def parse_len(text: str) -> int:
@@ -107,12 +109,44 @@ def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer:
     with tempfile.TemporaryDirectory() as tmp:
         plan = Path(tmp) / "plan.json"
         out = Path(tmp) / "run"
-        adv = [sys.executable, "-m", "seqpar.cli", "advise", "--model", spec_name, "--gpu", "h200", "--gpus", "1",
-               "--seq-len", str(seq_len), "--mode", "data_parallel", "--sharding", "ddp", "--optimizer", optimizer,
-               "-o", str(plan), *extra]
+        adv = [
+            sys.executable,
+            "-m",
+            "seqpar.cli",
+            "advise",
+            "--model",
+            spec_name,
+            "--gpu",
+            "h200",
+            "--gpus",
+            "1",
+            "--seq-len",
+            str(seq_len),
+            "--mode",
+            "data_parallel",
+            "--sharding",
+            "ddp",
+            "--optimizer",
+            optimizer,
+            "-o",
+            str(plan),
+            *extra,
+        ]
         subprocess.run(adv, check=True, stdout=subprocess.DEVNULL)
-        cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan), "--steps", str(warmup + steps), "--data", "synthetic",
-               "--output", str(out), "--force"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "seqpar.cli",
+            "launch",
+            str(plan),
+            "--steps",
+            str(warmup + steps),
+            "--data",
+            "synthetic",
+            "--output",
+            str(out),
+            "--force",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         reports = sorted(out.rglob("run_report.json"))
         if proc.returncode != 0 or not reports:
@@ -133,8 +167,13 @@ def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer:
 
 def worker(args) -> None:
     spec = shape_spec(args.shape)
-    row = {"variant": args.variant, "model": args.shape, "seq_len": args.seq_len, "optimizer": args.optimizer,
-           "options": args.seqpar_args}
+    row = {
+        "variant": args.variant,
+        "model": args.shape,
+        "seq_len": args.seq_len,
+        "optimizer": args.optimizer,
+        "options": args.seqpar_args,
+    }
     try:
         if args.variant == "seqpar":
             res = run_seqpar(args.shape, args.seq_len, args.steps, args.warmup, args.optimizer, args.seqpar_args.split())
@@ -145,9 +184,14 @@ def worker(args) -> None:
         from seqpar.profiles import get_model
 
         flops = model_flops_per_sequence(get_model(args.shape), args.seq_len)
-        row.update(res, ok=True, step_time_s=t, tokens_per_s=args.seq_len / t,
-                   mfu_datasheet=flops / t / (H200_DATASHEET_TFLOPS * 1e12),
-                   mfu_matmul_ceiling=flops / t / (H200_MATMUL_TFLOPS * 1e12))
+        row.update(
+            res,
+            ok=True,
+            step_time_s=t,
+            tokens_per_s=args.seq_len / t,
+            mfu_datasheet=flops / t / (H200_DATASHEET_TFLOPS * 1e12),
+            mfu_matmul_ceiling=flops / t / (H200_MATMUL_TFLOPS * 1e12),
+        )
     except Exception as e:  # OOM is a result here, not a failure of the bench
         msg = str(e)
         row.update(ok=False, oom="out of memory" in msg.lower() or "OutOfMemory" in type(e).__name__ + msg, error=msg[-500:])
@@ -158,17 +202,39 @@ def worker(args) -> None:
 
 
 def one(variant: str, shape: str, seq_len: int, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--shape", shape, "--seq-len", str(seq_len),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--optimizer", args.optimizer,
-           "--seqpar-args", args.seqpar_args]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--variant",
+        variant,
+        "--shape",
+        shape,
+        "--seq-len",
+        str(seq_len),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--optimizer",
+        args.optimizer,
+        "--seqpar-args",
+        args.seqpar_args,
+    ]
     # Baselines run with the default allocator settings users get; seqpar launch sets its own (expandable segments).
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    return {"variant": variant, "model": shape, "seq_len": seq_len, "ok": False, "oom": False,
-            "error": (proc.stdout + proc.stderr)[-1500:]}
+    return {
+        "variant": variant,
+        "model": shape,
+        "seq_len": seq_len,
+        "ok": False,
+        "oom": False,
+        "error": (proc.stdout + proc.stderr)[-1500:],
+    }
 
 
 def main() -> None:
@@ -200,7 +266,9 @@ def main() -> None:
                 r = one(variant, args.shape, s, argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0}))
                 r["search"] = "max_seq"
                 rows.append(r)
-                print(json.dumps({k: r.get(k) for k in ("variant", "seq_len", "ok", "peak_memory_gib", "step_time_s")}), flush=True)
+                print(
+                    json.dumps({k: r.get(k) for k in ("variant", "seq_len", "ok", "peak_memory_gib", "step_time_s")}), flush=True
+                )
                 if not r["ok"]:
                     break
                 best, s = s, s + step
@@ -209,8 +277,24 @@ def main() -> None:
             for s in (parse_len(x) for x in args.seq.split(",")):
                 r = one(variant, args.shape, s, args)
                 rows.append(r)
-                print(json.dumps({k: r.get(k) for k in ("variant", "seq_len", "ok", "tokens_per_s", "peak_memory_gib",
-                                                         "reserved_memory_gib", "mfu_datasheet", "error")}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            k: r.get(k)
+                            for k in (
+                                "variant",
+                                "seq_len",
+                                "ok",
+                                "tokens_per_s",
+                                "peak_memory_gib",
+                                "reserved_memory_gib",
+                                "mfu_datasheet",
+                                "error",
+                            )
+                        }
+                    ),
+                    flush=True,
+                )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -104,10 +104,24 @@ def print_json(obj) -> None:
 @with_request_flags
 def advise(
     flags: RequestFlags,
-    policy: Optional[Literal["rules", "cost"]] = typer.Option(None, "--policy", rich_help_panel=ADVICE, help="rules: the guide's tree; cost: the cost-model search (default)."),
-    max_seq_len: bool = typer.Option(False, "--max-seq-len", rich_help_panel=ADVICE, help="Instead of a plan: the longest sequence that fits, per mode (pins apply)."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", rich_help_panel=ADVICE, help="Staged context extension: 1M (EasyContext's Llama-2-7B schedule) or smoke (CPU); each stage planned; seqpar launch runs them in order."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", rich_help_panel=OUTPUT, help="Write the plan here (atomically; nothing is written on error)."),
+    policy: Optional[Literal["rules", "cost"]] = typer.Option(
+        None, "--policy", rich_help_panel=ADVICE, help="rules: the guide's tree; cost: the cost-model search (default)."
+    ),
+    max_seq_len: bool = typer.Option(
+        False,
+        "--max-seq-len",
+        rich_help_panel=ADVICE,
+        help="Instead of a plan: the longest sequence that fits, per mode (pins apply).",
+    ),
+    recipe: Optional[str] = typer.Option(
+        None,
+        "--recipe",
+        rich_help_panel=ADVICE,
+        help="Staged context extension: 1M (EasyContext's Llama-2-7B schedule) or smoke (CPU); each stage planned; seqpar launch runs them in order.",
+    ),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", rich_help_panel=OUTPUT, help="Write the plan here (atomically; nothing is written on error)."
+    ),
     json_out: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT, help="Print the plan as JSON on stdout (only JSON)."),
 ):
     """Advise a launch plan: which sequence-parallel mode, degrees, checkpointing and sharding, with the reasons.
@@ -167,7 +181,9 @@ def advise(
 def explain(
     plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`."),
     json_out: bool = typer.Option(False, "--json", help="Print the validated plan as JSON on stdout."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: predicted peak memory vs seq_len per mode, with the GPU's capacity."),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Write a PNG: predicted peak memory vs seq_len per mode, with the GPU's capacity."
+    ),
 ):
     """Validate a plan and explain it: workload, cluster, strategy, prediction, the rules followed and why.
 
@@ -202,7 +218,9 @@ def explain(
 @with_request_flags
 def check(
     flags: RequestFlags,
-    plan_path: Optional[Path] = typer.Argument(None, metavar="[PLAN.json]", help="A plan written by `seqpar advise -o`; without it, the flags below describe one."),
+    plan_path: Optional[Path] = typer.Argument(
+        None, metavar="[PLAN.json]", help="A plan written by `seqpar advise -o`; without it, the flags below describe one."
+    ),
     json_out: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT, help="Print the verdict as JSON on stdout."),
 ):
     """Pre-launch OOM gate: exit 0 when the plan fits, 1 when it risks OOM (with the cheapest fix), 2 when it is invalid.
@@ -225,17 +243,29 @@ def check(
         target = LaunchPlan.load(plan_path)
         f, c = flags, target.cluster
         declared = any(x is not None for x in (f.gpu, f.gpus, f.nodes, f.cluster))
-        cl = resolve_cluster(f.gpu, f.gpus or c.gpus_per_node, f.nodes or c.nodes, f.cluster, f.host_ram_gib)[0] if declared else None
+        cl = (
+            resolve_cluster(f.gpu, f.gpus or c.gpus_per_node, f.nodes or c.nodes, f.cluster, f.host_ram_gib)[0]
+            if declared
+            else None
+        )
     else:
         if flags.seq_len is None:
             raise SeqparError("give a plan file or --seq-len (with the advise flags); e.g. seqpar check plan.json")
         target, cl = advise_request(flags, parse_seq_len(flags.seq_len), "cost", note)[0], None
     res = run_check(target, cl)
     if json_out:
-        print_json({"fits": res.fits, "exit_code": res.exit_code, "reason": res.reason, "fix": res.fix,
-                    "fix_strategy": res.fix_strategy.model_dump() if res.fix_strategy else None,
-                    "biggest_terms_gib": dict(res.biggest_terms), "strategy": res.plan.strategy.model_dump(),
-                    "prediction": res.prediction.model_dump()})
+        print_json(
+            {
+                "fits": res.fits,
+                "exit_code": res.exit_code,
+                "reason": res.reason,
+                "fix": res.fix,
+                "fix_strategy": res.fix_strategy.model_dump() if res.fix_strategy else None,
+                "biggest_terms_gib": dict(res.biggest_terms),
+                "strategy": res.plan.strategy.model_dump(),
+                "prediction": res.prediction.model_dump(),
+            }
+        )
     else:
         for line in check_lines(res):
             (typer.echo if res.fits else note)(line)
@@ -249,8 +279,15 @@ def _max_seq_len_command(flags: RequestFlags, json_out: bool) -> None:
 
     req, _ = advise_request(flags, 1024, "cost", note)  # the workload, cluster and pins; each mode's length is searched
     pins = {k: v for k, v in flags.pins().items() if k != "mode"}
-    res = run_max(req.model, req.cluster, [flags.mode] if flags.mode else None, optimizer=req.optimizer,
-                  micro_batch_size=req.micro_batch_size, dtype=req.dtype, **pins)
+    res = run_max(
+        req.model,
+        req.cluster,
+        [flags.mode] if flags.mode else None,
+        optimizer=req.optimizer,
+        micro_batch_size=req.micro_batch_size,
+        dtype=req.dtype,
+        **pins,
+    )
     if json_out:
         print_json({m: {"max_seq_len": n, "strategy": s.model_dump() if s else None} for m, (n, s) in res.items()})
     else:
@@ -260,9 +297,15 @@ def _max_seq_len_command(flags: RequestFlags, json_out: bool) -> None:
 @app.command()
 @handle_errors
 def calibrate(
-    reports: list[Path] = typer.Argument(..., metavar="REPORT.json...", help="Run reports written by `seqpar launch` (or measurement CSVs)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the refitted coefficients here (load them with SEQPAR_COEFFICIENTS)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the fit (coefficients, residuals, leave-one-out) as JSON on stdout."),
+    reports: list[Path] = typer.Argument(
+        ..., metavar="REPORT.json...", help="Run reports written by `seqpar launch` (or measurement CSVs)."
+    ),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="Write the refitted coefficients here (load them with SEQPAR_COEFFICIENTS)."
+    ),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the fit (coefficients, residuals, leave-one-out) as JSON on stdout."
+    ),
 ):
     """Refit the cost model's coefficients to measured runs (plus the shipped measurements); report residuals and leave-one-out.
 
@@ -277,13 +320,22 @@ def calibrate(
     if output is not None:
         note(f"wrote {output}")
     if json_out:
-        print_json({"coefficients": res.coefficients.values(), "time_factors": res.coefficients.time_factors, "rows": res.rows, "max_abs_residual": res.max_abs_residual,
-                    "max_abs_loo": res.max_abs_loo})
+        print_json(
+            {
+                "coefficients": res.coefficients.values(),
+                "time_factors": res.coefficients.time_factors,
+                "rows": res.rows,
+                "max_abs_residual": res.max_abs_residual,
+                "max_abs_loo": res.max_abs_loo,
+            }
+        )
         return
     for e in res.rows:
         r, l = e["tokens_residual"], e["loo_tokens_error"]
-        typer.echo(f"{e['label']:<45} tokens/s measured {e['measured_tokens_per_s'] or '-'!s:>9} predicted {e['predicted_tokens_per_s']:>10,.0f} "
-                   f"residual {'' if r is None else f'{r:+.1%}':>7} LOO {'' if l is None else f'{l:+.1%}':>7}")
+        typer.echo(
+            f"{e['label']:<45} tokens/s measured {e['measured_tokens_per_s'] or '-'!s:>9} predicted {e['predicted_tokens_per_s']:>10,.0f} "
+            f"residual {'' if r is None else f'{r:+.1%}':>7} LOO {'' if l is None else f'{l:+.1%}':>7}"
+        )
     typer.echo(f"max |residual| {res.max_abs_residual:.1%}, max |LOO| {res.max_abs_loo:.1%}")
 
 
@@ -329,7 +381,11 @@ def probe(json_out: bool = typer.Option(False, "--json", help="Print the probe r
     con = stdout()
     for t in probe_tables(res):
         con.print(t)
-    con.print(f"advise would use: {cluster_line(cl)}" if cl else f"advise would use the flags or the default cluster ({why or res.reason})")
+    con.print(
+        f"advise would use: {cluster_line(cl)}"
+        if cl
+        else f"advise would use the flags or the default cluster ({why or res.reason})"
+    )
 
 
 @profiles_app.command("list")
@@ -387,14 +443,24 @@ def profiles_show(
 @handle_errors
 def launch(
     plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`."),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Optimizer steps (default: the plan's; per stage for staged plans)."),
-    data: str = typer.Option("synthetic", "--data", help="synthetic, a .jsonl text file, a .bin/.npy token file, or a datasets folder."),
-    model_path: Optional[str] = typer.Option(None, "--model-path", help="Local Hugging Face model folder (default: the plan's model, random weights)."),
-    output: Optional[Path] = typer.Option(None, "--output", help="Checkpoints, run report, metrics and log go here (default runs/<plan name>)."),
+    steps: Optional[int] = typer.Option(
+        None, "--steps", min=1, help="Optimizer steps (default: the plan's; per stage for staged plans)."
+    ),
+    data: str = typer.Option(
+        "synthetic", "--data", help="synthetic, a .jsonl text file, a .bin/.npy token file, or a datasets folder."
+    ),
+    model_path: Optional[str] = typer.Option(
+        None, "--model-path", help="Local Hugging Face model folder (default: the plan's model, random weights)."
+    ),
+    output: Optional[Path] = typer.Option(
+        None, "--output", help="Checkpoints, run report, metrics and log go here (default runs/<plan name>)."
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output."),
     nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="Nodes of the job (default: the plan's)."),
     node_rank: int = typer.Option(0, "--node-rank", min=0, help="This node's rank (multi-node)."),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node."),
+    rdzv_endpoint: Optional[str] = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node."
+    ),
     report_to: str = typer.Option("", "--report-to", help="tensorboard,wandb: also log metrics there (when installed)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the exact command and generated configs; run nothing."),
     force: bool = typer.Option(False, "--force", help="Run even when the plan's cluster does not match this machine."),
@@ -421,13 +487,29 @@ def launch(
 
         res = run_probe()
         matched = res.matched_gpu()
-        diffs = check_machine(plan.cluster, gpu_names=[g.name for g in res.gpus], gpu_profile=matched.name if matched else None,
-                              cpu_count=os.cpu_count() or 1, nnodes=nnodes or plan.cluster.nodes)
+        diffs = check_machine(
+            plan.cluster,
+            gpu_names=[g.name for g in res.gpus],
+            gpu_profile=matched.name if matched else None,
+            cpu_count=os.cpu_count() or 1,
+            nnodes=nnodes or plan.cluster.nodes,
+        )
         if diffs:
-            raise SeqparError(f"plan {str(plan_path)!r} does not match this machine: {'; '.join(diffs)}; "
-                              f"advise a plan here (seqpar advise ...) or pass --force")
-    opts = LaunchOptions(steps=steps, data=data, model_path=model_path, output=str(output) if output else None, resume=resume,
-                         nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, report_to=report_to)
+            raise SeqparError(
+                f"plan {str(plan_path)!r} does not match this machine: {'; '.join(diffs)}; "
+                f"advise a plan here (seqpar advise ...) or pass --force"
+            )
+    opts = LaunchOptions(
+        steps=steps,
+        data=data,
+        model_path=model_path,
+        output=str(output) if output else None,
+        resume=resume,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        report_to=report_to,
+    )
     rc = run_launch(plan, plan_path, opts, dry_run=dry_run, echo=typer.echo if dry_run else note)
     if rc:
         raise typer.Exit(rc)

@@ -29,65 +29,110 @@ WORKLOAD, CLUSTER, PINS, OUTPUT = "Workload", "Cluster", "Pins (default: the adv
 class RequestFlags:
     """What the user asks about: the workload, the cluster (flags, else the probe, else the default) and the pinned choices."""
 
-    seq_len: Annotated[Optional[str], typer.Option(
-        "--seq-len", "-s", rich_help_panel=WORKLOAD,
-        help="Tokens per sequence: 131072, 128k, 512K, 1M (k = 1024, M = 1024^2)."),
+    seq_len: Annotated[
+        Optional[str],
+        typer.Option(
+            "--seq-len",
+            "-s",
+            rich_help_panel=WORKLOAD,
+            help="Tokens per sequence: 131072, 128k, 512K, 1M (k = 1024, M = 1024^2).",
+        ),
     ] = None
-    model: Annotated[str, typer.Option(
-        "--model", "-m", rich_help_panel=WORKLOAD,
-        help="Profile name (seqpar profiles list), Hub id, or a local config.json / folder."),
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            rich_help_panel=WORKLOAD,
+            help="Profile name (seqpar profiles list), Hub id, or a local config.json / folder.",
+        ),
     ] = "llama-2-7b"
-    optimizer: Annotated[Optimizer, typer.Option("--optimizer", rich_help_panel=WORKLOAD, help="Optimizer of the workload.")] = "adamw"
-    micro_batch: Annotated[int, typer.Option(
-        "--micro-batch", min=1, rich_help_panel=WORKLOAD, help="Sequences per data-parallel rank per forward pass."),
+    optimizer: Annotated[Optimizer, typer.Option("--optimizer", rich_help_panel=WORKLOAD, help="Optimizer of the workload.")] = (
+        "adamw"
+    )
+    micro_batch: Annotated[
+        int,
+        typer.Option("--micro-batch", min=1, rich_help_panel=WORKLOAD, help="Sequences per data-parallel rank per forward pass."),
     ] = 1
-    tokens_per_step: Annotated[Optional[int], typer.Option(
-        "--tokens-per-step", min=1, rich_help_panel=WORKLOAD, help="Tokens per optimizer step (sets gradient accumulation)."),
+    tokens_per_step: Annotated[
+        Optional[int],
+        typer.Option(
+            "--tokens-per-step", min=1, rich_help_panel=WORKLOAD, help="Tokens per optimizer step (sets gradient accumulation)."
+        ),
     ] = None
-    gpu: Annotated[Optional[str], typer.Option(
-        "--gpu", rich_help_panel=CLUSTER, help="GPU profile of the declared cluster, e.g. a100, h100, h200."),
+    gpu: Annotated[
+        Optional[str],
+        typer.Option("--gpu", rich_help_panel=CLUSTER, help="GPU profile of the declared cluster, e.g. a100, h100, h200."),
     ] = None
-    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, rich_help_panel=CLUSTER, help="GPUs per node of the declared cluster.")] = None
-    nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, rich_help_panel=CLUSTER, help="Nodes of the declared cluster.")] = None
-    cluster: Annotated[Optional[str], typer.Option(
-        "--cluster", rich_help_panel=CLUSTER, help="cpu:N for N gloo CPU ranks (instead of --gpu/--gpus/--nodes)."),
+    gpus: Annotated[
+        Optional[int], typer.Option("--gpus", min=1, rich_help_panel=CLUSTER, help="GPUs per node of the declared cluster.")
     ] = None
-    host_ram_gib: Annotated[Optional[float], typer.Option(
-        "--host-ram-gib", min=1, rich_help_panel=CLUSTER, help="Host RAM per node, GiB (default: 2x the node's GPU memory)."),
+    nodes: Annotated[
+        Optional[int], typer.Option("--nodes", min=1, rich_help_panel=CLUSTER, help="Nodes of the declared cluster.")
+    ] = None
+    cluster: Annotated[
+        Optional[str],
+        typer.Option("--cluster", rich_help_panel=CLUSTER, help="cpu:N for N gloo CPU ranks (instead of --gpu/--gpus/--nodes)."),
+    ] = None
+    host_ram_gib: Annotated[
+        Optional[float],
+        typer.Option(
+            "--host-ram-gib", min=1, rich_help_panel=CLUSTER, help="Host RAM per node, GiB (default: 2x the node's GPU memory)."
+        ),
     ] = None
     mode: Annotated[Optional[Mode], typer.Option("--mode", rich_help_panel=PINS, help="The sequence-parallel mode.")] = None
-    sp_degree: Annotated[Optional[int], typer.Option("--sp-degree", min=1, rich_help_panel=PINS, help="The sequence-parallel degree.")] = None
-    ulysses_degree: Annotated[Optional[int], typer.Option(
-        "--ulysses-degree", min=1, rich_help_panel=PINS, help="The Ulysses degree (usp_attn)."),
+    sp_degree: Annotated[
+        Optional[int], typer.Option("--sp-degree", min=1, rich_help_panel=PINS, help="The sequence-parallel degree.")
     ] = None
-    checkpointing: Annotated[Optional[Checkpointing], typer.Option(
-        "--checkpointing", rich_help_panel=PINS, help="Activation checkpointing."),
+    ulysses_degree: Annotated[
+        Optional[int],
+        typer.Option("--ulysses-degree", min=1, rich_help_panel=PINS, help="The Ulysses degree (usp_attn)."),
+    ] = None
+    checkpointing: Annotated[
+        Optional[Checkpointing],
+        typer.Option("--checkpointing", rich_help_panel=PINS, help="Activation checkpointing."),
     ] = None
     sharding: Annotated[Optional[Sharding], typer.Option("--sharding", rich_help_panel=PINS, help="Model-state sharding.")] = None
-    loss_impl: Annotated[Optional[LossImpl], typer.Option("--loss-impl", rich_help_panel=PINS, help="The loss implementation.")] = None
-    fused_ops: Annotated[Optional[FusedOps], typer.Option(
-        "--fused-ops", rich_help_panel=PINS,
-        help="Fused kernels: liger = Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA, pip install liger-kernel); default none."),
+    loss_impl: Annotated[
+        Optional[LossImpl], typer.Option("--loss-impl", rich_help_panel=PINS, help="The loss implementation.")
     ] = None
-    tiled_mlp: Annotated[Optional[bool], typer.Option(
-        "--tiled-mlp/--no-tiled-mlp", rich_help_panel=PINS,
-        help="TiledMLP (each MLP one sequence tile at a time: less memory, one more MLP forward); default: the search tries both."),
+    fused_ops: Annotated[
+        Optional[FusedOps],
+        typer.Option(
+            "--fused-ops",
+            rich_help_panel=PINS,
+            help="Fused kernels: liger = Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA, pip install liger-kernel); default none.",
+        ),
+    ] = None
+    tiled_mlp: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--tiled-mlp/--no-tiled-mlp",
+            rich_help_panel=PINS,
+            help="TiledMLP (each MLP one sequence tile at a time: less memory, one more MLP forward); default: the search tries both.",
+        ),
     ] = None
 
     def pins(self) -> dict:
         """The pinned choices (the fields in the Pins panel), by name: AdviseRequest's names for them."""
         hints = get_type_hints(RequestFlags, include_extras=True)
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if get_args(hints[f.name])[1].rich_help_panel == PINS}
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if get_args(hints[f.name])[1].rich_help_panel == PINS
+        }
 
 
 def with_request_flags(command):
     """Add RequestFlags' options to ``command`` (before its own); the command receives them as ``flags``."""
     fields = dataclasses.fields(RequestFlags)
     hints = get_type_hints(RequestFlags, include_extras=True)
-    shared = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
-              for f in fields]
-    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in inspect.signature(command).parameters.values()
-           if p.name != "flags"]  # typer passes every parameter by name; the shared panels come first in --help
+    shared = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name]) for f in fields
+    ]
+    own = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(command).parameters.values()
+        if p.name != "flags"
+    ]  # typer passes every parameter by name; the shared panels come first in --help
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -98,7 +143,7 @@ def with_request_flags(command):
     return wrapper
 
 
-def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note=print) -> tuple["AdviseRequest", str]:
+def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note=print) -> tuple[AdviseRequest, str]:
     """The request the flags describe for seq_len tokens, and where its cluster came from (``note`` says it on stderr)."""
     from seqpar.advisor.cluster import resolve_cluster
     from seqpar.advisor.request import AdviseRequest
@@ -107,9 +152,17 @@ def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note
     model = get_model(flags.model)
     cl, cluster_note = resolve_cluster(flags.gpu, flags.gpus, flags.nodes, flags.cluster, flags.host_ram_gib)
     note(f"cluster: {cluster_note}")
-    req = AdviseRequest(model=model, seq_len=seq_len, cluster=cl, micro_batch_size=flags.micro_batch,
-                        tokens_per_step=flags.tokens_per_step, dtype="fp32" if cl.accelerator == "cpu" else "bf16",
-                        optimizer=flags.optimizer, policy=policy, **flags.pins())
+    req = AdviseRequest(
+        model=model,
+        seq_len=seq_len,
+        cluster=cl,
+        micro_batch_size=flags.micro_batch,
+        tokens_per_step=flags.tokens_per_step,
+        dtype="fp32" if cl.accelerator == "cpu" else "bf16",
+        optimizer=flags.optimizer,
+        policy=policy,
+        **flags.pins(),
+    )
     return req, cluster_note
 
 

@@ -19,22 +19,22 @@ if TYPE_CHECKING:
     from seqpar.schema import ModelSpec
 
 
-def layer_matmul_params(m: "ModelSpec") -> int:
+def layer_matmul_params(m: ModelSpec) -> int:
     """Parameters of one decoder layer that take part in a matmul: the layer without its two norm weights."""
     return m.layer_params - 2 * m.hidden_size
 
 
-def matmul_params(m: "ModelSpec") -> int:
+def matmul_params(m: ModelSpec) -> int:
     """Parameters that take part in a matmul per token: every decoder layer's, plus the LM head."""
     return m.num_layers * layer_matmul_params(m) + m.vocab_size * m.hidden_size
 
 
-def attention_fwd_flops(m: "ModelSpec", seq_len: int) -> float:
+def attention_fwd_flops(m: ModelSpec, seq_len: int) -> float:
     """Causal attention forward FLOPs of one sequence over all layers: 2 * S^2 * a * d per layer."""
     return 2.0 * seq_len * seq_len * m.num_attention_heads * m.head_dim * m.num_layers
 
 
-def model_flops_per_sequence(m: "ModelSpec", seq_len: int) -> float:
+def model_flops_per_sequence(m: ModelSpec, seq_len: int) -> float:
     """Forward + backward model FLOPs of one sequence of seq_len tokens: 6 * N_mm * S + 3.5 * attention forward."""
     return 6.0 * matmul_params(m) * seq_len + 3.5 * attention_fwd_flops(m, seq_len)
 

@@ -115,8 +115,15 @@ def job_env(plan: LaunchPlan, cpu_count: int) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------- command
 
 
-def build_job(plan: LaunchPlan, plan_file: Path, opts: LaunchOptions, *, output: Path, init_from: str | None = None,
-              python: str = sys.executable) -> Job:
+def build_job(
+    plan: LaunchPlan,
+    plan_file: Path,
+    opts: LaunchOptions,
+    *,
+    output: Path,
+    init_from: str | None = None,
+    python: str = sys.executable,
+) -> Job:
     """The job that runs ``plan`` (read from ``plan_file``) with ``python`` as the interpreter."""
     nnodes = opts.nnodes or plan.cluster.nodes
     train = ["--data", opts.data, "--output", str(output)]
@@ -138,18 +145,41 @@ def build_job(plan: LaunchPlan, plan_file: Path, opts: LaunchOptions, *, output:
         configs[acc_path.name] = accelerate_config(plan, ds_path, nnodes, opts.node_rank, opts.rdzv_endpoint)
         argv = [python, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), "-m", "seqpar.runtime.train"]
     else:
-        argv = [python, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-                "--nproc-per-node", str(plan.cluster.gpus_per_node), "--max-restarts", "0"]
+        argv = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes),
+            "--nproc-per-node",
+            str(plan.cluster.gpus_per_node),
+            "--max-restarts",
+            "0",
+        ]
         if opts.rdzv_endpoint:
-            argv += ["--node-rank", str(opts.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
-                     "--rdzv-id", f"seqpar-{plan_file.stem}"]
+            argv += [
+                "--node-rank",
+                str(opts.node_rank),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                opts.rdzv_endpoint,
+                "--rdzv-id",
+                f"seqpar-{plan_file.stem}",
+            ]
         elif nnodes > 1:
             raise SeqparError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
         else:
             argv.append("--standalone")  # c10d rendezvous on a free local port
         argv += ["-m", "seqpar.runtime.train"]
-    return Job(argv + train, job_env(plan, os.cpu_count() or 1), configs, output, plan_file,
-               "accelerate" if uses_deepspeed(plan) else "torchrun")
+    return Job(
+        argv + train,
+        job_env(plan, os.cpu_count() or 1),
+        configs,
+        output,
+        plan_file,
+        "accelerate" if uses_deepspeed(plan) else "torchrun",
+    )
 
 
 def stage_plan(plan: LaunchPlan, i: int) -> LaunchPlan:
@@ -165,7 +195,9 @@ def stage_plan(plan: LaunchPlan, i: int) -> LaunchPlan:
     return LaunchPlan.model_validate(data)
 
 
-def jobs_for(plan: LaunchPlan, plan_path: Path, opts: LaunchOptions, python: str = sys.executable) -> list[tuple[Job, LaunchPlan | None]]:
+def jobs_for(
+    plan: LaunchPlan, plan_path: Path, opts: LaunchOptions, python: str = sys.executable
+) -> list[tuple[Job, LaunchPlan | None]]:
     """One job, or one per stage (with the stage plan to write before it runs)."""
     out = Path(opts.output) if opts.output else default_output(plan_path)
     if not plan.stages:
@@ -174,7 +206,9 @@ def jobs_for(plan: LaunchPlan, plan_path: Path, opts: LaunchOptions, python: str
     for i in range(len(plan.stages)):
         sp = stage_plan(plan, i)
         sout = out / f"stage-{i}"
-        jobs.append((build_job(sp, sout / "plan.json", opts, output=sout, init_from=str(prev) if prev else None, python=python), sp))
+        jobs.append(
+            (build_job(sp, sout / "plan.json", opts, output=sout, init_from=str(prev) if prev else None, python=python), sp)
+        )
         prev = sout
     return jobs
 
@@ -189,6 +223,17 @@ def launch_spec(plan: LaunchPlan, plan_path: str | Path = "plan.json") -> Launch
 
 
 __all__ = [
-    "ENDPOINT_VAR", "Job", "LaunchOptions", "NODE_RANK_VAR", "accelerate_config", "build_job", "deepspeed_config",
-    "default_output", "job_env", "jobs_for", "launch_spec", "stage_plan", "uses_deepspeed",
+    "ENDPOINT_VAR",
+    "Job",
+    "LaunchOptions",
+    "NODE_RANK_VAR",
+    "accelerate_config",
+    "build_job",
+    "deepspeed_config",
+    "default_output",
+    "job_env",
+    "jobs_for",
+    "launch_spec",
+    "stage_plan",
+    "uses_deepspeed",
 ]

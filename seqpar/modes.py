@@ -30,7 +30,9 @@ class ModeFacts:
     """What every layer needs to know about one mode."""
 
     name: str  # EasyContext's name, the plan's ``strategy.mode``
-    implementation: str  # transformers attn_implementation name (never containing "flash": transformers 5 reads that as a hub kernel)
+    implementation: (
+        str  # transformers attn_implementation name (never containing "flash": transformers 5 reads that as a hub kernel)
+    )
     module: str  # runtime module: seqpar.runtime.<module> exposes forward, backward and <name>_attention (runtime/attention.py)
     layout: str  # "whole" | "zigzag" | "contiguous" | "zigzag+contiguous"
     splits_heads: bool  # all-to-all over heads (Ulysses, USP's Ulysses part)
@@ -40,16 +42,56 @@ class ModeFacts:
 
 
 MODES_TABLE: tuple[ModeFacts, ...] = (
-    ModeFacts("data_parallel", "seqpar_local", "data_parallel", "whole", False, False, False,
-              "no split: every rank holds whole sequences"),
-    ModeFacts("zigzag_ring_attn", "seqpar_zigzag_ring", "zigzag_ring_attn", "zigzag", False, True, False,
-              "ring attention over a zigzag split (ring-flash-attention, PyTorch CP's head-tail balancer)"),
-    ModeFacts("dist_flash_attn", "seqpar_lightseq", "dist_flash_attn", "contiguous", False, True, True,
-              "LightSeq / DistFlashAttn's balanced causal schedule over contiguous chunks"),
-    ModeFacts("ulysses_attn", "seqpar_ulysses", "ulysses_attn", "contiguous", True, False, False,
-              "DeepSpeed-Ulysses: all-to-all from a sequence split to a head split around local attention"),
-    ModeFacts("usp_attn", "seqpar_usp", "usp_attn", "zigzag+contiguous", True, True, False,
-              "USP: Ulysses inside groups of consecutive ranks, zigzag ring across the groups"),
+    ModeFacts(
+        "data_parallel",
+        "seqpar_local",
+        "data_parallel",
+        "whole",
+        False,
+        False,
+        False,
+        "no split: every rank holds whole sequences",
+    ),
+    ModeFacts(
+        "zigzag_ring_attn",
+        "seqpar_zigzag_ring",
+        "zigzag_ring_attn",
+        "zigzag",
+        False,
+        True,
+        False,
+        "ring attention over a zigzag split (ring-flash-attention, PyTorch CP's head-tail balancer)",
+    ),
+    ModeFacts(
+        "dist_flash_attn",
+        "seqpar_lightseq",
+        "dist_flash_attn",
+        "contiguous",
+        False,
+        True,
+        True,
+        "LightSeq / DistFlashAttn's balanced causal schedule over contiguous chunks",
+    ),
+    ModeFacts(
+        "ulysses_attn",
+        "seqpar_ulysses",
+        "ulysses_attn",
+        "contiguous",
+        True,
+        False,
+        False,
+        "DeepSpeed-Ulysses: all-to-all from a sequence split to a head split around local attention",
+    ),
+    ModeFacts(
+        "usp_attn",
+        "seqpar_usp",
+        "usp_attn",
+        "zigzag+contiguous",
+        True,
+        True,
+        False,
+        "USP: Ulysses inside groups of consecutive ranks, zigzag ring across the groups",
+    ),
 )
 
 FACTS: dict[str, ModeFacts] = {m.name: m for m in MODES_TABLE}
@@ -137,8 +179,9 @@ def check_split(mode: str, seq_len: int, sp_degree: int, ulysses_degree: int | N
         )
 
 
-def check_heads(mode: str, q_heads: int, kv_heads: int, sp_degree: int, ulysses_degree: int | None = None,
-                owner: str | None = None) -> None:
+def check_heads(
+    mode: str, q_heads: int, kv_heads: int, sp_degree: int, ulysses_degree: int | None = None, owner: str | None = None
+) -> None:
     """SeqparError unless the mode's head split (Ulysses) can split the query heads and split or replicate the KV heads.
 
     ``owner`` names whose heads they are in the message (a model name); None for bare tensors."""
@@ -160,6 +203,16 @@ def check_heads(mode: str, q_heads: int, kv_heads: int, sp_degree: int, ulysses_
 
 
 __all__ = [
-    "FACTS", "MODES", "MODES_TABLE", "ModeFacts", "check_heads", "check_mode", "check_split", "degrees", "facts",
-    "head_degree", "nearest_multiples", "split_multiple",
+    "FACTS",
+    "MODES",
+    "MODES_TABLE",
+    "ModeFacts",
+    "check_heads",
+    "check_mode",
+    "check_split",
+    "degrees",
+    "facts",
+    "head_degree",
+    "nearest_multiples",
+    "split_multiple",
 ]

@@ -19,11 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from seqpar.errors import SeqparError
 from seqpar.modes import MODES, check_heads, check_split
+from seqpar.options import CHECKPOINTING
 
 SCHEMA_VERSION = 1
 
 Mode = Literal[MODES]  # the names of seqpar.modes.MODES_TABLE
-Checkpointing = Literal["none", "full", "offload", "selective"]
+Checkpointing = Literal[CHECKPOINTING]  # seqpar.options: the runtime reads the same names
 Sharding = Literal["ddp", "zero2", "zero3", "zero3_offload", "fsdp"]
 LossImpl = Literal["hf", "chunked"]
 FusedOps = Literal["none", "liger"]
@@ -51,9 +52,7 @@ def parse_seq_len(text: str | int) -> int:
     else:
         m = _SEQ_RE.match(str(text))
         if not m:
-            raise SeqparError(
-                f"sequence length {text!r} is not a number; write it as 131072, 128k or 1M (k = 1024, M = 1048576)"
-            )
+            raise SeqparError(f"sequence length {text!r} is not a number; write it as 131072, 128k or 1M (k = 1024, M = 1048576)")
         num, suffix = float(m.group(1)), m.group(2).lower()
         scaled = num * {"": 1, "k": 1024, "m": 1024**2}[suffix]
         if scaled != int(scaled):
@@ -107,7 +106,7 @@ class ClusterSpec(_Frozen):
         return self.nodes * self.gpus_per_node
 
     @model_validator(mode="after")
-    def _inter_node(self) -> "ClusterSpec":
+    def _inter_node(self) -> ClusterSpec:
         if self.nodes > 1 and self.inter_node_link is None:
             raise ValueError(f"nodes = {self.nodes} needs an inter_node_link (e.g. ib_ndr); none was given")
         return self
@@ -133,7 +132,7 @@ class ModelSpec(_Frozen):
     source: str = Field(default="", description="Where the figures come from (the model's config.json).")
 
     @model_validator(mode="after")
-    def _heads(self) -> "ModelSpec":
+    def _heads(self) -> ModelSpec:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not divisible by num_key_value_heads "
@@ -161,7 +160,9 @@ class Workload(_Frozen):
     seq_len: int = Field(ge=1, description="Tokens per sequence (one sample).")
     micro_batch_size: int = Field(default=1, ge=1, description="Sequences per data-parallel rank per forward pass.")
     tokens_per_step: Optional[int] = Field(
-        default=None, ge=1, description="Tokens per optimizer step (sets gradient accumulation); None = one micro-batch per DP rank."
+        default=None,
+        ge=1,
+        description="Tokens per optimizer step (sets gradient accumulation); None = one micro-batch per DP rank.",
     )
     dtype: DType = Field(default="bf16", description="Parameter and activation dtype.")
     optimizer: Optimizer = Field(
@@ -177,10 +178,13 @@ class Strategy(_Frozen):
     ring_degree: int = Field(default=1, ge=1, description="usp_attn: ring size across Ulysses groups (1 otherwise).")
     dp_degree: int = Field(default=1, ge=1, description="Data-parallel replicas; sp_degree * dp_degree = world size.")
     checkpointing: Checkpointing = Field(
-        default="full", description="none | full (keep layer inputs) | offload (layer inputs in host RAM) | selective (keep attention out+lse)."
+        default="full",
+        description="none | full (keep layer inputs) | offload (layer inputs in host RAM) | selective (keep attention out+lse).",
     )
     sharding: Sharding = Field(default="ddp", description="Model-state sharding: ddp | zero2 | zero3 | zero3_offload | fsdp.")
-    loss_impl: LossImpl = Field(default="chunked", description="hf: full fp32 logits as transformers computes them; chunked: logits a chunk at a time.")
+    loss_impl: LossImpl = Field(
+        default="chunked", description="hf: full fp32 logits as transformers computes them; chunked: logits a chunk at a time."
+    )
     gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
     fused_ops: FusedOps = Field(
         default="none",
@@ -194,9 +198,11 @@ class Strategy(_Frozen):
     )
 
     @model_validator(mode="after")
-    def _degrees(self) -> "Strategy":
+    def _degrees(self) -> Strategy:
         if self.mode == "data_parallel" and self.sp_degree != 1:
-            raise ValueError(f"data_parallel keeps whole sequences, so sp_degree must be 1, not {self.sp_degree}; pick a sequence-parallel mode")
+            raise ValueError(
+                f"data_parallel keeps whole sequences, so sp_degree must be 1, not {self.sp_degree}; pick a sequence-parallel mode"
+            )
         if self.mode == "usp_attn":
             if self.ulysses_degree * self.ring_degree != self.sp_degree:
                 raise ValueError(
@@ -212,16 +218,22 @@ class Strategy(_Frozen):
         return self.sp_degree * self.dp_degree
 
     @classmethod
-    def over(cls, mode: str, sp_degree: int, world_size: int, ulysses_degree: Optional[int] = None, **options) -> "Strategy":
+    def over(cls, mode: str, sp_degree: int, world_size: int, ulysses_degree: Optional[int] = None, **options) -> Strategy:
         """``mode`` over groups of sp_degree ranks, data parallel across the groups of ``world_size`` ranks (usp_attn:
         ulysses_degree x ring_degree = sp_degree); ``options``: the other fields."""
         usp = mode == "usp_attn"
         u = ulysses_degree if usp and ulysses_degree else 1
-        return cls(mode=mode, sp_degree=sp_degree, dp_degree=max(1, world_size // sp_degree), ulysses_degree=u,
-                   ring_degree=sp_degree // u if usp else 1, **options)
+        return cls(
+            mode=mode,
+            sp_degree=sp_degree,
+            dp_degree=max(1, world_size // sp_degree),
+            ulysses_degree=u,
+            ring_degree=sp_degree // u if usp else 1,
+            **options,
+        )
 
 
-def check_strategy_shape(strategy: "Strategy", seq_len: int, model: ModelSpec) -> None:
+def check_strategy_shape(strategy: Strategy, seq_len: int, model: ModelSpec) -> None:
     """SeqparError when the strategy's mode cannot split seq_len over its ranks or split the model's heads
     (seqpar.modes holds the rules; this maps a Strategy onto them)."""
     u = strategy.ulysses_degree if strategy.mode == "usp_attn" else None
@@ -241,11 +253,15 @@ def layout_problems(strategy: Strategy, seq_len: int, model: ModelSpec, cluster:
     if s.world_size != c.world_size:
         if c.world_size % s.sp_degree:
             divisors = [d for d in range(1, c.world_size + 1) if c.world_size % d == 0]
-            out.append(f"sp_degree {s.sp_degree} does not divide the {c.world_size} ranks of the cluster ({c.nodes} x "
-                       f"{c.gpus_per_node}), so no dp_degree fills it; use an sp_degree in {divisors}")
+            out.append(
+                f"sp_degree {s.sp_degree} does not divide the {c.world_size} ranks of the cluster ({c.nodes} x "
+                f"{c.gpus_per_node}), so no dp_degree fills it; use an sp_degree in {divisors}"
+            )
         else:
-            out.append(f"sp_degree {s.sp_degree} x dp_degree {s.dp_degree} = {s.world_size} ranks, but the cluster has "
-                       f"{c.nodes} x {c.gpus_per_node} = {c.world_size}; make them equal")
+            out.append(
+                f"sp_degree {s.sp_degree} x dp_degree {s.dp_degree} = {s.world_size} ranks, but the cluster has "
+                f"{c.nodes} x {c.gpus_per_node} = {c.world_size}; make them equal"
+            )
     try:
         check_strategy_shape(s, seq_len, model)
     except SeqparError as e:
@@ -259,19 +275,30 @@ def option_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy
     s, c, w, out = strategy, cluster, workload, []
     cuda, zero = c.accelerator == "cuda", s.sharding.startswith("zero")  # CPU ranks run zero* as FSDP2 (no DeepSpeed)
     if cuda and zero and w.optimizer != "adamw":
-        out.append(f"sharding {s.sharding} runs DeepSpeed's AdamW with an fp32 master copy, so optimizer {w.optimizer} cannot "
-                   f"run there; use sharding fsdp (or ddp), or optimizer adamw")
+        out.append(
+            f"sharding {s.sharding} runs DeepSpeed's AdamW with an fp32 master copy, so optimizer {w.optimizer} cannot "
+            f"run there; use sharding fsdp (or ddp), or optimizer adamw"
+        )
     if cuda and w.dtype == "fp16" and not zero:
-        fix = "use dtype bf16, or a zero* sharding" if w.optimizer == "adamw" else \
-            f"use dtype bf16 (zero* shardings run AdamW only, not optimizer {w.optimizer})"
-        out.append(f"dtype fp16 needs a zero* sharding (fp16 needs DeepSpeed's loss scaling), so sharding {s.sharding} would "
-                   f"train without loss scaling; {fix}")
+        fix = (
+            "use dtype bf16, or a zero* sharding"
+            if w.optimizer == "adamw"
+            else f"use dtype bf16 (zero* shardings run AdamW only, not optimizer {w.optimizer})"
+        )
+        out.append(
+            f"dtype fp16 needs a zero* sharding (fp16 needs DeepSpeed's loss scaling), so sharding {s.sharding} would "
+            f"train without loss scaling; {fix}"
+        )
     if s.fused_ops == "liger" and not cuda:
-        out.append(f"fused_ops liger runs Triton kernels on CUDA GPUs (Liger-Kernel), but the cluster's accelerator is "
-                   f"{c.accelerator}; use fused_ops none")
+        out.append(
+            f"fused_ops liger runs Triton kernels on CUDA GPUs (Liger-Kernel), but the cluster's accelerator is "
+            f"{c.accelerator}; use fused_ops none"
+        )
     if s.tiled_mlp and s.sharding in ZERO3:
-        out.append(f"tiled_mlp with sharding {s.sharding}: ZeRO-3 gathers parameters through module hooks that the tiles' "
-                   "recomputation in backward bypasses; use sharding fsdp or ddp, or tiled_mlp false")
+        out.append(
+            f"tiled_mlp with sharding {s.sharding}: ZeRO-3 gathers parameters through module hooks that the tiles' "
+            "recomputation in backward bypasses; use sharding fsdp or ddp, or tiled_mlp false"
+        )
     return out
 
 
@@ -286,12 +313,21 @@ def plan_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy) 
 
 
 class Prediction(_Frozen):
-    peak_memory_gib: float = Field(ge=0, description="Predicted peak allocated by PyTorch's caching allocator per GPU (torch.cuda.max_memory_allocated), GiB.")
-    reserved_memory_gib: float = Field(ge=0, description="Predicted peak reserved (allocated + allocator slack) plus CUDA context and NCCL buffers, GiB.")
+    peak_memory_gib: float = Field(
+        ge=0,
+        description="Predicted peak allocated by PyTorch's caching allocator per GPU (torch.cuda.max_memory_allocated), GiB.",
+    )
+    reserved_memory_gib: float = Field(
+        ge=0, description="Predicted peak reserved (allocated + allocator slack) plus CUDA context and NCCL buffers, GiB."
+    )
     capacity_gib: float = Field(ge=0, description="Device memory of the target GPU, GiB.")
     memory_breakdown_gib: dict[str, float] = Field(description="Terms at the peak phase, GiB; they sum to peak_memory_gib.")
-    peak_phase: str = Field(default="", description="The phase of the step where the peak occurs (forward, loss, backward, optimizer).")
-    host_memory_gib: float = Field(default=0.0, ge=0, description="Host RAM per node needed for offloaded state and checkpoints, GiB.")
+    peak_phase: str = Field(
+        default="", description="The phase of the step where the peak occurs (forward, loss, backward, optimizer)."
+    )
+    host_memory_gib: float = Field(
+        default=0.0, ge=0, description="Host RAM per node needed for offloaded state and checkpoints, GiB."
+    )
     tokens_per_s: float = Field(ge=0, description="Predicted training throughput of the whole cluster, tokens/s.")
     step_time_s: float = Field(ge=0, description="Predicted time of one optimizer step, s.")
     step_time_breakdown_s: dict[str, float] = Field(description="compute / exposed communication / offload / optimizer, s.")
@@ -307,8 +343,12 @@ class Alternative(_Frozen):
 
 
 class Rationale(_Frozen):
-    policy: Literal["rules", "cost", "pinned"] = Field(description="rules: the guide's decision tree; cost: the cost-model search; pinned: flags fixed everything.")
-    rule_path: list[str] = Field(default_factory=list, description="The guide's rules followed, in order, ending with its choice.")
+    policy: Literal["rules", "cost", "pinned"] = Field(
+        description="rules: the guide's decision tree; cost: the cost-model search; pinned: flags fixed everything."
+    )
+    rule_path: list[str] = Field(
+        default_factory=list, description="The guide's rules followed, in order, ending with its choice."
+    )
     rules_choice: Optional[Mode] = Field(default=None, description="The mode the guide's tree picks.")
     reasons: list[str] = Field(default_factory=list, description="Why this strategy, in words, with numbers.")
     alternatives: list[Alternative] = Field(default_factory=list, description="What else was considered and why it lost.")
@@ -324,7 +364,9 @@ class TrainingSpec(_Frozen):
     grad_clip: float = Field(default=1.0, ge=0, description="Max gradient norm, 0 = off.")
     seed: int = Field(default=0, description="Random seed.")
     checkpoint_every: int = Field(default=0, ge=0, description="Save every K steps (0 = only at the end).")
-    rope_theta: Optional[float] = Field(default=None, gt=0, description="Override of the model's RoPE base (EasyContext raises it per stage).")
+    rope_theta: Optional[float] = Field(
+        default=None, gt=0, description="Override of the model's RoPE base (EasyContext raises it per stage)."
+    )
 
 
 class LaunchSpec(_Frozen):
@@ -334,7 +376,9 @@ class LaunchSpec(_Frozen):
         description="The command `seqpar launch` runs on each node (argv; a staged plan: its first stage's). 'python' is the "
         "interpreter seqpar runs under; on several nodes $NODE_RANK and $MASTER_ADDR are each node's to fill in.",
     )
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for the job (they override seqpar launch's).")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables set for the job (they override seqpar launch's)."
+    )
 
 
 class Stage(_Frozen):
@@ -342,7 +386,9 @@ class Stage(_Frozen):
     rope_theta: float = Field(gt=0, description="RoPE base for this stage (EasyContext raises it with the length).")
     steps: int = Field(ge=1, description="Optimizer steps of this stage.")
     strategy: Strategy = Field(description="How this stage is split (planned for its own seq_len).")
-    prediction: Optional[Prediction] = Field(default=None, description="The cost model's prediction for this stage (None under rules).")
+    prediction: Optional[Prediction] = Field(
+        default=None, description="The cost model's prediction for this stage (None under rules)."
+    )
 
 
 class LaunchPlan(_Frozen):
@@ -352,7 +398,9 @@ class LaunchPlan(_Frozen):
     workload: Workload = Field(description="What is trained.")
     cluster: ClusterSpec = Field(description="Where it is trained.")
     strategy: Strategy = Field(description="How it is split.")
-    prediction: Optional[Prediction] = Field(default=None, description="The cost model's prediction (None under the rules-only policy).")
+    prediction: Optional[Prediction] = Field(
+        default=None, description="The cost model's prediction (None under the rules-only policy)."
+    )
     rationale: Rationale = Field(description="Why this strategy.")
     launch: LaunchSpec = Field(default_factory=LaunchSpec, description="How to start it.")
     training: TrainingSpec = Field(default_factory=TrainingSpec, description="The training loop's settings.")
@@ -373,7 +421,7 @@ class LaunchPlan(_Frozen):
         return v
 
     @model_validator(mode="after")
-    def _fits_cluster(self) -> "LaunchPlan":
+    def _fits_cluster(self) -> LaunchPlan:
         problems = plan_problems(self.workload, self.cluster, self.strategy)
         for i, st in enumerate(self.stages):
             stage_workload = self.workload.model_copy(update={"seq_len": st.seq_len})
@@ -392,11 +440,16 @@ class LaunchPlan(_Frozen):
         return write_atomic(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "LaunchPlan":
+    def load(cls, path: str | Path) -> LaunchPlan:
         """Read and validate a plan file; SeqparError with one line on any problem."""
         p = Path(path)
-        data = read_json_object(p, "plan file", "plan", missing_fix=f"write one with `seqpar advise ... -o {p}`",
-                                invalid_fix="regenerate it with `seqpar advise -o`")
+        data = read_json_object(
+            p,
+            "plan file",
+            "plan",
+            missing_fix=f"write one with `seqpar advise ... -o {p}`",
+            invalid_fix="regenerate it with `seqpar advise -o`",
+        )
         ver = data.get("schema_version", SCHEMA_VERSION)
         if isinstance(ver, int) and ver > SCHEMA_VERSION:
             raise SeqparError(
@@ -414,7 +467,7 @@ def first_error(e: ValidationError) -> str:
     loc = ".".join(str(x) for x in err.get("loc", ()))
     msg = err.get("msg", "invalid").removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
-        msg = "unknown field (not part of schema version %d)" % SCHEMA_VERSION
+        msg = f"unknown field (not part of schema version {SCHEMA_VERSION})"
     return f"{loc}: {msg}" if loc else msg  # a rule across fields (a model validator) has no field path
 
 

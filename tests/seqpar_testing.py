@@ -35,7 +35,10 @@ def _worker(rank, world_size, port, fn, args, results, timeout):
 
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
         out = fn(rank, world_size, *args)  # no barrier after: a failed rank must not wait for the others
@@ -84,8 +87,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60):
     errors = [f"--- rank {r}:\n{got[r][1]}" for r in sorted(got) if got[r][0] == "error"]
     missing = [r for r in range(world_size) if r not in got]
     if errors or missing:
-        why = f"ranks {missing} gave no result within {timeout:.0f} s (hang or crash; exit codes " \
-              f"{[procs[r].exitcode for r in missing]})\n" if missing else ""
+        why = (
+            f"ranks {missing} gave no result within {timeout:.0f} s (hang or crash; exit codes "
+            f"{[procs[r].exitcode for r in missing]})\n"
+            if missing
+            else ""
+        )
         raise RuntimeError(f"run_ranks({getattr(fn, '__name__', fn)}, W={world_size}) failed:\n{why}" + "\n".join(errors))
     return [got[r][1] for r in range(world_size)]
 

@@ -22,8 +22,16 @@ from seqpar.schema import LaunchPlan, ModelSpec, Strategy, Workload
 C = load_coefficients()
 M7 = get_model("llama-2-7b")
 H200 = cluster_from_flags("h200", 1)
-TINY = ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=128, vocab_size=256)
+TINY = ModelSpec(
+    name="t",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=256,
+)
 W64 = Workload(model=M7, seq_len=65536, optimizer="none")
 
 
@@ -66,7 +74,9 @@ def test_tiled_lowers_the_peak_by_at_least_the_mlp_intermediates():
     assert plain.peak_bytes - tiled.peak_bytes >= removed  # 5.4 GiB of intermediates, plus their gradients, less the buffers
     # tiled, the layer's backward peaks in attention's backward (dq, dk, dv), no longer in the MLP's
     attn_grads = t * p * (32 + 2 * 32) * 128
-    assert plain.peak_bytes - tiled.peak_bytes == pytest.approx(removed + 2 * p * i * t - (4096 * 4 * p * i + 3 * h * i * 4) - attn_grads)
+    assert plain.peak_bytes - tiled.peak_bytes == pytest.approx(
+        removed + 2 * p * i * t - (4096 * 4 * p * i + 3 * h * i * 4) - attn_grads
+    )
     assert tiled.breakdown["tiled_mlp_buffers"] == 4096 * 4 * p * i + 3 * h * i * 4
     assert tiled.breakdown["gradient_flow"] == t * 2 * p * h + attn_grads
     assert "tiled_mlp_buffers" not in plain.breakdown
@@ -80,8 +90,11 @@ def test_tiled_lowers_the_peak_by_at_least_the_mlp_intermediates():
 @pytest.mark.parametrize("ck", ["none", "full", "selective", "offload"])
 def test_options_lower_the_peak_at_long_context(ck):
     w = Workload(model=M7, seq_len=131072, optimizer="none")
-    peaks = {(f, x): estimate_memory(w, H200, dp(ck, fused_ops=f, tiled_mlp=x), C).peak_bytes
-             for f in ("none", "liger") for x in (False, True)}
+    peaks = {
+        (f, x): estimate_memory(w, H200, dp(ck, fused_ops=f, tiled_mlp=x), C).peak_bytes
+        for f in ("none", "liger")
+        for x in (False, True)
+    }
     assert peaks[("liger", False)] < peaks[("none", False)]
     assert peaks[("none", True)] < peaks[("none", False)]
     assert peaks[("liger", True)] < min(peaks[("liger", False)], peaks[("none", True)])
@@ -96,17 +109,25 @@ def test_elementwise_traffic_by_hand():
     unfused = 65536 * 32 * (68 * 4096 + 24 * 64 * 128 + 10 * 11008) * 4 / 4800e9
     fused = 65536 * 32 * (8 * 4096 + 4 * 64 * 128 + 6 * 11008) * 4 / 4800e9
     assert elementwise_time(M7, H200, dp("full"), 65536) == pytest.approx(unfused) == pytest.approx(1.0227, abs=1e-3)
-    assert elementwise_time(M7, H200, dp("full", fused_ops="liger"), 65536) == pytest.approx(fused) == pytest.approx(0.2300, abs=1e-3)
+    assert (
+        elementwise_time(M7, H200, dp("full", fused_ops="liger"), 65536)
+        == pytest.approx(fused)
+        == pytest.approx(0.2300, abs=1e-3)
+    )
     assert elementwise_time(M7, H200, dp("none"), 65536) == pytest.approx(unfused * 3 / 4)  # no recompute pass
     # tiled: the SwiGLU's bytes once more (its extra forward)
-    assert elementwise_time(M7, H200, dp("full", tiled_mlp=True), 65536) == pytest.approx(unfused + 65536 * 32 * 10 * 11008 / 4800e9)
+    assert elementwise_time(M7, H200, dp("full", tiled_mlp=True), 65536) == pytest.approx(
+        unfused + 65536 * 32 * 10 * 11008 / 4800e9
+    )
 
 
 @pytest.mark.parametrize("ck", ["full", "selective", "offload"])
 def test_fused_is_faster(ck):
     plain, fused = (estimate_time(W64, H200, dp(ck, fused_ops=f), C) for f in ("none", "liger"))
     assert fused.step_time_s < plain.step_time_s
-    assert plain.step_time_s - fused.step_time_s == pytest.approx(plain.breakdown_s["elementwise"] - fused.breakdown_s["elementwise"])
+    assert plain.step_time_s - fused.step_time_s == pytest.approx(
+        plain.breakdown_s["elementwise"] - fused.breakdown_s["elementwise"]
+    )
     assert sum(fused.breakdown_s.values()) == pytest.approx(fused.step_time_s)
 
 
@@ -150,16 +171,21 @@ def test_search_enumerates_tiled_and_pins_fused():
 
 
 def test_search_honours_pins():
-    pinned = advise_by_cost(_req(mode="data_parallel", checkpointing="offload", sharding="ddp", loss_impl="chunked",
-                                 tiled_mlp=True, fused_ops="liger"))
+    pinned = advise_by_cost(
+        _req(
+            mode="data_parallel", checkpointing="offload", sharding="ddp", loss_impl="chunked", tiled_mlp=True, fused_ops="liger"
+        )
+    )
     assert pinned.strategy == dp(tiled_mlp=True, fused_ops="liger") and pinned.rationale.policy == "pinned"
     assert pinned.prediction == predict(W64, H200, pinned.strategy)
     free = advise_by_cost(_req())
     assert free.strategy.fused_ops == "none" and not free.strategy.tiled_mlp  # tiled is slower; it fits without it
     # liger is not picked unasked, but the rationale says what it would give
     assert any(r.startswith("fused_ops liger") and "pip install liger-kernel" in r for r in free.rationale.reasons)
-    assert any(a.strategy.fused_ops == "liger" and a.prediction.tokens_per_s > free.prediction.tokens_per_s
-               for a in free.rationale.alternatives)
+    assert any(
+        a.strategy.fused_ops == "liger" and a.prediction.tokens_per_s > free.prediction.tokens_per_s
+        for a in free.rationale.alternatives
+    )
     assert "liger" not in " ".join(advise_by_cost(_req(fused_ops="none")).rationale.reasons)
 
 
@@ -174,14 +200,17 @@ def test_tiled_wins_only_where_the_untiled_twin_does_not_fit():
     assert plan.strategy.tiled_mlp and not plan.prediction.oom_risk and plan.rationale.policy == "cost"
     assert any(r.startswith("tiled_mlp: without it") for r in plan.rationale.reasons)
     # the untiled strategy pinned there risks OOM, and `check` names tiling as the fix
-    res = check(_req(seq_len=tiled[0], mode="data_parallel", tiled_mlp=False, **{k: v for k, v in pins.items() if k != "optimizer"}))
+    res = check(
+        _req(seq_len=tiled[0], mode="data_parallel", tiled_mlp=False, **{k: v for k, v in pins.items() if k != "optimizer"})
+    )
     assert not res.fits and res.exit_code == 1
     assert res.fix_strategy == plan.strategy and res.fix.startswith("tiled_mlp")
 
 
 def test_check_honours_the_plans_options():
-    plan = advise_by_cost(_req(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="chunked", tiled_mlp=True,
-                               fused_ops="liger"))
+    plan = advise_by_cost(
+        _req(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="chunked", tiled_mlp=True, fused_ops="liger")
+    )
     res = check(plan)
     assert res.fits and res.prediction == predict(W64, H200, plan.strategy)
     assert "mlp=tiled ops=liger" in describe(plan.strategy)
@@ -203,8 +232,22 @@ def run(*args):
 
 def test_cli_writes_the_options_into_the_plan(tmp_path):
     out = tmp_path / "plan.json"
-    r = run("advise", "--seq-len", "64k", "--model", "llama-2-7b", "--gpu", "h200", "--gpus", "1", "--tiled-mlp",
-            "--fused-ops", "liger", "-o", out)
+    r = run(
+        "advise",
+        "--seq-len",
+        "64k",
+        "--model",
+        "llama-2-7b",
+        "--gpu",
+        "h200",
+        "--gpus",
+        "1",
+        "--tiled-mlp",
+        "--fused-ops",
+        "liger",
+        "-o",
+        out,
+    )
     assert r.exit_code == 0, r.stderr
     data = json.loads(out.read_text())
     assert data["strategy"]["fused_ops"] == "liger" and data["strategy"]["tiled_mlp"] is True
@@ -217,20 +260,48 @@ def test_cli_writes_the_options_into_the_plan(tmp_path):
     r = run("advise", "--seq-len", "64k", "--gpu", "h200", "--gpus", "1", "--tiled-mlp", "--policy", "rules", "--json")
     s = json.loads(r.stdout)["strategy"]  # the rules' ZeRO-3 offload cannot tile: FSDP instead
     assert r.exit_code == 0 and s["tiled_mlp"] is True and s["sharding"] == "fsdp"
-    r = run("check", "--seq-len", "64k", "--gpu", "h200", "--gpus", "1", "--optimizer", "none", "--mode", "data_parallel",
-            "--checkpointing", "offload", "--sharding", "ddp", "--loss-impl", "chunked", "--tiled-mlp", "--fused-ops", "liger", "--json")
+    r = run(
+        "check",
+        "--seq-len",
+        "64k",
+        "--gpu",
+        "h200",
+        "--gpus",
+        "1",
+        "--optimizer",
+        "none",
+        "--mode",
+        "data_parallel",
+        "--checkpointing",
+        "offload",
+        "--sharding",
+        "ddp",
+        "--loss-impl",
+        "chunked",
+        "--tiled-mlp",
+        "--fused-ops",
+        "liger",
+        "--json",
+    )
     d = json.loads(r.stdout)
     assert r.exit_code == 0 and d["strategy"]["tiled_mlp"] is True and d["strategy"]["fused_ops"] == "liger"
     assert d["prediction"]["step_time_breakdown_s"]["elementwise"] > 0
 
 
-@pytest.mark.parametrize("cmd", [["advise", "--seq-len", "4k", "--model", "tiny", "--gpu", "cpu", "--gpus", "1"],
-                                 ["advise", "--seq-len", "256", "--model", "tiny", "--cluster", "cpu:2"],
-                                 ["check", "--seq-len", "256", "--model", "tiny", "--cluster", "cpu:2"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["advise", "--seq-len", "4k", "--model", "tiny", "--gpu", "cpu", "--gpus", "1"],
+        ["advise", "--seq-len", "256", "--model", "tiny", "--cluster", "cpu:2"],
+        ["check", "--seq-len", "256", "--model", "tiny", "--cluster", "cpu:2"],
+    ],
+)
 def test_cli_refuses_liger_without_cuda(tmp_path, cmd):
     out = tmp_path / "plan.json"
     r = run(*cmd, "--fused-ops", "liger", *(["-o", out] if cmd[0] == "advise" else []))
     assert r.exit_code == 2, (r.stdout, r.stderr)
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: fused_ops liger runs Triton kernels on CUDA GPUs (Liger-Kernel)") and "use fused_ops none" in last
+    assert (
+        last.startswith("error: fused_ops liger runs Triton kernels on CUDA GPUs (Liger-Kernel)") and "use fused_ops none" in last
+    )
     assert r.stdout == "" and not out.exists()

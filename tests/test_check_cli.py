@@ -8,8 +8,24 @@ from typer.testing import CliRunner
 from seqpar.advisor.fit import load_measurements
 from seqpar.cli import app
 
-PIN_64K = ["--seq-len", "64k", "--gpu", "h200", "--gpus", "1", "--mode", "data_parallel", "--checkpointing", "full",
-           "--sharding", "ddp", "--optimizer", "none", "--loss-impl", "hf"]
+PIN_64K = [
+    "--seq-len",
+    "64k",
+    "--gpu",
+    "h200",
+    "--gpus",
+    "1",
+    "--mode",
+    "data_parallel",
+    "--checkpointing",
+    "full",
+    "--sharding",
+    "ddp",
+    "--optimizer",
+    "none",
+    "--loss-impl",
+    "hf",
+]
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +102,22 @@ def test_explain_tables_and_plot(runner, tmp_path):
 def test_check_never_proposes_deepspeed_for_an_optimizer_it_cannot_run():
     """zero* runs DeepSpeed's AdamW with an fp32 master; plans refuse it with optimizer none / adamw-bf16 on CUDA."""
     from seqpar.advisor.cluster import cluster_from_flags
-    from seqpar.advisor.request import AdviseRequest
     from seqpar.advisor.gate import check, variants
+    from seqpar.advisor.request import AdviseRequest
     from seqpar.profiles import get_model
     from seqpar.schema import Strategy
 
     for optimizer, allowed in (("none", False), ("adamw-bf16", False), ("adamw", True)):
-        req = AdviseRequest(seq_len=262144, model=get_model("llama-2-7b"), cluster=cluster_from_flags("h200", 1),
-                            mode="data_parallel", checkpointing="full", sharding="ddp", optimizer=optimizer, loss_impl="hf")
+        req = AdviseRequest(
+            seq_len=262144,
+            model=get_model("llama-2-7b"),
+            cluster=cluster_from_flags("h200", 1),
+            mode="data_parallel",
+            checkpointing="full",
+            sharding="ddp",
+            optimizer=optimizer,
+            loss_impl="hf",
+        )
         res = check(req)
         pinned = Strategy(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="hf")
         labels = [label for label, _ in variants(pinned, req)]

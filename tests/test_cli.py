@@ -30,7 +30,9 @@ def test_advise_json_matches_rules_exactly():
     r = run("advise", "--seq-len", "512k", *A100X8, "--policy", "rules", "--json")
     assert r.exit_code == 0, r.stderr
     plan = LaunchPlan.model_validate_json(r.stdout)  # stdout is the plan and nothing else
-    ref = advise_by_rules(AdviseRequest(model=get_model("llama-2-7b"), seq_len=524288, cluster=cluster_from_flags("a100", 8), policy="rules"))
+    ref = advise_by_rules(
+        AdviseRequest(model=get_model("llama-2-7b"), seq_len=524288, cluster=cluster_from_flags("a100", 8), policy="rules")
+    )
     assert plan.strategy == ref.strategy and plan.rationale.rule_path == ref.rationale.rule_path
     assert plan.rationale.cluster_note == "declared: 1 node(s) x 8 a100-80g-sxm"
     assert "seq_len 524288 (512K)" in r.stderr.splitlines()[0]
@@ -47,8 +49,9 @@ def test_the_plan_records_what_seqpar_launch_runs(tmp_path, cluster):
     assert r.exit_code == 0, r.stderr
     cmd = [ln for ln in r.stdout.splitlines() if "seqpar.runtime.train" in ln]
     assert plan.launch.command[0] == "python" and cmd == [shlex.join([sys.executable, *plan.launch.command[1:]])]
-    assert [ln for ln in r.stdout.splitlines() if ln.startswith("export ")] == \
-        [f"export {k}={shlex.quote(v)}" for k, v in plan.launch.env.items()]
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("export ")] == [
+        f"export {k}={shlex.quote(v)}" for k, v in plan.launch.env.items()
+    ]
     assert ("accelerate.commands.launch" in cmd[0]) == (plan.cluster.accelerator == "cuda")
 
 
@@ -76,12 +79,40 @@ def test_advise_human_output_and_write(tmp_path):
 
 
 def test_advise_pins_reach_the_plan():
-    r = run("advise", "-s", "128k", *A100X8, "--policy", "rules", "--mode", "zigzag_ring_attn", "--sp-degree", "4",
-            "--checkpointing", "offload", "--sharding", "fsdp", "--loss-impl", "chunked", "--optimizer", "adamw-bf16", "--micro-batch", "2", "--json")
+    r = run(
+        "advise",
+        "-s",
+        "128k",
+        *A100X8,
+        "--policy",
+        "rules",
+        "--mode",
+        "zigzag_ring_attn",
+        "--sp-degree",
+        "4",
+        "--checkpointing",
+        "offload",
+        "--sharding",
+        "fsdp",
+        "--loss-impl",
+        "chunked",
+        "--optimizer",
+        "adamw-bf16",
+        "--micro-batch",
+        "2",
+        "--json",
+    )
     assert r.exit_code == 0, r.stderr
     p = LaunchPlan.model_validate_json(r.stdout)
     s = p.strategy
-    assert (s.mode, s.sp_degree, s.dp_degree, s.checkpointing, s.sharding, s.loss_impl) == ("zigzag_ring_attn", 4, 2, "offload", "fsdp", "chunked")
+    assert (s.mode, s.sp_degree, s.dp_degree, s.checkpointing, s.sharding, s.loss_impl) == (
+        "zigzag_ring_attn",
+        4,
+        2,
+        "offload",
+        "fsdp",
+        "chunked",
+    )
     assert (p.workload.optimizer, p.workload.micro_batch_size, p.rationale.policy) == ("adamw-bf16", 2, "pinned")
 
 
@@ -100,11 +131,17 @@ def test_policy_cost_predicts():
         (["advise", "-s", "12x"], "sequence length '12x' is not a number"),
         (["advise", "-s", "0"], "must be positive"),
         (["advise", "--seq-len=-4k"], "is not a number"),
-        (["advise", "-s", "128k", "--gpu", "h100", "--gpus", "6", "--policy", "rules"], "seq_len 131072 cannot be split over 6 ranks"),
+        (
+            ["advise", "-s", "128k", "--gpu", "h100", "--gpus", "6", "--policy", "rules"],
+            "seq_len 131072 cannot be split over 6 ranks",
+        ),
         (["advise", "-s", "128k", "--model", "./missing/config.json"], "model config './missing/config.json' does not exist"),
         (["advise", "-s", "128k", "--cluster", "cpu:zero"], "is not a whole number"),
         (["advise", "-s", "128k", "--cluster", "cpu:2", "--gpu", "h100"], "cannot be combined"),
-        (["advise", "-s", "512k", *A100X8, "--mode", "ulysses_attn", "--model", "qwen2.5-0.5b", "--policy", "rules"], "pinned --mode ulysses_attn"),
+        (
+            ["advise", "-s", "512k", *A100X8, "--mode", "ulysses_attn", "--model", "qwen2.5-0.5b", "--policy", "rules"],
+            "pinned --mode ulysses_attn",
+        ),
         (["explain", "missing.json"], "plan file 'missing.json' does not exist"),
         (["profiles", "show", "h1000"], "unknown profile 'h1000'; did you mean"),
     ],
@@ -138,7 +175,10 @@ def test_usage_errors_exit_2(tmp_path, args, message):
     "content,message",
     [
         ("{", "is not valid JSON"),
-        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), f"schema_version {SCHEMA_VERSION + 1}, newer than this seqpar understands"),
+        (
+            lambda d: d.update(schema_version=SCHEMA_VERSION + 1),
+            f"schema_version {SCHEMA_VERSION + 1}, newer than this seqpar understands",
+        ),
         (lambda d: d["strategy"].update(sp_degree=5), "is invalid"),
     ],
 )
@@ -173,7 +213,11 @@ def test_schema_profiles_probe_json():
     assert r.exit_code == 0 and json.loads(r.stdout) == LaunchPlan.model_json_schema()
     r = run("profiles", "list", "--json")
     data = json.loads(r.stdout)
-    assert r.exit_code == 0 and {"h200", "a100-80g-sxm"} <= {g["name"] for g in data["gpus"]} and "tiny" in {m["name"] for m in data["models"]}
+    assert (
+        r.exit_code == 0
+        and {"h200", "a100-80g-sxm"} <= {g["name"] for g in data["gpus"]}
+        and "tiny" in {m["name"] for m in data["models"]}
+    )
     r = run("profiles", "show", "h100", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["name"] == "h100-sxm"
     r = run("profiles", "show", "llama-3-8b")
@@ -190,8 +234,9 @@ def test_help_has_examples(cmd):
     assert r.exit_code == 0 and "Examples" in r.stdout and "seqpar " + cmd[0] in r.stdout
 
 
-@pytest.mark.parametrize("cmd,own", [("advise", ["--policy", "--max-seq-len", "--recipe", "--output", "--json"]),
-                                     ("check", ["--json", "PLAN.json"])])
+@pytest.mark.parametrize(
+    "cmd,own", [("advise", ["--policy", "--max-seq-len", "--recipe", "--output", "--json"]), ("check", ["--json", "PLAN.json"])]
+)
 def test_advise_and_check_list_the_shared_options_in_panels(cmd, own):
     """One declaration (seqpar.cli_options.RequestFlags) gives both commands every workload, cluster and pin option."""
     import dataclasses
@@ -201,8 +246,10 @@ def test_advise_and_check_list_the_shared_options_in_panels(cmd, own):
 
     r = runner.invoke(app, [cmd, "--help"], terminal_width=200)
     assert r.exit_code == 0, r.output
-    flags = [typing.get_args(hint)[1].default  # in Annotated, typer.Option's first argument is the flag
-             for hint in typing.get_type_hints(RequestFlags, include_extras=True).values()]
+    flags = [
+        typing.get_args(hint)[1].default  # in Annotated, typer.Option's first argument is the flag
+        for hint in typing.get_type_hints(RequestFlags, include_extras=True).values()
+    ]
     assert len(flags) == len(dataclasses.fields(RequestFlags)) == 18
     for flag in flags + own:
         assert flag.split("/")[0] in r.stdout, flag
@@ -211,8 +258,10 @@ def test_advise_and_check_list_the_shared_options_in_panels(cmd, own):
 
 
 def test_advisor_and_cli_never_import_torch():
-    code = ("import seqpar.advisor.rules, seqpar.advisor.probe, seqpar.cli, sys; "
-            "from typer.testing import CliRunner; r = CliRunner().invoke(seqpar.cli.app, ['advise', '--seq-len', '512k', '--json']); "
-            "assert r.exit_code == 0, r.output; assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import seqpar.advisor.rules, seqpar.advisor.probe, seqpar.cli, sys; "
+        "from typer.testing import CliRunner; r = CliRunner().invoke(seqpar.cli.app, ['advise', '--seq-len', '512k', '--json']); "
+        "assert r.exit_code == 0, r.output; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -10,8 +10,8 @@ the same one-line error on every rank, with no hang. ``check_cases`` and ``on_su
 import pytest
 import torch
 
-from seqpar_testing import error_messages, run_ranks, tolerances, world_ids
 from reference import reference
+from seqpar_testing import error_messages, run_ranks, tolerances, world_ids
 
 
 def check_cases(rank, W, mode, heads, chunks, ulysses_degree=None, group=None):
@@ -87,11 +87,13 @@ def _mode_cases(rank, W, group):
     from seqpar.runtime import attention, shard
 
     z = torch.zeros
-    msgs = error_messages([  # all local checks: raised before any transfer
-        lambda: shard(z(1, W * 3 + 1, 8, 4), "dist_flash_attn", rank, W),
-        lambda: attention(z(1, 4, 6, 4), z(1, 4, 4, 4), z(1, 4, 4, 4), "dist_flash_attn", group=group),
-        lambda: attention(z(1, 4, 8, 4), z(1, 6, 2, 4), z(1, 6, 2, 4), "dist_flash_attn", group=group),
-    ])
+    msgs = error_messages(
+        [  # all local checks: raised before any transfer
+            lambda: shard(z(1, W * 3 + 1, 8, 4), "dist_flash_attn", rank, W),
+            lambda: attention(z(1, 4, 6, 4), z(1, 4, 4, 4), z(1, 4, 4, 4), "dist_flash_attn", group=group),
+            lambda: attention(z(1, 4, 8, 4), z(1, 6, 2, 4), z(1, 6, 2, 4), "dist_flash_attn", group=group),
+        ]
+    )
     return check_cases(rank, W, "dist_flash_attn", HEADS, CHUNKS, group=group), msgs
 
 
@@ -124,8 +126,9 @@ def test_dist_flash_matches_single_process_on_2_3_4_ranks():
 
 
 @pytest.mark.parametrize("P", range(1, 10), ids=world_ids(range(1, 10)))
-@pytest.mark.parametrize("causal,split", [(True, True), (True, False), (False, False)],
-                         ids=["causal-split_last", "causal-lightseq", "non_causal"])
+@pytest.mark.parametrize(
+    "causal,split", [(True, True), (True, False), (False, False)], ids=["causal-split_last", "causal-lightseq", "non_causal"]
+)
 def test_schedule_covers_every_block_once_and_balances(P, causal, split):
     from seqpar.runtime.dist_flash_attn import schedule
 
@@ -143,8 +146,10 @@ def test_schedule_covers_every_block_once_and_balances(P, causal, split):
         assert all(step[r] is None or r in (step[r].q, step[r].kv) for step in steps)
     if causal:
         assert len(steps) == P // 2 + 1  # LightSeq's P/2 + 1 steps
-        work = [sum(0 if b is None else 0.5 if (b.causal or b.half is not None) else 1 for b in (s[r] for s in steps))
-                for r in range(P)]  # in full-block units: the diagonal and a half block are 1/2
+        work = [
+            sum(0 if b is None else 0.5 if (b.causal or b.half is not None) else 1 for b in (s[r] for s in steps))
+            for r in range(P)
+        ]  # in full-block units: the diagonal and a half block are 1/2
         if split or P % 2:
             assert work == [P / 2] * P  # every rank the same work: the average
         else:

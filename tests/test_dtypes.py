@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from seqpar.errors import SeqparError
+
 from seqpar_testing import run_ranks
-from seqpar.schema import SeqparError
 
 
 def test_attention_refuses_mixed_dtypes():
@@ -27,8 +28,9 @@ def test_autocast_gives_the_kernels_one_dtype(monkeypatch):
 
     import seqpar
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
     torch.manual_seed(0)
     model = seqpar.apply(transformers.LlamaForCausalLM(cfg), "data_parallel")
     mod = importlib.import_module("seqpar.runtime.attention")

@@ -21,8 +21,13 @@ C = load_coefficients()
 def _synthetic(true, gpu="h200", model="llama-2-7b"):
     m, cl = get_model(model), cluster_from_flags(gpu, 8)
     rows = []
-    for mode, sp, n in (("data_parallel", 1, 32768), ("zigzag_ring_attn", 8, 131072), ("zigzag_ring_attn", 8, 524288),
-                        ("ulysses_attn", 8, 262144), ("dist_flash_attn", 4, 65536)):
+    for mode, sp, n in (
+        ("data_parallel", 1, 32768),
+        ("zigzag_ring_attn", 8, 131072),
+        ("zigzag_ring_attn", 8, 524288),
+        ("ulysses_attn", 8, 262144),
+        ("dist_flash_attn", 4, 65536),
+    ):
         s = Strategy(mode=mode, sp_degree=sp, dp_degree=8 // sp, sharding="zero3")
         w = Workload(model=m, seq_len=n)
         tps = estimate_time(w, cl, s, true).tokens_per_s
@@ -117,7 +122,8 @@ def test_shipped_coefficients_are_the_fit_output():
     assert C.matmul_width_h0 == RES.coefficients.matmul_width_h0
     for r in ALL:
         assert predict(r.workload, r.cluster, r.strategy).tokens_per_s == pytest.approx(
-            estimate_time(r.workload, r.cluster, r.strategy, RES.coefficients).tokens_per_s, rel=1e-3)
+            estimate_time(r.workload, r.cluster, r.strategy, RES.coefficients).tokens_per_s, rel=1e-3
+        )
 
 
 def _report(tmp_path, tokens_per_s, peak, name="report.json"):

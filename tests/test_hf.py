@@ -35,8 +35,15 @@ def make_model(family: str):
     """A tiny random-weight causal LM, built from a config (no hub), seeded so every rank builds the same weights."""
     import transformers
 
-    common = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=256, attention_dropout=0.0)
+    common = dict(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+    )
     kinds = {  # (config class, model class, extra config)
         "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4)),
         # Mistral keeps its default 4096-token sliding window: longer than S, so full causal attention is exact
@@ -96,9 +103,9 @@ def _run(model, batch_, group_loss, how: str, chunk: int | None = None):
 
 def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
     """Every case on this rank; returns {"failures": [...], "cases": n, "calls": {...}}."""
-    import torch.distributed as dist
-
     import importlib
+
+    import torch.distributed as dist
 
     import seqpar
 

@@ -8,12 +8,13 @@ import warnings
 import pytest
 import torch
 import transformers
+from test_hf import make_model
 
 import seqpar
+from seqpar.errors import SeqparError
 from seqpar.runtime import easycontext, hf
-from seqpar.schema import SeqparError
+
 from seqpar_testing import case_id, world_ids
-from test_hf import make_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -28,9 +29,9 @@ def easycontext_local(x, algo, rank, world):
         return x
     if algo == "zigzag_ring_attn":
         c = n // (2 * world)
-        return torch.cat([x[:, rank * c:(rank + 1) * c], x[:, (2 * world - 1 - rank) * c:(2 * world - rank) * c]], 1)
+        return torch.cat([x[:, rank * c : (rank + 1) * c], x[:, (2 * world - 1 - rank) * c : (2 * world - rank) * c]], 1)
     c = n // world
-    return x[:, rank * c:(rank + 1) * c]
+    return x[:, rank * c : (rank + 1) * c]
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=world_ids([2, 4]))
@@ -56,8 +57,13 @@ def test_prepare_seq_parallel_inputs_refuses_what_easycontext_would_drop():
 # ------------------------------------------------------------------ prepare_inputs
 
 
-PREPARE = [("zigzag_ring_attn", 4, None), ("dist_flash_attn", 2, None), ("ulysses_attn", 4, None), ("usp_attn", 4, 2),
-           ("data_parallel", 2, None)]
+PREPARE = [
+    ("zigzag_ring_attn", 4, None),
+    ("dist_flash_attn", 2, None),
+    ("ulysses_attn", 4, None),
+    ("usp_attn", 4, 2),
+    ("data_parallel", 2, None),
+]
 
 
 @pytest.mark.parametrize("mode,world,uly", PREPARE, ids=[case_id(*c) for c in PREPARE])
@@ -82,20 +88,46 @@ def test_prepare_inputs_keeps_given_labels_and_positions():
     assert got["position_ids"].tolist() == [[100, 101, 102, 103, 112, 113, 114, 115]]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(input_ids=torch.zeros(1, 30, dtype=torch.long), mode="zigzag_ring_attn", rank=0, world_size=4),
-     r"seq_len 30 .*zigzag_ring_attn.*nearest valid: 24 or 32"),
-    (dict(input_ids=torch.zeros(1, 30, dtype=torch.long), mode="usp_attn", rank=0, world_size=4, ulysses_degree=2),
-     r"nearest valid: 24 or 32"),
-    (dict(input_ids=torch.zeros(32, dtype=torch.long), mode="zigzag_ring_attn", rank=0, world_size=2),
-     r"input_ids \(32,\) must be a \(batch, seq_len\)"),
-    (dict(input_ids=torch.zeros(1, 32, dtype=torch.long), mode="ring", rank=0, world_size=2), r"mode 'ring' is unknown"),
-    (dict(input_ids=torch.zeros(1, 32, dtype=torch.long), mode="zigzag_ring_attn", rank=2, world_size=2),
-     r"rank 2 is outside 0..1"),
-    (dict(input_ids=torch.zeros(1, 8, dtype=torch.long), mode="zigzag_ring_attn", rank=0, world_size=2,
-          position_ids=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])), r"position_ids do not increase by 1 at index 4"),
-], ids=["zigzag_ring_attn-W4-seq30", "usp_attn-W4-U2-seq30", "1d_input_ids", "unknown_mode", "rank_outside_world",
-        "packed_positions"])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            dict(input_ids=torch.zeros(1, 30, dtype=torch.long), mode="zigzag_ring_attn", rank=0, world_size=4),
+            r"seq_len 30 .*zigzag_ring_attn.*nearest valid: 24 or 32",
+        ),
+        (
+            dict(input_ids=torch.zeros(1, 30, dtype=torch.long), mode="usp_attn", rank=0, world_size=4, ulysses_degree=2),
+            r"nearest valid: 24 or 32",
+        ),
+        (
+            dict(input_ids=torch.zeros(32, dtype=torch.long), mode="zigzag_ring_attn", rank=0, world_size=2),
+            r"input_ids \(32,\) must be a \(batch, seq_len\)",
+        ),
+        (dict(input_ids=torch.zeros(1, 32, dtype=torch.long), mode="ring", rank=0, world_size=2), r"mode 'ring' is unknown"),
+        (
+            dict(input_ids=torch.zeros(1, 32, dtype=torch.long), mode="zigzag_ring_attn", rank=2, world_size=2),
+            r"rank 2 is outside 0..1",
+        ),
+        (
+            dict(
+                input_ids=torch.zeros(1, 8, dtype=torch.long),
+                mode="zigzag_ring_attn",
+                rank=0,
+                world_size=2,
+                position_ids=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]),
+            ),
+            r"position_ids do not increase by 1 at index 4",
+        ),
+    ],
+    ids=[
+        "zigzag_ring_attn-W4-seq30",
+        "usp_attn-W4-U2-seq30",
+        "1d_input_ids",
+        "unknown_mode",
+        "rank_outside_world",
+        "packed_positions",
+    ],
+)
 def test_prepare_inputs_refusals(kwargs, match):
     with pytest.raises(SeqparError, match=match):
         seqpar.prepare_inputs(**kwargs)
@@ -119,8 +151,9 @@ def test_loss_paths_equal_transformers_loss_and_grads():
             hidden = model.model(input_ids=part["input_ids"]).last_hidden_state
             loss = seqpar.loss_from_hidden(hidden, model.lm_head.weight, part["labels"], chunk_size=7)
         else:
-            loss = seqpar.loss(model(input_ids=part["input_ids"]).logits, part["labels"],
-                               chunk_size=5 if how == "chunked" else None)
+            loss = seqpar.loss(
+                model(input_ids=part["input_ids"]).logits, part["labels"], chunk_size=5 if how == "chunked" else None
+            )
         loss.backward()
         torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-6)
         for n, p in model.named_parameters():
@@ -171,14 +204,24 @@ def test_apply_refuses_a_sliding_window_shorter_than_the_sequence():
     model = make_model("mistral")
     model.config.sliding_window = 8
     seqpar.apply(model, "data_parallel")
-    with pytest.raises(SeqparError, match=r"MistralForCausalLM \(mistral\): sliding window attention \(window 8 < "
-                                          r"sequence length 16\).*config.sliding_window = None"):
+    with pytest.raises(
+        SeqparError,
+        match=r"MistralForCausalLM \(mistral\): sliding window attention \(window 8 < "
+        r"sequence length 16\).*config.sliding_window = None",
+    ):
         model(input_ids=torch.zeros(1, 16, dtype=torch.long))
 
 
 def test_apply_refuses_soft_capping_and_models_outside_the_interface():
-    gemma = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    gemma = transformers.Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     with pytest.raises(SeqparError, match=r"Gemma2ForCausalLM \(gemma2\): attention logit soft-capping"):
         seqpar.apply(transformers.Gemma2ForCausalLM(gemma), "zigzag_ring_attn")
     bloom = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
@@ -238,9 +281,15 @@ def test_checkpointing_none_switches_the_models_own_off():
     assert _checkpointing(seqpar.apply(model, "data_parallel", checkpointing="none"))[0] is False
 
 
-@pytest.mark.parametrize("old,policy", [(dict(offload_checkpoints=True), "offload"), (dict(keep_attention=True), "selective"),
-                                        (dict(keep_attention=False, offload_checkpoints=False), None)],
-                         ids=["offload_checkpoints", "keep_attention", "both_false"])
+@pytest.mark.parametrize(
+    "old,policy",
+    [
+        (dict(offload_checkpoints=True), "offload"),
+        (dict(keep_attention=True), "selective"),
+        (dict(keep_attention=False, offload_checkpoints=False), None),
+    ],
+    ids=["offload_checkpoints", "keep_attention", "both_false"],
+)
 def test_deprecated_checkpointing_flags_warn_and_mean_the_policy(old, policy):
     with pytest.warns(DeprecationWarning, match=r"is deprecated; pass checkpointing="):
         model = seqpar.apply(make_model("llama"), "data_parallel", **old)
@@ -250,7 +299,10 @@ def test_deprecated_checkpointing_flags_warn_and_mean_the_policy(old, policy):
 def test_bad_checkpointing_is_one_clear_error():
     with pytest.raises(SeqparError, match=r"checkpointing 'sometimes' is unknown; use one of none, full, offload, selective"):
         seqpar.apply(make_model("llama"), "data_parallel", checkpointing="sometimes")
-    with pytest.warns(DeprecationWarning), pytest.raises(SeqparError, match=r"checkpointing='full' contradicts keep_attention=True"):
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(SeqparError, match=r"checkpointing='full' contradicts keep_attention=True"),
+    ):
         seqpar.apply(make_model("llama"), "data_parallel", checkpointing="full", keep_attention=True)
 
 
@@ -262,8 +314,14 @@ def test_pinned_budget_rounds_like_the_caching_host_allocator():
 
 
 def test_lazy_api_names_each_function_in_its_home_module():
-    names = {"apply", "prepare_inputs", "loss", "loss_from_hidden", "prepare_seq_parallel_inputs",
-             "apply_seq_parallel_monkey_patch"}
+    names = {
+        "apply",
+        "prepare_inputs",
+        "loss",
+        "loss_from_hidden",
+        "prepare_seq_parallel_inputs",
+        "apply_seq_parallel_monkey_patch",
+    }
     assert set(seqpar._RUNTIME_API) == names
     for name, module in seqpar._RUNTIME_API.items():
         fn = getattr(seqpar, name)

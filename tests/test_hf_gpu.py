@@ -26,9 +26,15 @@ warnings.filterwarnings("ignore")
 def llama(hidden=1024, layers=8, vocab=4096, heads=8, kv_heads=8):
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                      max_position_embeddings=65536)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=65536,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
 
@@ -43,8 +49,9 @@ def _step(model, ids):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     part = {k: v.cuda() for k, v in seqpar.prepare_inputs(ids, "data_parallel", 0, 1).items()}
-    loss = seqpar.loss(model(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False).logits,
-                       part["labels"])
+    loss = seqpar.loss(
+        model(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False).logits, part["labels"]
+    )
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()  # after the forward: what waits on the GPU for the backward
     loss.backward()
@@ -76,9 +83,11 @@ def test_offload_checkpointing_same_grads_less_gpu_memory():
     layer_inputs = 8 * 16384 * 1024 * 2  # layers x B*S*hidden x bf16 bytes kept by plain checkpointing
     noise = max(rel_err(grads_a2[n], g) for n, g in grads_a.items())
     worst_name, worst = max(((n, rel_err(grads_b[n], g)) for n, g in grads_a.items()), key=lambda x: x[1])
-    print(f"\nafter forward: checkpointed {held_a / 2**20:.0f} MiB, offloaded {held_b / 2**20:.0f} MiB; peak allocated: "
-          f"checkpointed {peak_a / 2**20:.0f} MiB, offloaded {peak_b / 2**20:.0f} MiB (layer inputs "
-          f"{layer_inputs / 2**20:.0f} MiB); grad rel. error {worst:.2e} ({worst_name}), plain-vs-plain {noise:.2e}")
+    print(
+        f"\nafter forward: checkpointed {held_a / 2**20:.0f} MiB, offloaded {held_b / 2**20:.0f} MiB; peak allocated: "
+        f"checkpointed {peak_a / 2**20:.0f} MiB, offloaded {peak_b / 2**20:.0f} MiB (layer inputs "
+        f"{layer_inputs / 2**20:.0f} MiB); grad rel. error {worst:.2e} ({worst_name}), plain-vs-plain {noise:.2e}"
+    )
     # the layer inputs wait in host memory, not on the GPU. Measured on one H200 (2026-12-02): 224 of the 256 MiB, i.e.
     # 7 of the 8 layers' inputs, leave the GPU; one layer-input-sized tensor stays (not yet traced: likely the
     # embedding output feeding layer 0). The peak falls by what is still held at the peak's moment (1545 -> 1441 MiB).
@@ -112,8 +121,13 @@ def test_loss_from_hidden_matches_and_stays_small():
             loss = seqpar.loss_from_hidden(hidden, weight, labels, chunk_size=4096)
         loss.backward()
         torch.cuda.synchronize()
-        results[name] = (loss.detach(), hidden.grad.clone(), weight.grad.clone(),
-                         torch.cuda.max_memory_allocated() - base, time.perf_counter() - t0)
+        results[name] = (
+            loss.detach(),
+            hidden.grad.clone(),
+            weight.grad.clone(),
+            torch.cuda.max_memory_allocated() - base,
+            time.perf_counter() - t0,
+        )
     (lf, hf_, wf, mf, tf), (lc, hc, wc, mc, tc) = results["full"], results["chunked"]
     print(f"\nfull logits: {mf / 2**20:.0f} MiB extra, {tf * 1e3:.1f} ms; chunked: {mc / 2**20:.0f} MiB, {tc * 1e3:.1f} ms")
     torch.testing.assert_close(lc, lf, rtol=1e-3, atol=1e-3)
@@ -138,8 +152,9 @@ def _ranks_bf16(rank: int, world_size: int, mode: str) -> dict:
     seqpar.apply(model, mode)
     model.train()
     part = {k: v.cuda() for k, v in seqpar.prepare_inputs(ids, mode, rank, world_size).items()}
-    loss = seqpar.loss(model(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False).logits,
-                       part["labels"])
+    loss = seqpar.loss(
+        model(input_ids=part["input_ids"], position_ids=part["position_ids"], use_cache=False).logits, part["labels"]
+    )
     loss.backward()
     errors = {}
     for n, p in model.named_parameters():
@@ -185,8 +200,15 @@ def test_fused_liger_and_tiled_mlp_match_plain_within_bf16_noise_and_peak_lower(
         return loss, grads, peak - start
 
     loss_ref, grads_ref, _ = run(torch.float32, False, False)
-    results = {name: run(torch.bfloat16, *flags) for name, flags in
-               {"plain": (False, False), "tiled": (False, True), "fused": (True, False), "fused_tiled": (True, True)}.items()}
+    results = {
+        name: run(torch.bfloat16, *flags)
+        for name, flags in {
+            "plain": (False, False),
+            "tiled": (False, True),
+            "fused": (True, False),
+            "fused_tiled": (True, True),
+        }.items()
+    }
     # (tiled before fused: Liger's RoPE stays on for CUDA tensors of the process once applied, seqpar.runtime.fused)
     errs = {name: max(rel_err(r[1][n], g) for n, g in grads_ref.items()) for name, r in results.items()}
     peaks = {name: r[2] / 2**20 for name, r in results.items()}

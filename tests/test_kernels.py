@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from seqpar_testing import tolerances
+from seqpar.errors import SeqparError
 from seqpar.runtime import kernels, local_attention
-from seqpar.schema import SeqparError
+
+from seqpar_testing import tolerances
 
 
 def reference(q, k, v, causal, scale):
@@ -78,7 +79,9 @@ def test_merge_of_key_blocks_equals_whole(dtype):
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for b in blocks:
-        bdq, bdk, bdv = kernels.attn_backward(dout, q, k[:, b], v[:, b], out, lse, causal=False, softmax_scale=scale, backend="exact")
+        bdq, bdk, bdv = kernels.attn_backward(
+            dout, q, k[:, b], v[:, b], out, lse, causal=False, softmax_scale=scale, backend="exact"
+        )
         dq += bdq
         dk[:, b], dv[:, b] = bdk, bdv
     torch.testing.assert_close(dq.double(), qd.grad, **tol)

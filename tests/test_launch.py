@@ -20,12 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_train import make_plan, read_metrics
 from typer.testing import CliRunner
 
 from seqpar.cli import app
-from seqpar.runtime.launch import LaunchOptions, build_job, check_machine, deepspeed_config, jobs_for
+from seqpar.jobspec import LaunchOptions, build_job, deepspeed_config, jobs_for
+from seqpar.runtime.launch import check_machine
 from seqpar.schema import ClusterSpec, LaunchPlan
-from test_train import make_plan, read_metrics
 
 runner = CliRunner()
 
@@ -52,12 +53,15 @@ def _one_error_line(r) -> str:
 # --------------------------------------------------------------------------------------------- refusals (exit 2, nothing written)
 
 
-@pytest.mark.parametrize("case, match", [
-    ("malformed", "is not valid JSON"),
-    ("missing_data", "does not exist"),
-    ("short_data", "shorter than one window"),
-    ("eight_gpus", "does not match this machine: the plan needs 8 x h100"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("malformed", "is not valid JSON"),
+        ("missing_data", "does not exist"),
+        ("short_data", "shorter than one window"),
+        ("eight_gpus", "does not match this machine: the plan needs 8 x h100"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case, match):
     plan = tmp_path / "plan.json"
     make_plan(2, "zigzag_ring_attn", 2).write(plan)
@@ -136,8 +140,10 @@ def test_staged_plan_makes_one_job_per_stage(tmp_path):
     from seqpar.schema import Stage
 
     base = make_plan(2, "zigzag_ring_attn", 2)
-    stages = [Stage(seq_len=32, rope_theta=1e4, steps=2, strategy=make_plan(2).strategy),
-              Stage(seq_len=64, rope_theta=1e5, steps=3, strategy=base.strategy)]
+    stages = [
+        Stage(seq_len=32, rope_theta=1e4, steps=2, strategy=make_plan(2).strategy),
+        Stage(seq_len=64, rope_theta=1e5, steps=3, strategy=base.strategy),
+    ]
     plan = LaunchPlan.model_validate({**base.model_dump(), "stages": [s.model_dump() for s in stages]})
     jobs = jobs_for(plan, tmp_path / "p.json", LaunchOptions(output=str(tmp_path / "o")))
     assert [sp.workload.seq_len for _, sp in jobs] == [32, 64]

@@ -6,6 +6,7 @@ import torch
 from seqpar.errors import SeqparError
 from seqpar.modes import MODES, split_multiple
 from seqpar.runtime.layout import shard, unshard
+
 from seqpar_testing import case_id
 
 SETUPS = [(m, w, None) for m in MODES if m != "usp_attn" for w in (1, 2, 3, 4)]
@@ -45,8 +46,14 @@ def test_placement():
         ("usp_attn", 16, 4, 3, "ulysses_degree dividing world_size 4, got 3"),
         ("ring_attn", 16, 4, None, "mode 'ring_attn' is unknown"),
     ],
-    ids=["zigzag_ring_attn-W4-seq100", "dist_flash_attn-W4-seq10", "ulysses_attn-W2-seq7", "usp_attn-W4-U2-seq20",
-         "usp_attn-W4-U3", "unknown_mode"],
+    ids=[
+        "zigzag_ring_attn-W4-seq100",
+        "dist_flash_attn-W4-seq10",
+        "ulysses_attn-W2-seq7",
+        "usp_attn-W4-U2-seq20",
+        "usp_attn-W4-U3",
+        "unknown_mode",
+    ],
 )
 def test_bad_lengths_raise_with_nearest_valid(mode, seq, w, u, match):
     with pytest.raises(SeqparError, match=match):

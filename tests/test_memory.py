@@ -10,8 +10,16 @@ from seqpar.profiles import get_model
 from seqpar.schema import ModelSpec, Strategy, Workload
 from seqpar.units import GIB
 
-TINY = ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=128, vocab_size=256)
+TINY = ModelSpec(
+    name="t",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=256,
+)
 C = load_coefficients()
 
 
@@ -24,15 +32,31 @@ def test_tiny_param_count_by_hand():
 PSI = 106816
 
 
-@pytest.mark.parametrize("sharding,optimizer,expected", [
-    # ZeRO paper (Rajbhandari et al. 2020): plain 16 Psi, ZeRO-2 2Psi + 14Psi/N, ZeRO-3 16Psi/N (+ two gathered layers)
-    ("ddp", "adamw", {"weights": 2 * PSI, "gradients": 2 * PSI, "optimizer_states": 12 * PSI}),
-    ("zero2", "adamw", {"weights": 2 * PSI, "gradients": 2 * PSI / 4, "optimizer_states": 12 * PSI / 4}),
-    ("zero3", "adamw", {"weights": 2 * PSI / 4, "gradients": 2 * PSI / 4, "optimizer_states": 12 * PSI / 4, "gathered_params": 2 * 36992 * 2}),
-    ("fsdp", "adamw-bf16", {"weights": 2 * PSI / 4, "gradients": 2 * PSI / 4, "optimizer_states": 4 * PSI / 4, "gathered_params": 2 * 36992 * 2}),
-    ("zero3_offload", "adamw", {"weights": 0, "gradients": 0, "optimizer_states": 0, "gathered_params": 2 * 36992 * 2}),
-    ("ddp", "none", {"weights": 2 * PSI, "gradients": 2 * PSI, "optimizer_states": 0}),
-])
+@pytest.mark.parametrize(
+    "sharding,optimizer,expected",
+    [
+        # ZeRO paper (Rajbhandari et al. 2020): plain 16 Psi, ZeRO-2 2Psi + 14Psi/N, ZeRO-3 16Psi/N (+ two gathered layers)
+        ("ddp", "adamw", {"weights": 2 * PSI, "gradients": 2 * PSI, "optimizer_states": 12 * PSI}),
+        ("zero2", "adamw", {"weights": 2 * PSI, "gradients": 2 * PSI / 4, "optimizer_states": 12 * PSI / 4}),
+        (
+            "zero3",
+            "adamw",
+            {
+                "weights": 2 * PSI / 4,
+                "gradients": 2 * PSI / 4,
+                "optimizer_states": 12 * PSI / 4,
+                "gathered_params": 2 * 36992 * 2,
+            },
+        ),
+        (
+            "fsdp",
+            "adamw-bf16",
+            {"weights": 2 * PSI / 4, "gradients": 2 * PSI / 4, "optimizer_states": 4 * PSI / 4, "gathered_params": 2 * 36992 * 2},
+        ),
+        ("zero3_offload", "adamw", {"weights": 0, "gradients": 0, "optimizer_states": 0, "gathered_params": 2 * 36992 * 2}),
+        ("ddp", "none", {"weights": 2 * PSI, "gradients": 2 * PSI, "optimizer_states": 0}),
+    ],
+)
 def test_model_states_per_zero_stage(sharding, optimizer, expected):
     assert model_states(TINY, sharding, optimizer, "bf16", 4) == pytest.approx(expected)
 
@@ -49,8 +73,13 @@ def test_saved_bytes_per_token_by_hand():
     assert saved_bytes_per_token(TINY, "bf16") == 1024 + 384 + 128 + 16 + 1024
     assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="full")) == 2 * 64
     # selective (LightSeq): the layer input + attention's output (a*d = 64 values, bf16) + its fp32 lse (4 heads)
-    assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="selective")) == 2 * 64 + 2 * 64 + 4 * 4
-    assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="selective"), residual=4) == 4 * 64 + 2 * 64 + 16
+    assert (
+        kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="selective")) == 2 * 64 + 2 * 64 + 4 * 4
+    )
+    assert (
+        kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="selective"), residual=4)
+        == 4 * 64 + 2 * 64 + 16
+    )
     # autocast over fp32 parameters: fp32 residual stream; each norm saves 4h + 4h + 4h + the bf16 cast 2h
     assert saved_bytes_per_token(TINY, "bf16", residual=4) == 2 * (4 + 8 + 2) * 64 + 384 + 128 + 16 + 1024
     assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="full"), residual=4) == 4 * 64
@@ -63,8 +92,11 @@ def test_llama7b_h200_64k_loss_phase_terms():
     With optimizer none seqpar.runtime keeps bf16 parameters (engine.compute_dtype: nothing to update, so no fp32
     master), so the peak is in the loss: bf16 weights, bf16 layer inputs, the fp32 logits' backward."""
     m, cl = get_model("llama-2-7b"), cluster_from_flags("h200", 1)
-    p = predict(Workload(model=m, seq_len=65536, optimizer="none"), cl,
-                Strategy(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="hf"))
+    p = predict(
+        Workload(model=m, seq_len=65536, optimizer="none"),
+        cl,
+        Strategy(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="hf"),
+    )
     b = p.memory_breakdown_gib
     assert p.peak_phase == "loss"
     assert b["checkpointed_activations"] == pytest.approx(32 * 65536 * 4096 * 2 / GIB)  # 16 GiB of bf16 layer inputs
@@ -99,15 +131,28 @@ def test_chunked_loss_is_smaller_than_hf():
     assert ch.peak_bytes < hf.peak_bytes - 100 * GIB  # 128K x 128K vocab in fp32 alone is > 60 GB
 
 
-MODES = [("data_parallel", 1, 1), ("zigzag_ring_attn", 8, 1), ("dist_flash_attn", 8, 1), ("ulysses_attn", 8, 1), ("usp_attn", 8, 4)]
+MODES = [
+    ("data_parallel", 1, 1),
+    ("zigzag_ring_attn", 8, 1),
+    ("dist_flash_attn", 8, 1),
+    ("ulysses_attn", 8, 1),
+    ("usp_attn", 8, 4),
+]
 
 
 @pytest.mark.parametrize("mode,sp,u", MODES)
 @pytest.mark.parametrize("ck", ["none", "full", "selective", "offload"])
 def test_memory_never_decreases_with_seq_len(mode, sp, u, ck):
     m, cl = get_model("llama-2-7b"), cluster_from_flags("a100", 8)
-    s = Strategy(mode=mode, sp_degree=sp, dp_degree=8 // sp, ulysses_degree=u if mode == "usp_attn" else 1,
-                 ring_degree=sp // u if mode == "usp_attn" else 1, checkpointing=ck, sharding="zero3")
+    s = Strategy(
+        mode=mode,
+        sp_degree=sp,
+        dp_degree=8 // sp,
+        ulysses_degree=u if mode == "usp_attn" else 1,
+        ring_degree=sp // u if mode == "usp_attn" else 1,
+        checkpointing=ck,
+        sharding="zero3",
+    )
     peaks = [estimate_memory(Workload(model=m, seq_len=n), cl, s, C).peak_bytes for n in (4096, 16384, 65536, 262144, 1048576)]
     assert peaks == sorted(peaks)
 
@@ -129,7 +174,9 @@ def test_more_sp_degree_never_raises_memory(mode, ck):
 
 def test_host_ram_for_offload():
     m, cl = get_model("llama-2-7b"), cluster_from_flags("a100", 8, host_ram_gib=64)
-    e = estimate_memory(Workload(model=m, seq_len=65536), cl, Strategy(mode="zigzag_ring_attn", sp_degree=8, sharding="zero3_offload"), C)
+    e = estimate_memory(
+        Workload(model=m, seq_len=65536), cl, Strategy(mode="zigzag_ring_attn", sp_degree=8, sharding="zero3_offload"), C
+    )
     # 8 CUDA processes, then bf16 params, fp32 grads and Adam on the host
     assert e.host_bytes == pytest.approx(8 * C.host_process_gib * GIB + m.num_params * (2 + 4 + 12))
     assert not e.fits and "host RAM" in e.reason
@@ -170,7 +217,10 @@ def test_selective_keeps_attention_output_and_lse_per_layer():
     (4096 bf16 output values + 32 fp32 lse) = 32 * 65536 * 8320 bytes = 16.25 GiB to the forward peak of full."""
     m, cl = get_model("llama-2-7b"), cluster_from_flags("h200", 1)
     w = Workload(model=m, seq_len=65536, optimizer="none")
-    full, sel = (estimate_memory(w, cl, Strategy(mode="data_parallel", checkpointing=ck, sharding="ddp"), C) for ck in ("full", "selective"))
+    full, sel = (
+        estimate_memory(w, cl, Strategy(mode="data_parallel", checkpointing=ck, sharding="ddp"), C)
+        for ck in ("full", "selective")
+    )
     extra = 32 * 65536 * (2 * 4096 + 4 * 32)
     assert extra == 16.25 * GIB
     assert sel.phases["forward"] - full.phases["forward"] == pytest.approx(extra)

@@ -60,8 +60,12 @@ def _requests(name: str, optimizer: str, dtype: str):
         w = Workload(model=get_model(model), seq_len=seq_len, dtype=dtype, optimizer=optimizer)
         for pins in PINS:
             try:
-                yield cluster, w, pins, AdviseRequest(model=w.model, seq_len=seq_len, cluster=cluster, dtype=dtype,
-                                                      optimizer=optimizer, **pins)
+                yield (
+                    cluster,
+                    w,
+                    pins,
+                    AdviseRequest(model=w.model, seq_len=seq_len, cluster=cluster, dtype=dtype, optimizer=optimizer, **pins),
+                )
             except ValidationError as e:
                 yield cluster, w, pins, e
 
@@ -72,8 +76,10 @@ def _requests(name: str, optimizer: str, dtype: str):
 def test_the_advisor_proposes_only_what_the_schema_accepts(name, optimizer, dtype):
     for cluster, w, pins, req in _requests(name, optimizer, dtype):
         if isinstance(req, ValidationError):  # refused up front only when the judge refuses every sharding, with its first line
-            probes = [Strategy.over("data_parallel", 1, cluster.world_size, sharding=sh, fused_ops=pins.get("fused_ops", "none"))
-                      for sh in get_args(Sharding)]
+            probes = [
+                Strategy.over("data_parallel", 1, cluster.world_size, sharding=sh, fused_ops=pins.get("fused_ops", "none"))
+                for sh in get_args(Sharding)
+            ]
             problems = [plan_problems(w, cluster, p) for p in probes]
             assert all(problems) and first_error(req) == problems[0][0], (name, pins, first_error(req))
             continue

@@ -31,8 +31,19 @@ class NVMLDouble:
 
     NVMLError = pynvml.NVMLError
 
-    def __init__(self, name, n, mem_mib, cc, nvlinks=0, pcie=(5, 16), level=lambda a, b: pynvml.NVML_TOPOLOGY_SINGLE, present=True):
-        self.name, self.n, self.mem_mib, self.cc, self.nvlinks, self.pcie, self.level, self.present = name, n, mem_mib, cc, nvlinks, pcie, level, present
+    def __init__(
+        self, name, n, mem_mib, cc, nvlinks=0, pcie=(5, 16), level=lambda a, b: pynvml.NVML_TOPOLOGY_SINGLE, present=True
+    ):
+        self.name, self.n, self.mem_mib, self.cc, self.nvlinks, self.pcie, self.level, self.present = (
+            name,
+            n,
+            mem_mib,
+            cc,
+            nvlinks,
+            pcie,
+            level,
+            present,
+        )
         self.calls = []
         for k in dir(pynvml):  # the real constants, so the probe reads the same numbers it would from pynvml
             if k.startswith("NVML_"):
@@ -100,8 +111,20 @@ MACHINES = [
     ("1x H200 (project machine)", lambda: NVMLDouble("NVIDIA H200", 1, 143771, (9, 0)), "h200", "pcie5", 0),
     ("2x H100 SXM, NVLink", lambda: NVMLDouble("NVIDIA H100 80GB HBM3", 2, 81559, (9, 0), nvlinks=18), "h100-sxm", "nvlink4", 18),
     ("2x L40S, PCIe switch", lambda: NVMLDouble("NVIDIA L40S", 2, 46068, (8, 9), pcie=(4, 16)), "l40s", "pcie4", 0),
-    ("8x A100 SXM, NVLink", lambda: NVMLDouble("NVIDIA A100-SXM4-80GB", 8, 81920, (8, 0), nvlinks=12, pcie=(4, 16)), "a100-80g-sxm", "nvlink3", 12),
-    ("8x H100 PCIe, no NVLink", lambda: NVMLDouble("NVIDIA H100 PCIe", 8, 81559, (9, 0), level=two_sockets), "h100-pcie", "pcie5", 0),
+    (
+        "8x A100 SXM, NVLink",
+        lambda: NVMLDouble("NVIDIA A100-SXM4-80GB", 8, 81920, (8, 0), nvlinks=12, pcie=(4, 16)),
+        "a100-80g-sxm",
+        "nvlink3",
+        12,
+    ),
+    (
+        "8x H100 PCIe, no NVLink",
+        lambda: NVMLDouble("NVIDIA H100 PCIe", 8, 81559, (9, 0), level=two_sockets),
+        "h100-pcie",
+        "pcie5",
+        0,
+    ),
 ]
 
 
@@ -190,7 +213,13 @@ def _ib_tree(root, ports):
     ],
 )
 def test_nodes_from_launcher_and_infiniband(tmp_path, env, nodes, node_rank, world, rank, launcher):
-    _ib_tree(tmp_path, [("mlx5_0", 1, "4: ACTIVE", "400 Gb/sec (4X NDR)", "InfiniBand"), ("mlx5_1", 1, "1: DOWN", "10 Gb/sec (4X SDR)", "InfiniBand")])
+    _ib_tree(
+        tmp_path,
+        [
+            ("mlx5_0", 1, "4: ACTIVE", "400 Gb/sec (4X NDR)", "InfiniBand"),
+            ("mlx5_1", 1, "1: DOWN", "10 Gb/sec (4X SDR)", "InfiniBand"),
+        ],
+    )
     res = probe(nvml=NVMLDouble("NVIDIA H100 80GB HBM3", 8, 81559, (9, 0), nvlinks=18), env=env, ib_root=tmp_path)
     assert (res.nodes, res.node_rank, res.world_size, res.rank, res.launcher) == (nodes, node_rank, world, rank, launcher)
     c = res.to_cluster()
@@ -199,7 +228,13 @@ def test_nodes_from_launcher_and_infiniband(tmp_path, env, nodes, node_rank, wor
 
 
 def test_infiniband_ports_parsing(tmp_path):
-    _ib_tree(tmp_path, [("mlx5_0", 1, "4: ACTIVE", "200 Gb/sec (4X HDR)", "InfiniBand"), ("mlx5_2", 1, "4: ACTIVE", "100 Gb/sec (4X EDR)", "Ethernet")])
+    _ib_tree(
+        tmp_path,
+        [
+            ("mlx5_0", 1, "4: ACTIVE", "200 Gb/sec (4X HDR)", "InfiniBand"),
+            ("mlx5_2", 1, "4: ACTIVE", "100 Gb/sec (4X EDR)", "Ethernet"),
+        ],
+    )
     ports = infiniband_ports(tmp_path)
     assert [(p.device, p.port, p.state, p.rate_gbps, p.link_layer) for p in ports] == [
         ("mlx5_0", 1, "ACTIVE", 200.0, "InfiniBand"),

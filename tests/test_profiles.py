@@ -11,15 +11,40 @@ from seqpar.advisor.cluster import cluster_from_flags, cpu_cluster, default_clus
 from seqpar.errors import SeqparError
 from seqpar.profiles import find_profile, get_gpu, get_link, get_model, list_gpus, list_links, list_models, match_nvml_name
 
-PROFILED_GPUS = {"a100-40g-sxm", "a100-80g-sxm", "a100-80g-pcie", "h100-sxm", "h100-pcie", "h200", "l40s", "l4", "a10g", "rtx-4090", "cpu"}
+PROFILED_GPUS = {
+    "a100-40g-sxm",
+    "a100-80g-sxm",
+    "a100-80g-pcie",
+    "h100-sxm",
+    "h100-pcie",
+    "h200",
+    "l40s",
+    "l4",
+    "a10g",
+    "rtx-4090",
+    "cpu",
+}
 PROFILED_LINKS = {"nvlink3", "nvlink4", "pcie4", "pcie5", "ib_hdr", "ib_ndr"}
 
 # Published parameter counts (model cards / the Hub's safetensors metadata), billions.
 PUBLISHED_PARAMS_B = {
-    "llama-2-7b": 6.74, "llama-2-13b": 13.02, "llama-2-70b": 68.98, "llama-3-8b": 8.03, "llama-3-70b": 70.55,
-    "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "llama-3.1-405b": 405.85, "llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21,
-    "mistral-7b": 7.24, "qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.62, "qwen2.5-14b": 14.77, "qwen2.5-72b": 72.71,
-    "qwen3-8b": 8.19, "danube2-1.8b": 1.83,
+    "llama-2-7b": 6.74,
+    "llama-2-13b": 13.02,
+    "llama-2-70b": 68.98,
+    "llama-3-8b": 8.03,
+    "llama-3-70b": 70.55,
+    "llama-3.1-8b": 8.03,
+    "llama-3.1-70b": 70.55,
+    "llama-3.1-405b": 405.85,
+    "llama-3.2-1b": 1.24,
+    "llama-3.2-3b": 3.21,
+    "mistral-7b": 7.24,
+    "qwen2.5-0.5b": 0.49,
+    "qwen2.5-7b": 7.62,
+    "qwen2.5-14b": 14.77,
+    "qwen2.5-72b": 72.71,
+    "qwen3-8b": 8.19,
+    "danube2-1.8b": 1.83,
 }
 
 
@@ -38,14 +63,30 @@ def test_model_parameter_counts_match_published(name):
 
 def test_tiny():
     t = get_model("tiny")
-    shape = (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.intermediate_size, t.vocab_size, t.architecture)
+    shape = (
+        t.num_layers,
+        t.hidden_size,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.head_dim,
+        t.intermediate_size,
+        t.vocab_size,
+        t.architecture,
+    )
     assert shape == (2, 64, 4, 2, 16, 128, 256, "llama")
 
 
 @pytest.mark.parametrize(
     "alias,name",
-    [("a100", "a100-80g-sxm"), ("A100", "a100-80g-sxm"), ("h100", "h100-sxm"), ("h200", "h200"), ("4090", "rtx-4090"),
-     ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("a100_40g", "a100-40g-sxm")],
+    [
+        ("a100", "a100-80g-sxm"),
+        ("A100", "a100-80g-sxm"),
+        ("h100", "h100-sxm"),
+        ("h200", "h200"),
+        ("4090", "rtx-4090"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("a100_40g", "a100-40g-sxm"),
+    ],
 )
 def test_gpu_aliases(alias, name):
     assert get_gpu(alias).name == name
@@ -59,7 +100,11 @@ def test_nvml_memory_figures():
 
 def test_model_aliases_and_hub_ids():
     assert get_model("meta-llama/Llama-2-7b-hf") == get_model("llama-2-7b") == get_model("Llama2-7B")
-    assert find_profile("h100").name == "h100-sxm" and find_profile("ib_ndr").kind == "ib_ndr" and find_profile("qwen3-8b").name == "qwen3-8b"
+    assert (
+        find_profile("h100").name == "h100-sxm"
+        and find_profile("ib_ndr").kind == "ib_ndr"
+        and find_profile("qwen3-8b").name == "qwen3-8b"
+    )
 
 
 @pytest.mark.parametrize(
@@ -90,10 +135,53 @@ def _write_hf_config(tmp_path, cls_name, **kw):
 @pytest.mark.parametrize(
     "cls_name,kw",
     [
-        ("LlamaConfig", dict(num_hidden_layers=3, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=160, vocab_size=500, rope_theta=5e5)),
-        ("MistralConfig", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, vocab_size=320)),
-        ("Qwen2Config", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=300, tie_word_embeddings=True)),
-        ("Qwen3Config", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128, vocab_size=300)),
+        (
+            "LlamaConfig",
+            dict(
+                num_hidden_layers=3,
+                hidden_size=96,
+                num_attention_heads=6,
+                num_key_value_heads=2,
+                intermediate_size=160,
+                vocab_size=500,
+                rope_theta=5e5,
+            ),
+        ),
+        (
+            "MistralConfig",
+            dict(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                intermediate_size=128,
+                vocab_size=320,
+            ),
+        ),
+        (
+            "Qwen2Config",
+            dict(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=128,
+                vocab_size=300,
+                tie_word_embeddings=True,
+            ),
+        ),
+        (
+            "Qwen3Config",
+            dict(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                intermediate_size=128,
+                vocab_size=300,
+            ),
+        ),
     ],
 )
 def test_local_config_json_matches_transformers(tmp_path, cls_name, kw):
@@ -101,16 +189,37 @@ def test_local_config_json_matches_transformers(tmp_path, cls_name, kw):
     for path in (tmp_path, tmp_path / "config.json"):
         m = get_model(str(path))
         assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size, m.vocab_size) == (
-            cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size)
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
-        assert (m.head_dim, m.architecture, m.tie_word_embeddings, m.rope_theta) == (head_dim, cfg.model_type, cfg.tie_word_embeddings, theta)
+        assert (m.head_dim, m.architecture, m.tie_word_embeddings, m.rope_theta) == (
+            head_dim,
+            cfg.model_type,
+            cfg.tie_word_embeddings,
+            theta,
+        )
         assert m.attention_bias == (cls_name == "Qwen2Config")
 
 
 def test_plain_json_config_without_head_dim(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256,
-                                                      "num_attention_heads": 8, "intermediate_size": 512, "vocab_size": 1000}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 4,
+                "hidden_size": 256,
+                "num_attention_heads": 8,
+                "intermediate_size": 512,
+                "vocab_size": 1000,
+            }
+        )
+    )
     m = get_model(str(tmp_path))
     assert (m.head_dim, m.num_key_value_heads, m.rope_theta) == (32, 8, 10000.0)
 
@@ -120,9 +229,14 @@ def test_plain_json_config_without_head_dim(tmp_path):
     [
         ("{not json", r"is not valid JSON"),
         ("[1, 2]", r"holds a list, not a config object"),
-        ('{"model_type": "llama", "hidden_size": 64}', r"lacks num_hidden_layers, num_attention_heads, intermediate_size, vocab_size"),
-        ('{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, "intermediate_size": 8, "vocab_size": 9}',
-         r"is invalid: num_attention_heads 4 is not divisible by num_key_value_heads 3"),
+        (
+            '{"model_type": "llama", "hidden_size": 64}',
+            r"lacks num_hidden_layers, num_attention_heads, intermediate_size, vocab_size",
+        ),
+        (
+            '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3, "intermediate_size": 8, "vocab_size": 9}',
+            r"is invalid: num_attention_heads 4 is not divisible by num_key_value_heads 3",
+        ),
     ],
 )
 def test_malformed_config(tmp_path, text, match):
@@ -138,7 +252,13 @@ def test_folder_without_config(tmp_path):
 
 def test_clusters():
     d = default_cluster()
-    assert (d.nodes, d.gpus_per_node, d.gpu.name, d.intra_node_link.kind, d.source) == (1, 8, "a100-80g-sxm", "nvlink3", "default")
+    assert (d.nodes, d.gpus_per_node, d.gpu.name, d.intra_node_link.kind, d.source) == (
+        1,
+        8,
+        "a100-80g-sxm",
+        "nvlink3",
+        "default",
+    )
     c = cluster_from_flags("h100", 8, 2)
     assert (c.world_size, c.intra_node_link.kind, c.inter_node_link.kind, c.host_ram_gib) == (16, "nvlink4", "ib_ndr", 2 * 8 * 80)
     assert cluster_from_flags("4090", 2).intra_node_link.kind == "pcie4"

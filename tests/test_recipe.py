@@ -21,8 +21,13 @@ runner = CliRunner()
 
 # train_scripts/EasyContext-1M-Llama-2-7B.sh: (seq_len, rope_theta, steps, mode) per stage.
 EASYCONTEXT_1M = [
-    (32768, 1e6, 1000), (65536, 5e6, 1000), (256000, 1e7, 500), (256000, 2.5e7, 500), (256000, 5e7, 150),
-    (512000, 1e8, 300), (512000, 2.5e8, 90),
+    (32768, 1e6, 1000),
+    (65536, 5e6, 1000),
+    (256000, 1e7, 500),
+    (256000, 2.5e7, 500),
+    (256000, 5e7, 150),
+    (512000, 1e8, 300),
+    (512000, 2.5e8, 90),
 ]
 
 
@@ -50,8 +55,26 @@ def test_unknown_recipe_is_exit_2(tmp_path):
 
 def test_launch_runs_stages_in_order_from_the_previous_weights(tmp_path):
     plan = tmp_path / "staged.json"
-    r = runner.invoke(app, ["advise", "--recipe", "smoke", "--model", "tiny", "--cluster", "cpu:2", "--policy", "rules",
-                            "--mode", "zigzag_ring_attn", "--sp-degree", "2", "-o", str(plan)])
+    r = runner.invoke(
+        app,
+        [
+            "advise",
+            "--recipe",
+            "smoke",
+            "--model",
+            "tiny",
+            "--cluster",
+            "cpu:2",
+            "--policy",
+            "rules",
+            "--mode",
+            "zigzag_ring_attn",
+            "--sp-degree",
+            "2",
+            "-o",
+            str(plan),
+        ],
+    )
     assert r.exit_code == 0, r.stderr
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan), "--output", str(out)]
@@ -68,8 +91,13 @@ def test_launch_runs_stages_in_order_from_the_previous_weights(tmp_path):
 
     staged = LaunchPlan.load(s1 / "plan.json")
     assert staged.workload.seq_len == 128
-    start = build_model(staged.workload.model, model_path=None, seed=staged.training.seed, rope_theta=1e5,
-                        init_from=str(s0 / "checkpoints" / "step-000003" / "model")).state_dict()
+    start = build_model(
+        staged.workload.model,
+        model_path=None,
+        seed=staged.training.seed,
+        rope_theta=1e5,
+        init_from=str(s0 / "checkpoints" / "step-000003" / "model"),
+    ).state_dict()
     fresh = build_model(staged.workload.model, model_path=None, seed=staged.training.seed, rope_theta=1e5).state_dict()
     name = "model.layers.0.self_attn.q_proj.weight"
     assert start[name].equal(final0[name]) and not fresh[name].equal(final0[name])

@@ -42,25 +42,81 @@ TABLE = [
     ("32K two nodes: DP first", 32 * K, lambda: h100(8, 2), "llama-2-7b", "data_parallel", 1, 1, DP),
     ("128K two nodes", 128 * K, lambda: h100(8, 2), "llama-2-7b", "ulysses_attn", 16, 1, NODES),
     ("1M two nodes GQA replicate", 1024 * K, lambda: h100(8, 2), "llama-3-8b", "ulysses_attn", 16, 1, NODES),
-    ("1M 16 nodes: heads < ranks -> usp", 1024 * K, lambda: h100(8, 16), "llama-3-8b", "usp_attn", 128, 8, NODES + [
-        "ulysses_attn invalid: ulysses_attn splits heads over 128 ranks but llama-3-8b has 32 query heads (32 % 128 != 0); "
-        "use usp_attn with a ulysses_degree dividing 32, or zigzag_ring_attn",
-        "next valid choice -> usp_attn"]),
-    ("qwen 14 heads on 16 -> usp 2x8", 1024 * K, lambda: h100(8, 2), "qwen2.5-0.5b", "usp_attn", 16, 2, NODES + [
-        "ulysses_attn invalid: ulysses_attn splits heads over 16 ranks but qwen2.5-0.5b has 14 query heads (14 % 16 != 0); "
-        "use usp_attn with a ulysses_degree dividing 14, or zigzag_ring_attn",
-        "next valid choice -> usp_attn"]),
-    ("zigzag needs 2*sp | S -> dist flash", 256 * K + 8, a100x8, "llama-2-7b", "dist_flash_attn", 8, 1, LONG + [
-        "zigzag_ring_attn invalid: seq_len 262152 is not divisible by 2*sp_degree = 16, which zigzag_ring_attn needs; "
-        "nearest valid: 262144 or 262160",
-        "next valid choice -> dist_flash_attn"]),
-    ("odd GPU count -> zigzag", 160 * K, lambda: h100(5), "llama-2-7b", "zigzag_ring_attn", 5, 1, MID + [
-        "dist_flash_attn invalid: dist_flash_attn pairs ranks in its balanced schedule and needs an even GPU count, not 5",
-        "next valid choice -> zigzag_ring_attn"]),
+    (
+        "1M 16 nodes: heads < ranks -> usp",
+        1024 * K,
+        lambda: h100(8, 16),
+        "llama-3-8b",
+        "usp_attn",
+        128,
+        8,
+        NODES
+        + [
+            "ulysses_attn invalid: ulysses_attn splits heads over 128 ranks but llama-3-8b has 32 query heads (32 % 128 != 0); "
+            "use usp_attn with a ulysses_degree dividing 32, or zigzag_ring_attn",
+            "next valid choice -> usp_attn",
+        ],
+    ),
+    (
+        "qwen 14 heads on 16 -> usp 2x8",
+        1024 * K,
+        lambda: h100(8, 2),
+        "qwen2.5-0.5b",
+        "usp_attn",
+        16,
+        2,
+        NODES
+        + [
+            "ulysses_attn invalid: ulysses_attn splits heads over 16 ranks but qwen2.5-0.5b has 14 query heads (14 % 16 != 0); "
+            "use usp_attn with a ulysses_degree dividing 14, or zigzag_ring_attn",
+            "next valid choice -> usp_attn",
+        ],
+    ),
+    (
+        "zigzag needs 2*sp | S -> dist flash",
+        256 * K + 8,
+        a100x8,
+        "llama-2-7b",
+        "dist_flash_attn",
+        8,
+        1,
+        LONG
+        + [
+            "zigzag_ring_attn invalid: seq_len 262152 is not divisible by 2*sp_degree = 16, which zigzag_ring_attn needs; "
+            "nearest valid: 262144 or 262160",
+            "next valid choice -> dist_flash_attn",
+        ],
+    ),
+    (
+        "odd GPU count -> zigzag",
+        160 * K,
+        lambda: h100(5),
+        "llama-2-7b",
+        "zigzag_ring_attn",
+        5,
+        1,
+        MID
+        + [
+            "dist_flash_attn invalid: dist_flash_attn pairs ranks in its balanced schedule and needs an even GPU count, not 5",
+            "next valid choice -> zigzag_ring_attn",
+        ],
+    ),
     ("96K on 6 GPUs", 96 * K, lambda: h100(6), "llama-2-7b", "dist_flash_attn", 6, 1, MID),
-    ("one GPU -> data parallel", 128 * K, lambda: cluster_from_flags("h200", 1), "llama-2-7b", "data_parallel", 1, 1, MID + [
-        f"{m} invalid: {m} needs at least 2 ranks to split a sequence over, the cluster has 1"
-        for m in ("dist_flash_attn", "zigzag_ring_attn", "ulysses_attn", "usp_attn")] + ["next valid choice -> data_parallel"]),
+    (
+        "one GPU -> data parallel",
+        128 * K,
+        lambda: cluster_from_flags("h200", 1),
+        "llama-2-7b",
+        "data_parallel",
+        1,
+        1,
+        MID
+        + [
+            f"{m} invalid: {m} needs at least 2 ranks to split a sequence over, the cluster has 1"
+            for m in ("dist_flash_attn", "zigzag_ring_attn", "ulysses_attn", "usp_attn")
+        ]
+        + ["next valid choice -> data_parallel"],
+    ),
     ("cpu:2 tiny", 256, lambda: cpu_cluster(2), "tiny", "data_parallel", 1, 1, DP),
     ("cpu:4 tiny 64K", 64 * K, lambda: cpu_cluster(4), "tiny", "dist_flash_attn", 4, 1, MID),
 ]
@@ -83,7 +139,11 @@ def test_tree(label, seq_len, make, model, mode, sp, u, path):
 @pytest.mark.parametrize(
     "seq_len,gpus,match",
     [
-        (128 * K, 6, r"seq_len 131072 cannot be split over 6 ranks by any mode: dist_flash_attn: seq_len 131072 is not divisible by sp_degree = 6"),
+        (
+            128 * K,
+            6,
+            r"seq_len 131072 cannot be split over 6 ranks by any mode: dist_flash_attn: seq_len 131072 is not divisible by sp_degree = 6",
+        ),
         (128 * K, 3, r"cannot be split over 3 ranks.*even GPU count, not 3.*nearest valid: 131070 or 131076"),
         (100001, 8, r"cannot be split over 8 ranks.*nearest valid: 100000 or 100008"),
     ],
@@ -94,7 +154,9 @@ def test_no_mode_can_split(seq_len, gpus, match):
 
 
 def _plan(seq_len=512 * K, cluster=None, model="llama-2-7b", **pins):
-    return advise_by_rules(AdviseRequest(model=get_model(model), seq_len=seq_len, cluster=cluster or a100x8(), policy="rules", **pins))
+    return advise_by_rules(
+        AdviseRequest(model=get_model(model), seq_len=seq_len, cluster=cluster or a100x8(), policy="rules", **pins)
+    )
 
 
 def test_pinned_mode_overrides_tree_and_keeps_its_path():
@@ -104,7 +166,9 @@ def test_pinned_mode_overrides_tree_and_keeps_its_path():
 
 
 def test_pinned_invalid_mode_is_an_error_not_a_fallback():
-    with pytest.raises(SeqparError, match=r"pinned --mode ulysses_attn: ulysses_attn splits heads over 8 ranks but qwen2.5-0.5b has 14"):
+    with pytest.raises(
+        SeqparError, match=r"pinned --mode ulysses_attn: ulysses_attn splits heads over 8 ranks but qwen2.5-0.5b has 14"
+    ):
         _plan(model="qwen2.5-0.5b", mode="ulysses_attn")
 
 
@@ -113,8 +177,10 @@ def test_pinned_degrees():
     assert (p.strategy.mode, p.strategy.sp_degree, p.strategy.dp_degree) == ("zigzag_ring_attn", 4, 2)
     p = _plan(32 * K, sp_degree=2)  # data parallel cannot take sp 2: the next choice of the tree
     assert (p.strategy.mode, p.strategy.sp_degree) == ("dist_flash_attn", 2)
-    assert p.rationale.rule_path[-2:] == ["data_parallel invalid: data_parallel keeps whole sequences, but sp_degree 2 is pinned",
-                                          "next valid choice -> dist_flash_attn"]
+    assert p.rationale.rule_path[-2:] == [
+        "data_parallel invalid: data_parallel keeps whole sequences, but sp_degree 2 is pinned",
+        "next valid choice -> dist_flash_attn",
+    ]
     p = _plan(ulysses_degree=4)
     assert (p.strategy.mode, p.strategy.ulysses_degree, p.strategy.ring_degree) == ("usp_attn", 4, 2)
     with pytest.raises(SeqparError, match="sp_degree 3 does not divide the 8 ranks"):
@@ -142,8 +208,15 @@ def test_launch_command():
     p = _plan(cluster=h100(8, 2))
     cmd = p.launch.command
     assert p.launch.launcher == "accelerate"
-    assert cmd[:7] == ["python", "-m", "accelerate.commands.launch", "--config_file", "runs/plan/accelerate.yaml", "-m",
-                       "seqpar.runtime.train"]
+    assert cmd[:7] == [
+        "python",
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "runs/plan/accelerate.yaml",
+        "-m",
+        "seqpar.runtime.train",
+    ]
     assert cmd[-2:] == ["--plan", "plan.json"]
     # FSDP: torchrun; each node fills in its rank and the rendezvous host
     p = _plan(cluster=h100(8, 2), sharding="fsdp")

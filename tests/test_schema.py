@@ -26,7 +26,16 @@ from seqpar.schema import (
 
 @pytest.mark.parametrize(
     "text,value",
-    [("131072", 131072), ("128k", 131072), ("512K", 524288), ("1M", 1048576), ("1m", 1048576), (" 64k ", 65536), ("1.5k", 1536), (4096, 4096)],
+    [
+        ("131072", 131072),
+        ("128k", 131072),
+        ("512K", 524288),
+        ("1M", 1048576),
+        ("1m", 1048576),
+        (" 64k ", 65536),
+        ("1.5k", 1536),
+        (4096, 4096),
+    ],
 )
 def test_parse_seq_len(text, value):
     assert parse_seq_len(text) == value
@@ -34,8 +43,15 @@ def test_parse_seq_len(text, value):
 
 @pytest.mark.parametrize(
     "text,match",
-    [("abc", "is not a number"), ("12kk", "is not a number"), ("0", "must be positive"), ("-5", "not a number"),
-     ("0.3k", "not a whole number"), ("", "not a number"), (0, "must be positive")],
+    [
+        ("abc", "is not a number"),
+        ("12kk", "is not a number"),
+        ("0", "must be positive"),
+        ("-5", "not a number"),
+        ("0.3k", "not a whole number"),
+        ("", "not a number"),
+        (0, "must be positive"),
+    ],
 )
 def test_parse_seq_len_bad(text, match):
     with pytest.raises(SeqparError, match=match):
@@ -49,7 +65,9 @@ def test_format_tokens(n, text):
         assert parse_seq_len(text) == n  # the two are inverses on whole K/M
 
 
-@pytest.mark.parametrize("value,mult,expected", [(100001, 16, (100000, 100016)), (96, 16, (96, 96)), (5, 16, (16, 16)), (262152, 16, (262144, 262160))])
+@pytest.mark.parametrize(
+    "value,mult,expected", [(100001, 16, (100000, 100016)), (96, 16, (96, 96)), (5, 16, (16, 16)), (262152, 16, (262144, 262160))]
+)
 def test_nearest_multiples(value, mult, expected):
     below, above = nearest_multiples(value, mult)
     assert (below, above) == expected and below % mult == 0 and above % mult == 0
@@ -58,8 +76,22 @@ def test_nearest_multiples(value, mult, expected):
 @pytest.mark.parametrize(
     "mode,seq_len,sp,u,r,match",
     [
-        ("zigzag_ring_attn", 100001, 8, 1, 1, r"seq_len 100001 is not divisible by 2\*sp_degree = 16, which zigzag_ring_attn needs; nearest valid: 100000 or 100016"),
-        ("dist_flash_attn", 1000, 16, 1, 1, r"not divisible by sp_degree = 16, which dist_flash_attn needs; nearest valid: 992 or 1008"),
+        (
+            "zigzag_ring_attn",
+            100001,
+            8,
+            1,
+            1,
+            r"seq_len 100001 is not divisible by 2\*sp_degree = 16, which zigzag_ring_attn needs; nearest valid: 100000 or 100016",
+        ),
+        (
+            "dist_flash_attn",
+            1000,
+            16,
+            1,
+            1,
+            r"not divisible by sp_degree = 16, which dist_flash_attn needs; nearest valid: 992 or 1008",
+        ),
         ("usp_attn", 1000, 8, 2, 4, r"2\*ring_degree\*ulysses_degree = 16"),
     ],
 )
@@ -80,7 +112,9 @@ def test_check_heads():
     with pytest.raises(SeqparError, match=r"splits heads over 4 ranks but qwen2.5-0.5b has 14 query heads \(14 % 4 != 0\)"):
         _heads("ulysses_attn", qwen, 4)
     with pytest.raises(SeqparError, match=r"can neither split nor replicate llama-2-70b's 16 KV heads"):
-        _heads("usp_attn", get_model("llama-2-70b").model_copy(update={"num_key_value_heads": 16, "num_attention_heads": 48}), 24, 12)
+        _heads(
+            "usp_attn", get_model("llama-2-70b").model_copy(update={"num_key_value_heads": 16, "num_attention_heads": 48}), 24, 12
+        )
 
 
 @pytest.mark.parametrize(
@@ -125,8 +159,12 @@ def test_plan_cross_field_rules():
     with pytest.raises(ValidationError, match=r"seq_len 100001 is not divisible by 2\*sp_degree = 16"):
         _plan(seq_len=100001)
     with pytest.raises(ValidationError, match=r"14 query heads"):
-        LaunchPlan(workload=Workload(model=get_model("qwen2.5-0.5b"), seq_len=65536), cluster=cluster_from_flags("h100", 4),
-                   strategy=Strategy(mode="ulysses_attn", sp_degree=4), rationale=Rationale(policy="rules"))
+        LaunchPlan(
+            workload=Workload(model=get_model("qwen2.5-0.5b"), seq_len=65536),
+            cluster=cluster_from_flags("h100", 4),
+            strategy=Strategy(mode="ulysses_attn", sp_degree=4),
+            rationale=Rationale(policy="rules"),
+        )
     assert _plan(sp_degree=4, dp_degree=2).strategy.world_size == 8
 
 
@@ -149,7 +187,10 @@ def _edit(tmp_path, fn):
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), rf"has schema_version {SCHEMA_VERSION + 1}, newer than this seqpar understands \({SCHEMA_VERSION}\); upgrade seqpar"),
+        (
+            lambda d: d.update(schema_version=SCHEMA_VERSION + 1),
+            rf"has schema_version {SCHEMA_VERSION + 1}, newer than this seqpar understands \({SCHEMA_VERSION}\); upgrade seqpar",
+        ),
         (lambda d: d.update(schema_version=0), r"schema_version: schema_version 0 is not a valid version"),
         (lambda d: d.update(colour="blue"), r"colour: unknown field \(not part of schema version 1\)"),
         (lambda d: d["strategy"].update(sp_degree=3), r"is invalid: .*sp_degree"),
@@ -196,5 +237,6 @@ def test_plan_refuses_what_the_runtime_cannot_run(workload, strategy, match):
     cl = cluster_from_flags("h200", 1)
     w = Workload(model=get_model("llama-2-7b"), seq_len=4096, **workload)
     with pytest.raises(ValidationError, match=match):
-        LaunchPlan(workload=w, cluster=cl, strategy=Strategy(mode="data_parallel", **strategy),
-                   rationale=Rationale(policy="pinned"))
+        LaunchPlan(
+            workload=w, cluster=cl, strategy=Strategy(mode="data_parallel", **strategy), rationale=Rationale(policy="pinned")
+        )

@@ -1,6 +1,5 @@
 """Search: the fastest fitting strategy, pins, the guide's choice and departures, max context, the OOM gate; no torch."""
 
-
 import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags, default_cluster
@@ -34,8 +33,16 @@ def test_cost_search_picks_fastest_fitting(seq_len, rules):
 
 
 def test_fully_pinned_predicts_exactly_that():
-    req = AdviseRequest(model=M7, seq_len=65536, cluster=cluster_from_flags("h200", 1), mode="data_parallel", checkpointing="full",
-                        sharding="ddp", optimizer="none", loss_impl="hf")
+    req = AdviseRequest(
+        model=M7,
+        seq_len=65536,
+        cluster=cluster_from_flags("h200", 1),
+        mode="data_parallel",
+        checkpointing="full",
+        sharding="ddp",
+        optimizer="none",
+        loss_impl="hf",
+    )
     plan = advise_by_cost(req)
     assert plan.rationale.policy == "pinned"
     assert plan.strategy == Strategy(mode="data_parallel", checkpointing="full", sharding="ddp", loss_impl="hf")
@@ -68,23 +75,50 @@ def test_max_seq_len_is_the_edge():
         w = AdviseRequest(model=M7, seq_len=n, cluster=cl).workload()
         assert estimate_memory(w, cl, s, C).fits
         w2 = w.model_copy(update={"seq_len": 2 * n})
-        valid, _ = enumerate_strategies(AdviseRequest(model=M7, seq_len=2 * n, cluster=cl, mode=mode, sharding="zero3",
-                                                      checkpointing="full", loss_impl="chunked"), w2)
+        valid, _ = enumerate_strategies(
+            AdviseRequest(
+                model=M7, seq_len=2 * n, cluster=cl, mode=mode, sharding="zero3", checkpointing="full", loss_impl="chunked"
+            ),
+            w2,
+        )
         assert not any(estimate_memory(w2, cl, v, C).fits for v in valid)
     assert res["zigzag_ring_attn"][0] > res["data_parallel"][0]
 
 
 def test_check_fits_and_fix():
-    ok = check(AdviseRequest(model=M7, seq_len=65536, cluster=cluster_from_flags("h200", 1), mode="data_parallel",
-                             checkpointing="full", sharding="ddp", optimizer="none", loss_impl="hf"))
+    ok = check(
+        AdviseRequest(
+            model=M7,
+            seq_len=65536,
+            cluster=cluster_from_flags("h200", 1),
+            mode="data_parallel",
+            checkpointing="full",
+            sharding="ddp",
+            optimizer="none",
+            loss_impl="hf",
+        )
+    )
     assert ok.fits and ok.exit_code == 0 and ok.biggest_terms[0][0] == "loss_fp32_logits"  # hf loss: (S, V) fp32 logits and grad
-    bad = check(AdviseRequest(model=M7, seq_len=196608, cluster=cluster_from_flags("h200", 1), mode="data_parallel",
-                              checkpointing="full", sharding="ddp", optimizer="none", loss_impl="hf"))
+    bad = check(
+        AdviseRequest(
+            model=M7,
+            seq_len=196608,
+            cluster=cluster_from_flags("h200", 1),
+            mode="data_parallel",
+            checkpointing="full",
+            sharding="ddp",
+            optimizer="none",
+            loss_impl="hf",
+        )
+    )
     assert not bad.fits and bad.exit_code == 1 and bad.fix and bad.fix_strategy is not None
     assert estimate_memory(bad.plan.workload, bad.plan.cluster, bad.fix_strategy, C).fits
     assert "-> fits" in bad.fix and bad.fix_strategy != bad.plan.strategy
     slower = check(bad.plan.model_copy(update={"strategy": bad.fix_strategy.model_copy(update={"checkpointing": "offload"})}))
-    assert slower.prediction.tokens_per_s <= check(bad.plan.model_copy(update={"strategy": bad.fix_strategy})).prediction.tokens_per_s
+    assert (
+        slower.prediction.tokens_per_s
+        <= check(bad.plan.model_copy(update={"strategy": bad.fix_strategy})).prediction.tokens_per_s
+    )
 
 
 def test_degree_pins_are_honoured():

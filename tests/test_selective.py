@@ -14,9 +14,9 @@ import warnings
 
 import pytest
 import torch
+from test_hf import _compare, _grads, available_modes, batch, make_model
 
 from seqpar_testing import run_ranks, world_ids
-from test_hf import _compare, _grads, available_modes, batch, make_model
 
 MICRO = 2  # accumulated micro-batches (the same batch twice: the gradient doubles)
 
@@ -76,7 +76,9 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
             counts[f"{mode}/{label}"] = calls["n"]
             if selective.pending():
                 failures.append(f"W={world_size} {mode}/{label}: {selective.pending()} kept entries left after backward")
-            _compare(failures, f"W={world_size} {mode}/{label}", loss.detach(), ref_loss, _group_grads(model, ref_grads), ref_grads)
+            _compare(
+                failures, f"W={world_size} {mode}/{label}", loss.detach(), ref_loss, _group_grads(model, ref_grads), ref_grads
+            )
     return {"failures": failures, "counts": counts}
 
 
@@ -97,8 +99,8 @@ def test_selective_is_exact_and_runs_attention_forward_once(world_size):
 
 
 def test_deprecated_keep_attention_and_offload_exclude_each_other():
-    from seqpar.errors import SeqparError
     import seqpar
+    from seqpar.errors import SeqparError
 
     with pytest.warns(DeprecationWarning), pytest.raises(SeqparError, match="exclude each other"):
         seqpar.apply(make_model("llama"), "data_parallel", keep_attention=True, offload_checkpoints=True)

@@ -9,10 +9,23 @@ from seqpar.flops import attention_fwd_flops, matmul_params, model_flops_per_seq
 from seqpar.profiles import get_model
 from seqpar.schema import LinkSpec, ModelSpec, Strategy, Workload
 
-TINY = ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=128, vocab_size=256)
-PLAIN = Coefficients(version="test", linear_time_factor=1.0, attn_time_factor=1.0, attn_block_tokens=0.0,
-                     kernel_tflops={"h200": {"matmul": 773, "cudnn": 570, "flash": 322}})
+TINY = ModelSpec(
+    name="t",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=256,
+)
+PLAIN = Coefficients(
+    version="test",
+    linear_time_factor=1.0,
+    attn_time_factor=1.0,
+    attn_block_tokens=0.0,
+    kernel_tflops={"h200": {"matmul": 773, "cudnn": 570, "flash": 322}},
+)
 
 
 def test_attention_flops_by_hand():
@@ -70,7 +83,10 @@ def test_selective_drops_the_rings_recompute_pass_only():
     w = Workload(model=m, seq_len=65536, optimizer="none")
 
     def comm(mode, ck):
-        return estimate_time(w, slow, Strategy(mode=mode, sp_degree=8, sharding="ddp", checkpointing=ck), PLAIN).breakdown_s["exposed_comm"]
+        return estimate_time(w, slow, Strategy(mode=mode, sp_degree=8, sharding="ddp", checkpointing=ck), PLAIN).breakdown_s[
+            "exposed_comm"
+        ]
+
     assert comm("zigzag_ring_attn", "selective") < comm("zigzag_ring_attn", "full")
     assert comm("dist_flash_attn", "selective") < comm("dist_flash_attn", "full")  # LightSeq's forward transfers, once
     assert comm("ulysses_attn", "selective") >= comm("ulysses_attn", "full")
@@ -107,7 +123,9 @@ def test_ulysses_all_to_all_volume_by_hand():
     bytes_ = 2 * 0.5 * 2048 * 2 * (2 * 4 * 16 + 2 * 2 * 16) * 2  # passes x (u-1)/u x t x bf16 x (q+o + k+v) x layers
     grad = 2 * 0.5 * TINY.num_params * 4 / (450e9 * c.comm_bandwidth_efficiency)  # ring all-reduce of fp32 grads (autocast)
     exposed = t.breakdown_s["exposed_comm"]
-    assert exposed == pytest.approx(bytes_ / (450e9 * c.comm_bandwidth_efficiency) + max(grad - 0.6 * t.breakdown_s["compute"], 0), rel=1e-9)
+    assert exposed == pytest.approx(
+        bytes_ / (450e9 * c.comm_bandwidth_efficiency) + max(grad - 0.6 * t.breakdown_s["compute"], 0), rel=1e-9
+    )
 
 
 def test_dist_flash_balanced():
@@ -141,4 +159,6 @@ def test_per_gpu_factors_scale_the_step_global_pair_otherwise():
     assert t.parts_s["elementwise"] == pytest.approx(elem) and t.parts_s["rest"] == pytest.approx(elem)
     assert t.step_time_s == pytest.approx(2.0 * lin + 3.0 * attn + elem, rel=1e-12)
     other = estimate_time(w, cluster_from_flags("h100-sxm", 1), s, c)
-    assert other.step_time_s == pytest.approx(other.parts_s["linear_ideal"] + other.parts_s["attn_ideal"] + other.parts_s["rest"], rel=1e-12)
+    assert other.step_time_s == pytest.approx(
+        other.parts_s["linear_ideal"] + other.parts_s["attn_ideal"] + other.parts_s["rest"], rel=1e-12
+    )

@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
+from seqpar.errors import SeqparError
 from seqpar.runtime.hf import apply
 from seqpar.runtime.tiled_mlp import tile_mlp, tile_tokens
-from seqpar.schema import SeqparError
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,8 +21,16 @@ def _llama(layers: int = 2, inter: int = 176):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, use_cache=False, attn_implementation="eager")
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        use_cache=False,
+        attn_implementation="eager",
+    )
     return LlamaForCausalLM(cfg).double()
 
 
@@ -113,9 +121,18 @@ def test_tiled_under_autocast_matches_untiled_and_keeps_fp32_grads():
 def test_mixture_of_experts_blocks_are_refused():
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    cfg = Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64, num_experts=4,
-                         num_experts_per_tok=2)
+    cfg = Qwen2MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     with pytest.raises(SeqparError, match="mixture-of-experts.*set tiled_mlp false"):
         tile_mlp(Qwen2MoeForCausalLM(cfg))
 
@@ -139,8 +156,12 @@ def test_plans_refuse_liger_off_cuda_and_tiling_under_zero3():
     from seqpar.schema import LaunchPlan, Rationale, Strategy, Workload
 
     def plan(**strategy):
-        return LaunchPlan(workload=Workload(model=get_model("tiny"), seq_len=64, dtype="fp32"), cluster=cpu_cluster(1),
-                          strategy=Strategy(mode="data_parallel", **strategy), rationale=Rationale(policy="pinned"))
+        return LaunchPlan(
+            workload=Workload(model=get_model("tiny"), seq_len=64, dtype="fp32"),
+            cluster=cpu_cluster(1),
+            strategy=Strategy(mode="data_parallel", **strategy),
+            rationale=Rationale(policy="pinned"),
+        )
 
     assert plan(tiled_mlp=True).strategy.tiled_mlp
     with pytest.raises(ValidationError, match="fused_ops liger runs Triton kernels on CUDA GPUs.*accelerator is cpu"):
@@ -245,8 +266,7 @@ def test_liger_patch_stays_on_the_instance_and_on_cuda(monkeypatch):
         calls.append(q.device.type)
         return plain_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
-    def apply_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
-                       model=None):
+    def apply_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=None):
         modeling_llama.apply_rotary_pos_emb = fake_rope
         modeling_llama.LlamaRMSNorm = type("FakeLigerRMSNorm", (plain_norm,), {})
         norm = model.model.norm
@@ -255,7 +275,9 @@ def test_liger_patch_stays_on_the_instance_and_on_cuda(monkeypatch):
     def apply_to_instance(model, **kwargs):
         apply_to_llama(model=model, **kwargs)
 
-    pkg, tr, mp = (types.ModuleType(n) for n in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.monkey_patch"))
+    pkg, tr, mp = (
+        types.ModuleType(n) for n in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.monkey_patch")
+    )
     tr._apply_liger_kernel_to_instance, mp.MODEL_TYPE_TO_APPLY_LIGER_FN = apply_to_instance, {"llama": apply_to_llama}
     for name, mod in (("liger_kernel", pkg), ("liger_kernel.transformers", tr), ("liger_kernel.transformers.monkey_patch", mp)):
         monkeypatch.setitem(sys.modules, name, mod)

@@ -24,14 +24,35 @@ from seqpar.schema import LaunchPlan, Rationale, Strategy, TrainingSpec, Workloa
 SEQ = 64  # divisible by 2 * 4 (zigzag and usp on 4 ranks)
 
 
-def make_plan(world: int, mode: str = "data_parallel", sp: int = 1, *, ulysses: int = 1, ga: int = 1, mbs: int = 1, sharding: str = "ddp",
-              checkpointing: str = "none", loss_impl: str = "hf", steps: int = 20, seq_len: int = SEQ,
-              checkpoint_every: int = 0, lr: float = 1e-2, tiled_mlp: bool = False) -> LaunchPlan:
+def make_plan(
+    world: int,
+    mode: str = "data_parallel",
+    sp: int = 1,
+    *,
+    ulysses: int = 1,
+    ga: int = 1,
+    mbs: int = 1,
+    sharding: str = "ddp",
+    checkpointing: str = "none",
+    loss_impl: str = "hf",
+    steps: int = 20,
+    seq_len: int = SEQ,
+    checkpoint_every: int = 0,
+    lr: float = 1e-2,
+    tiled_mlp: bool = False,
+) -> LaunchPlan:
     """A pinned plan for the tiny model on ``world`` gloo CPU ranks (fp32, AdamW, warmup then constant LR)."""
     strategy = Strategy(
-        mode=mode, sp_degree=sp, dp_degree=world // sp, gradient_accumulation_steps=ga, sharding=sharding,
-        checkpointing=checkpointing, loss_impl=loss_impl, tiled_mlp=tiled_mlp,
-        ulysses_degree=ulysses if mode == "usp_attn" else 1, ring_degree=sp // ulysses if mode == "usp_attn" else 1,
+        mode=mode,
+        sp_degree=sp,
+        dp_degree=world // sp,
+        gradient_accumulation_steps=ga,
+        sharding=sharding,
+        checkpointing=checkpointing,
+        loss_impl=loss_impl,
+        tiled_mlp=tiled_mlp,
+        ulysses_degree=ulysses if mode == "usp_attn" else 1,
+        ring_degree=sp // ulysses if mode == "usp_attn" else 1,
     )
     return LaunchPlan(
         workload=Workload(model=get_model("tiny"), seq_len=seq_len, micro_batch_size=mbs, dtype="fp32"),
@@ -128,11 +149,18 @@ def test_tiled_mlp_matches_data_parallel_in_every_checkpointing(tmp_path):
     cases = [("ref", make_plan(w, seq_len=seq))]
     cases += [
         ("tiled_dp", make_plan(w, seq_len=seq, tiled_mlp=True)),
-        ("tiled_zigzag_selective", make_plan(w, "zigzag_ring_attn", w, mbs=w, seq_len=seq, checkpointing="selective", tiled_mlp=True)),
-        ("tiled_dist_flash_offload_fsdp", make_plan(w, "dist_flash_attn", w, ga=w, seq_len=seq, checkpointing="offload",
-                                                    sharding="fsdp", tiled_mlp=True)),
-        ("tiled_ulysses_full_chunked", make_plan(w, "ulysses_attn", w, mbs=w, seq_len=seq, checkpointing="full",
-                                                 loss_impl="chunked", tiled_mlp=True)),
+        (
+            "tiled_zigzag_selective",
+            make_plan(w, "zigzag_ring_attn", w, mbs=w, seq_len=seq, checkpointing="selective", tiled_mlp=True),
+        ),
+        (
+            "tiled_dist_flash_offload_fsdp",
+            make_plan(w, "dist_flash_attn", w, ga=w, seq_len=seq, checkpointing="offload", sharding="fsdp", tiled_mlp=True),
+        ),
+        (
+            "tiled_ulysses_full_chunked",
+            make_plan(w, "ulysses_attn", w, mbs=w, seq_len=seq, checkpointing="full", loss_impl="chunked", tiled_mlp=True),
+        ),
     ]
     data = learnable_tokens(tmp_path / "tokens.npy")
     results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]
@@ -158,17 +186,20 @@ def test_token_files_pack_into_windows(tmp_path):
     assert not np.array_equal(syn.window(5), syn.window(6))
 
 
-@pytest.mark.parametrize("kind, match", [
-    ("missing", "does not exist"),
-    ("short", "shorter than one window of seq_len \\+ 1 = 65"),
-    ("vocab", "outside the model's vocabulary of 256"),
-    ("text", "needs a tokenizer"),
-    ("datasets", "needs the datasets package|save_to_disk"),
-    ("suffix", "unknown type"),
-])
+@pytest.mark.parametrize(
+    "kind, match",
+    [
+        ("missing", "does not exist"),
+        ("short", "shorter than one window of seq_len \\+ 1 = 65"),
+        ("vocab", "outside the model's vocabulary of 256"),
+        ("text", "needs a tokenizer"),
+        ("datasets", "needs the datasets package|save_to_disk"),
+        ("suffix", "unknown type"),
+    ],
+)
 def test_bad_data_is_one_clear_error(tmp_path, kind, match):
+    from seqpar.errors import SeqparError
     from seqpar.runtime.data import open_data
-    from seqpar.schema import SeqparError
 
     p = tmp_path / "d"
     if kind == "short":

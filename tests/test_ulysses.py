@@ -8,9 +8,9 @@ lengths raise the same one-line error on every rank, before any all-to-all.
 """
 
 import torch
+from test_dist_flash import check_cases, gather_by_size, n_cases, on_subgroups
 
 from seqpar_testing import error_messages, run_ranks
-from test_dist_flash import check_cases, gather_by_size, n_cases, on_subgroups
 
 HEADS = {1: [(8, 8), (8, 2)], 2: [(8, 8), (8, 2)], 3: [(6, 6), (6, 3)], 4: [(8, 8), (8, 2)]}
 CHUNKS = (3, 5)
@@ -20,12 +20,14 @@ def _mode_cases(rank, W, group):
     from seqpar.runtime import attention, shard
 
     z = torch.zeros
-    msgs = error_messages([  # all local checks: raised before any transfer
-        lambda: shard(z(1, W * 3 + 1, 8, 4), "ulysses_attn", rank, W),
-        lambda: attention(z(1, 3, 8, 4), z(1, 3, 8, 4), z(1, 3, 8, 4), "ulysses_attn", group=group),  # 8 heads over W
-        lambda: attention(z(1, 3, 12, 4), z(1, 3, 3, 4), z(1, 3, 3, 4), "ulysses_attn", group=group),  # 3 KV heads
-        lambda: attention(z(1, 4, 8, 4), z(1, 6, 2, 4), z(1, 6, 2, 4), "ulysses_attn", group=group),
-    ])
+    msgs = error_messages(
+        [  # all local checks: raised before any transfer
+            lambda: shard(z(1, W * 3 + 1, 8, 4), "ulysses_attn", rank, W),
+            lambda: attention(z(1, 3, 8, 4), z(1, 3, 8, 4), z(1, 3, 8, 4), "ulysses_attn", group=group),  # 8 heads over W
+            lambda: attention(z(1, 3, 12, 4), z(1, 3, 3, 4), z(1, 3, 3, 4), "ulysses_attn", group=group),  # 3 KV heads
+            lambda: attention(z(1, 4, 8, 4), z(1, 6, 2, 4), z(1, 6, 2, 4), "ulysses_attn", group=group),
+        ]
+    )
     return check_cases(rank, W, "ulysses_attn", HEADS[W], CHUNKS, group=group), msgs
 
 

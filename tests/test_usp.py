@@ -11,9 +11,9 @@ where that would hang, and create_subgroups, its fix.
 """
 
 import torch
+from test_dist_flash import check_cases, gather_by_size, n_cases, on_subgroups
 
 from seqpar_testing import error_messages, run_ranks
-from test_dist_flash import check_cases, gather_by_size, n_cases, on_subgroups
 
 MHA_GQA = [(8, 8), (8, 2)]
 PLAN = {  # W -> [(ulysses_degree, heads, local chunk lengths)]
@@ -30,14 +30,16 @@ def _mode_cases(rank, W, group):
     z = torch.zeros
     U = 2 if W % 2 == 0 else 1
     kw = dict(group=group)
-    msgs = error_messages([  # all local checks: raised before any transfer
-        lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn", **kw),  # no ulysses_degree
-        lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn", ulysses_degree=W + 1, **kw),
-        lambda: shard(z(1, 2 * W + 1, 8, 4), "usp_attn", rank, W, ulysses_degree=U),
-        lambda: attention(z(1, 3, 8, 4), z(1, 3, 8, 4), z(1, 3, 8, 4), "usp_attn", ulysses_degree=U, **kw),  # S = 3W
-        lambda: attention(z(1, 2, 6, 4), z(1, 2, 6, 4), z(1, 2, 6, 4), "usp_attn", ulysses_degree=W, **kw),  # 6 heads / W
-        lambda: attention(z(1, 2, 12, 4), z(1, 2, 3, 4), z(1, 2, 3, 4), "usp_attn", ulysses_degree=U, **kw),
-    ])
+    msgs = error_messages(
+        [  # all local checks: raised before any transfer
+            lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn", **kw),  # no ulysses_degree
+            lambda: attention(z(1, 2, 8, 4), z(1, 2, 8, 4), z(1, 2, 8, 4), "usp_attn", ulysses_degree=W + 1, **kw),
+            lambda: shard(z(1, 2 * W + 1, 8, 4), "usp_attn", rank, W, ulysses_degree=U),
+            lambda: attention(z(1, 3, 8, 4), z(1, 3, 8, 4), z(1, 3, 8, 4), "usp_attn", ulysses_degree=U, **kw),  # S = 3W
+            lambda: attention(z(1, 2, 6, 4), z(1, 2, 6, 4), z(1, 2, 6, 4), "usp_attn", ulysses_degree=W, **kw),  # 6 heads / W
+            lambda: attention(z(1, 2, 12, 4), z(1, 2, 3, 4), z(1, 2, 3, 4), "usp_attn", ulysses_degree=U, **kw),
+        ]
+    )
     cases = []
     for u, heads, chunks in PLAN[W]:
         cases += check_cases(rank, W, "usp_attn", heads, chunks, ulysses_degree=u, group=group)

@@ -9,8 +9,8 @@ The communication layer (ring p2p, all-to-all forward and backward) is checked i
 import pytest
 import torch
 
-from seqpar_testing import error_messages, run_ranks, tolerances, world_ids
 from reference import reference
+from seqpar_testing import error_messages, run_ranks, tolerances, world_ids
 
 
 def _check_comm(rank, W):
@@ -42,12 +42,14 @@ def _errors(rank, W):
     """Messages of the invalid-input errors on this rank (each must be raised before any transfer)."""
     from seqpar.runtime import attention, shard
 
-    return error_messages([
-        lambda: shard(torch.zeros(1, 2 * W * 3 + 1, 8, 4), "zigzag_ring_attn", rank, W),
-        lambda: attention(torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), "zigzag_ring_attn"),
-        lambda: attention(torch.zeros(1, 4, 6, 4), torch.zeros(1, 4, 4, 4), torch.zeros(1, 4, 4, 4), "zigzag_ring_attn"),
-        lambda: attention(torch.zeros(1, 4, 8, 4), torch.zeros(1, 6, 2, 4), torch.zeros(1, 6, 2, 4), "zigzag_ring_attn"),
-    ])
+    return error_messages(
+        [
+            lambda: shard(torch.zeros(1, 2 * W * 3 + 1, 8, 4), "zigzag_ring_attn", rank, W),
+            lambda: attention(torch.zeros(1, 3, 8, 4), torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), "zigzag_ring_attn"),
+            lambda: attention(torch.zeros(1, 4, 6, 4), torch.zeros(1, 4, 4, 4), torch.zeros(1, 4, 4, 4), "zigzag_ring_attn"),
+            lambda: attention(torch.zeros(1, 4, 8, 4), torch.zeros(1, 6, 2, 4), torch.zeros(1, 6, 2, 4), "zigzag_ring_attn"),
+        ]
+    )
 
 
 def _cases(rank, W):
@@ -74,7 +76,12 @@ def _cases(rank, W):
                         for name, a, r, dim in zip(("out", "lse", "dq", "dk", "dv"), mine, ref, (1, 2, 1, 1, 1)):
                             expected = shard(r, mode, rank, W, dim=dim)
                             assert a.shape == expected.shape, (name, a.shape, expected.shape)
-                            torch.testing.assert_close(a.double(), expected, **tol, msg=lambda m: f"{mode} {name} {hq}/{hkv} {dtype} S={S} causal={causal}: {m}")
+                            torch.testing.assert_close(
+                                a.double(),
+                                expected,
+                                **tol,
+                                msg=lambda m: f"{mode} {name} {hq}/{hkv} {dtype} S={S} causal={causal}: {m}",
+                            )
                         assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
                         results.append((mode, hq, hkv, str(dtype), S, causal))
     return results

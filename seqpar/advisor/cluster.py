@@ -117,4 +117,7 @@ def resolve_cluster(
     if c is not None:
         return c, f"probed: {c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name}, {c.intra_node_link.kind} inside the node"
     d = default_cluster()
-    return d, f"default: 8x A100-80G SXM, NVLink3, one node (EasyContext's published hardware); probe: {why}; declare yours with --gpu/--gpus/--nodes"
+    return (
+        d,
+        f"default: 8x A100-80G SXM, NVLink3, one node (EasyContext's published hardware); probe: {why}; declare yours with --gpu/--gpus/--nodes",
+    )

@@ -49,13 +49,26 @@ class Coefficients:
     fitted: tuple[str, ...] = ()
 
     _VALUE_FIELDS = (
-        "linear_time_factor", "attn_time_factor", "attn_block_tokens", "matmul_width_h0", "ring_overlap", "grad_comm_overlap",
-        "comm_bandwidth_efficiency", "offload_bandwidth_gb_s", "cpu_adam_gparams_per_s", "allocator_reserve_fraction",
-        "allocator_reserve_gib", "cuda_context_gib", "nccl_buffer_gib_per_group", "headroom_gib", "loss_chunk_tokens",
-        "host_ram_usable_fraction", "host_process_gib",
+        "linear_time_factor",
+        "attn_time_factor",
+        "attn_block_tokens",
+        "matmul_width_h0",
+        "ring_overlap",
+        "grad_comm_overlap",
+        "comm_bandwidth_efficiency",
+        "offload_bandwidth_gb_s",
+        "cpu_adam_gparams_per_s",
+        "allocator_reserve_fraction",
+        "allocator_reserve_gib",
+        "cuda_context_gib",
+        "nccl_buffer_gib_per_group",
+        "headroom_gib",
+        "loss_chunk_tokens",
+        "host_ram_usable_fraction",
+        "host_process_gib",
     )
 
-    def with_values(self, **values: float) -> "Coefficients":
+    def with_values(self, **values: float) -> Coefficients:
         return replace(self, **values)
 
     def values(self) -> dict[str, float]:

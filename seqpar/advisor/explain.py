@@ -13,9 +13,9 @@ from typing import Optional
 from rich.console import RenderableType
 from rich.table import Table
 
-from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.gate import CheckResult
+from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.search import describe
 from seqpar.modes import MODES, split_multiple
 from seqpar.schema import LaunchPlan, Strategy, format_tokens
@@ -55,7 +55,12 @@ def explain_tables(plan: LaunchPlan, coeffs: Optional[Coefficients] = None) -> l
         at = _table("Alternatives and why each lost", "strategy", "tokens/s", "peak GiB", "why")
         for a in alts:
             ap = a.prediction
-            at.add_row(describe(a.strategy), f"{ap.tokens_per_s:,.0f}" if ap else "-", f"{ap.peak_memory_gib:.1f}" if ap else "-", a.rejected_because)
+            at.add_row(
+                describe(a.strategy),
+                f"{ap.tokens_per_s:,.0f}" if ap else "-",
+                f"{ap.peak_memory_gib:.1f}" if ap else "-",
+                a.rejected_because,
+            )
         out.append(at)
     return out
 
@@ -63,10 +68,12 @@ def explain_tables(plan: LaunchPlan, coeffs: Optional[Coefficients] = None) -> l
 def check_lines(res: CheckResult) -> list[str]:
     p = res.prediction
     head = "fits" if res.fits else "RISKS OOM"
-    lines = [f"{head}: {describe(res.plan.strategy) if res.plan else ''}",
-             f"predicted peak {p.peak_memory_gib:.1f} GiB allocated, {p.reserved_memory_gib:.1f} GiB reserved, capacity {p.capacity_gib:.1f} GiB"
-             + (f", host {p.host_memory_gib:.0f} GiB" if p.host_memory_gib else ""),
-             "biggest terms (" + (p.peak_phase or "peak") + "): " + ", ".join(f"{k} {v:.1f} GiB" for k, v in res.biggest_terms)]
+    lines = [
+        f"{head}: {describe(res.plan.strategy) if res.plan else ''}",
+        f"predicted peak {p.peak_memory_gib:.1f} GiB allocated, {p.reserved_memory_gib:.1f} GiB reserved, capacity {p.capacity_gib:.1f} GiB"
+        + (f", host {p.host_memory_gib:.0f} GiB" if p.host_memory_gib else ""),
+        "biggest terms (" + (p.peak_phase or "peak") + "): " + ", ".join(f"{k} {v:.1f} GiB" for k, v in res.biggest_terms),
+    ]
     if not res.fits:
         lines += [f"why: {res.reason}", f"cheapest fix: {res.fix}"]
     else:
@@ -102,7 +109,9 @@ def plot_memory(plan: LaunchPlan, path: str | Path, coeffs: Optional[Coefficient
             u = next((u for u in range(world // 2, 1, -1) if world % u == 0 and world // u >= 2), None)
             if u is None:
                 continue
-            st = s.model_copy(update={"mode": mode, "sp_degree": world, "dp_degree": 1, "ulysses_degree": u, "ring_degree": world // u})
+            st = s.model_copy(
+                update={"mode": mode, "sp_degree": world, "dp_degree": 1, "ulysses_degree": u, "ring_degree": world // u}
+            )
         else:
             st = s.model_copy(update={"mode": mode, "sp_degree": world, "dp_degree": 1, "ulysses_degree": 1, "ring_degree": 1})
         st = Strategy.model_validate(st.model_dump())
@@ -119,8 +128,11 @@ def plot_memory(plan: LaunchPlan, path: str | Path, coeffs: Optional[Coefficient
     ax.set_xscale("log", base=2)
     ax.set_xlabel("seq_len (tokens)")
     ax.set_ylabel("predicted peak allocated per GPU (GiB)")
-    ax.set_title(f"{w.model.name}, {world}x {cl.gpu.name}, ckpt={s.checkpointing}, {s.sharding}, loss={s.loss_impl}"
-                 + (", tiled MLP" if s.tiled_mlp else "") + (f", {s.fused_ops} kernels" if s.fused_ops != "none" else ""))
+    ax.set_title(
+        f"{w.model.name}, {world}x {cl.gpu.name}, ckpt={s.checkpointing}, {s.sharding}, loss={s.loss_impl}"
+        + (", tiled MLP" if s.tiled_mlp else "")
+        + (f", {s.fused_ops} kernels" if s.fused_ops != "none" else "")
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     out = Path(path)

@@ -74,9 +74,16 @@ def _row(d: dict, source: str) -> Measurement:
     sp, u = num("sp_degree", int) or 1, num("ulysses_degree", int) or 1
     world = num("gpus_per_node", int) * (num("nodes", int) or 1)
     mode = d["mode"]
-    strategy = Strategy.over(mode, sp, world, u, checkpointing=d["checkpointing"], sharding=d["sharding"], loss_impl=d["loss_impl"])
-    workload = Workload(model=get_model(d["model"]), seq_len=num("seq_len", int), micro_batch_size=num("micro_batch_size", int) or 1,
-                        dtype=d.get("dtype") or "bf16", optimizer=d["optimizer"])
+    strategy = Strategy.over(
+        mode, sp, world, u, checkpointing=d["checkpointing"], sharding=d["sharding"], loss_impl=d["loss_impl"]
+    )
+    workload = Workload(
+        model=get_model(d["model"]),
+        seq_len=num("seq_len", int),
+        micro_batch_size=num("micro_batch_size", int) or 1,
+        dtype=d.get("dtype") or "bf16",
+        optimizer=d["optimizer"],
+    )
     cluster = cluster_from_flags(d["gpu"], num("gpus_per_node", int), num("nodes", int) or 1)
     oom = str(d.get("oom", "")).strip().lower() in ("1", "true", "yes")
     label = f"{mode} {d['seq_len']} x{world} {d['gpu']}"
@@ -94,14 +101,20 @@ def row_from_report(report: dict, source: str) -> Measurement:
     if tps is None and mem is None and not oom:
         raise SeqparError(f"run report {source!r} has neither tokens_per_s nor peak_memory_gib nor oom; nothing to fit")
     s = plan.strategy
-    label = (f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name} {plan.workload.model.name} "
-             f"ckpt={s.checkpointing}" + (" liger" if s.fused_ops != "none" else "") + (" tiled" if s.tiled_mlp else ""))
+    label = (
+        f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name} {plan.workload.model.name} "
+        f"ckpt={s.checkpointing}" + (" liger" if s.fused_ops != "none" else "") + (" tiled" if s.tiled_mlp else "")
+    )
     return Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom)
 
 
 def load_measurements(paths: Optional[Iterable[str | Path]] = None) -> list[Measurement]:
     """Rows from the given files, or from every file in seqpar/profiles/measurements/."""
-    files = [Path(p) for p in paths] if paths is not None else sorted(MEASUREMENTS_DIR.glob("*.csv")) + sorted(MEASUREMENTS_DIR.glob("*.json"))
+    files = (
+        [Path(p) for p in paths]
+        if paths is not None
+        else sorted(MEASUREMENTS_DIR.glob("*.csv")) + sorted(MEASUREMENTS_DIR.glob("*.json"))
+    )
     out: list[Measurement] = []
     for f in files:
         if not f.is_file():
@@ -197,8 +210,13 @@ def _fit_per_gpu(timed: list[Measurement], c: Coefficients, fitted: tuple[str, .
     return c.with_values(time_factors=own)
 
 
-def fit(rows: list[Measurement], base: Optional[Coefficients] = None, n0_grid: Optional[Iterable[float]] = None,
-        fitted: tuple[str, ...] = FITTED, h0_grid: Optional[Iterable[float]] = H0_GRID) -> Coefficients:
+def fit(
+    rows: list[Measurement],
+    base: Optional[Coefficients] = None,
+    n0_grid: Optional[Iterable[float]] = None,
+    fitted: tuple[str, ...] = FITTED,
+    h0_grid: Optional[Iterable[float]] = H0_GRID,
+) -> Coefficients:
     """Best coefficients for the rows with a measured tokens/s: per-GPU factors by least squares, n0 and h0 on grids."""
     base = base or load_coefficients()
     n0_grid = (base.attn_block_tokens,) if n0_grid is None else n0_grid
@@ -217,19 +235,28 @@ def fit(rows: list[Measurement], base: Optional[Coefficients] = None, n0_grid: O
     return best
 
 
-def evaluate(rows: list[Measurement], base: Optional[Coefficients] = None,
-             h0_grid: Optional[Iterable[float]] = H0_GRID) -> FitResult:
+def evaluate(
+    rows: list[Measurement], base: Optional[Coefficients] = None, h0_grid: Optional[Iterable[float]] = H0_GRID
+) -> FitResult:
     """Fit on all rows, then each row's residual and its leave-one-out error (refit without it, predict it)."""
     c = fit(rows, base, h0_grid=h0_grid)
     timed = _timed(rows)
     out = []
     for r in rows:
         p = predict(r.workload, r.cluster, r.strategy, c)
-        e: dict = {"label": r.label, "source": r.source, "measured_tokens_per_s": r.tokens_per_s, "predicted_tokens_per_s": p.tokens_per_s,
-                   "tokens_residual": (p.tokens_per_s / r.tokens_per_s - 1) if r.tokens_per_s else None,
-                   "measured_peak_gib": r.peak_memory_gib, "predicted_peak_gib": p.peak_memory_gib,
-                   "memory_residual": (p.peak_memory_gib / r.peak_memory_gib - 1) if r.peak_memory_gib else None,
-                   "measured_oom": r.oom, "predicted_oom": p.oom_risk, "loo_tokens_error": None}
+        e: dict = {
+            "label": r.label,
+            "source": r.source,
+            "measured_tokens_per_s": r.tokens_per_s,
+            "predicted_tokens_per_s": p.tokens_per_s,
+            "tokens_residual": (p.tokens_per_s / r.tokens_per_s - 1) if r.tokens_per_s else None,
+            "measured_peak_gib": r.peak_memory_gib,
+            "predicted_peak_gib": p.peak_memory_gib,
+            "memory_residual": (p.peak_memory_gib / r.peak_memory_gib - 1) if r.peak_memory_gib else None,
+            "measured_oom": r.oom,
+            "predicted_oom": p.oom_risk,
+            "loo_tokens_error": None,
+        }
         if r in timed and len(timed) > 2:
             loo_c = fit([q for q in timed if q is not r], base, h0_grid=h0_grid)  # h0 refitted too: honest LOO
             e["loo_tokens_error"] = estimate_time(r.workload, r.cluster, r.strategy, loo_c).tokens_per_s / r.tokens_per_s - 1
@@ -249,9 +276,13 @@ def coefficients_json(c: Coefficients, result: Optional[FitResult] = None, sourc
     stamp = datetime.now(timezone.utc)
     data["version"] = stamp.strftime("%Y-%m-%d.%H%M%S")
     if result is not None:
-        data["fit"] = {"fitted_at": stamp.isoformat(timespec="seconds"), "sources": sorted(set(sources)),
-                       "max_abs_residual": round(result.max_abs_residual, 4), "max_abs_loo": round(result.max_abs_loo, 4),
-                       "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in e.items()} for e in result.rows]}
+        data["fit"] = {
+            "fitted_at": stamp.isoformat(timespec="seconds"),
+            "sources": sorted(set(sources)),
+            "max_abs_residual": round(result.max_abs_residual, 4),
+            "max_abs_loo": round(result.max_abs_loo, 4),
+            "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in e.items()} for e in result.rows],
+        }
     return data
 
 

@@ -44,22 +44,38 @@ def variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]:
         v = s.model_copy(update=update)
         if not plan_problems(w, req.cluster, v):
             yield what, v
-    valid, _ = enumerate_strategies(req.model_copy(update={"mode": None, "sp_degree": None, "ulysses_degree": None,
-                                                            "checkpointing": s.checkpointing, "sharding": s.sharding, "loss_impl": s.loss_impl,
-                                                            "fused_ops": s.fused_ops, "tiled_mlp": s.tiled_mlp}), req.workload())
+    valid, _ = enumerate_strategies(
+        req.model_copy(
+            update={
+                "mode": None,
+                "sp_degree": None,
+                "ulysses_degree": None,
+                "checkpointing": s.checkpointing,
+                "sharding": s.sharding,
+                "loss_impl": s.loss_impl,
+                "fused_ops": s.fused_ops,
+                "tiled_mlp": s.tiled_mlp,
+            }
+        ),
+        req.workload(),
+    )
     for v in valid:
         if (v.mode, v.sp_degree) != (s.mode, s.sp_degree):
             yield f"{v.mode} with sp_degree {v.sp_degree}", v
 
 
-def check(target: Union[LaunchPlan, AdviseRequest], cluster: Optional[ClusterSpec] = None, coeffs: Optional[Coefficients] = None) -> CheckResult:
+def check(
+    target: Union[LaunchPlan, AdviseRequest], cluster: Optional[ClusterSpec] = None, coeffs: Optional[Coefficients] = None
+) -> CheckResult:
     """Does it fit? The predicted peak, the biggest terms and, when it does not fit, the cheapest fix (fastest single change that fits)."""
     c = coeffs or load_coefficients()
     plan = target if isinstance(target, LaunchPlan) else advise_by_cost(target, c)
     cl = cluster or plan.cluster
     if cluster is not None and cluster.world_size != plan.strategy.world_size:
-        raise SeqparError(f"the plan needs {plan.strategy.world_size} GPUs but the cluster to check has {cluster.world_size}; "
-                          f"check on the plan's own cluster or re-advise with `seqpar advise`")
+        raise SeqparError(
+            f"the plan needs {plan.strategy.world_size} GPUs but the cluster to check has {cluster.world_size}; "
+            f"check on the plan's own cluster or re-advise with `seqpar advise`"
+        )
     w, s = plan.workload, plan.strategy
     problems = plan_problems(w, cl, s)  # the plan's own cluster accepted it; another may not (e.g. liger without CUDA)
     if problems:
@@ -69,9 +85,16 @@ def check(target: Union[LaunchPlan, AdviseRequest], cluster: Optional[ClusterSpe
     terms = sorted(pred.memory_breakdown_gib.items(), key=lambda kv: -kv[1])[:4]
     if mem.fits:
         return CheckResult(True, pred, terms, "", None, "", 0, plan)
-    req = AdviseRequest(model=w.model, seq_len=w.seq_len, cluster=cl, micro_batch_size=w.micro_batch_size, dtype=w.dtype,
-                        optimizer=w.optimizer, tokens_per_step=w.tokens_per_step,
-                        fused_ops=s.fused_ops if s.fused_ops != "none" else None)  # keep the plan's kernels for the fallback advice
+    req = AdviseRequest(
+        model=w.model,
+        seq_len=w.seq_len,
+        cluster=cl,
+        micro_batch_size=w.micro_batch_size,
+        dtype=w.dtype,
+        optimizer=w.optimizer,
+        tokens_per_step=w.tokens_per_step,
+        fused_ops=s.fused_ops if s.fused_ops != "none" else None,
+    )  # keep the plan's kernels for the fallback advice
     best: Optional[tuple[float, str, Strategy]] = None
     for what, v in variants(s, req):
         cand = evaluate(w, cl, v, c)
@@ -82,8 +105,11 @@ def check(target: Union[LaunchPlan, AdviseRequest], cluster: Optional[ClusterSpe
     else:
         try:
             alt = advise_by_cost(req, c)
-            fix = (f"no single change fits; `seqpar advise` proposes {describe(alt.strategy)}" if alt.prediction and not alt.prediction.oom_risk
-                   else f"nothing fits {format_tokens(w.seq_len)} tokens on this cluster: more GPUs, or a shorter sequence")
+            fix = (
+                f"no single change fits; `seqpar advise` proposes {describe(alt.strategy)}"
+                if alt.prediction and not alt.prediction.oom_risk
+                else f"nothing fits {format_tokens(w.seq_len)} tokens on this cluster: more GPUs, or a shorter sequence"
+            )
         except SeqparError as e:
             fix = str(e)
     return CheckResult(False, pred, terms, fix, best[2] if best else None, mem.reason, 1, plan)

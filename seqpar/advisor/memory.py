@@ -107,7 +107,9 @@ def optimizer_bytes_per_param(optimizer: str, dtype: str) -> int:
     return OPTIMIZER_BYTES[optimizer]
 
 
-def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world: int, prec: "Precision | None" = None) -> dict[str, float]:
+def model_states(
+    m: ModelSpec, sharding: str, optimizer: str, dtype: str, world: int, prec: Precision | None = None
+) -> dict[str, float]:
     """GPU bytes of weights, gradients and optimizer state at rest (ZeRO paper, sec. 5), plus ZeRO-3's gathered layers.
 
     Without ``prec``: the ZeRO paper's mixed-precision accounting (2 + 2 + K bytes); with it, the runtime's regime."""
@@ -121,7 +123,12 @@ def model_states(m: ModelSpec, sharding: str, optimizer: str, dtype: str, world:
         return {"weights": psi * wb, "gradients": psi * gb / n, "optimizer_states": psi * k / n}
     if sharding in ("zero3", "fsdp"):
         # unsharded copies of the current and the prefetched layer live while they are used
-        return {"weights": psi * wb / n, "gradients": psi * gb / n, "optimizer_states": psi * k / n, "gathered_params": 2 * lp * p}
+        return {
+            "weights": psi * wb / n,
+            "gradients": psi * gb / n,
+            "optimizer_states": psi * k / n,
+            "gathered_params": 2 * lp * p,
+        }
     if sharding == "zero3_offload":  # params, grads and optimizer in host RAM; only the gathered layers on the GPU
         return {"weights": 0.0, "gradients": 0.0, "optimizer_states": 0.0, "gathered_params": 2 * lp * p}
     raise ValueError(sharding)
@@ -134,8 +141,9 @@ def mlp_tile_tokens(t: float, h: int) -> float:
     return float(math.ceil(t / math.ceil(t / h)))
 
 
-def saved_bytes_per_token(m: ModelSpec, dtype: str, residual: int | None = None, fused_ops: str = "none",
-                          tiled_mlp: bool = False) -> float:
+def saved_bytes_per_token(
+    m: ModelSpec, dtype: str, residual: int | None = None, fused_ops: str = "none", tiled_mlp: bool = False
+) -> float:
     """Tensors one decoder layer saves for backward, bytes per token (see the module docstring).
 
     ``residual``: bytes of the residual stream (4 under autocast with fp32 parameters: the unfused norms then also save the
@@ -259,14 +267,25 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         work_fwd = t * 2 * p * h + tile * 3 * p * i
     else:
         work_fwd = t * (2 * p * h + 3 * p * i) if s.checkpointing != "none" else t * 2 * p * h
-    forward = {**opt, "gradients": carried_grads, "gathered_params": gathered, "autocast_weight_cache": cache,
-               "checkpointed_activations": L * kept + offload_inflight, "layer_working_set": work_fwd, "mode_buffers": fwd_buf}
+    forward = {
+        **opt,
+        "gradients": carried_grads,
+        "gathered_params": gathered,
+        "autocast_weight_cache": cache,
+        "checkpointed_activations": L * kept + offload_inflight,
+        "layer_working_set": work_fwd,
+        "mode_buffers": fwd_buf,
+    }
     # the loss's backward: logits and their fp32 copies; the head's gradient appears
     loss_terms = _loss_bytes(m, dtype, s, t, c, r)
     share = grads_full / max(m.num_params, 1)  # gradient bytes per parameter on this GPU
     head_grad = 0.0 if m.tie_word_embeddings else m.vocab_size * h * share
     # the loss's forward runs inside the autocast region (weight cache live, 10 of the 12 bytes), its backward after it
-    base_loss = {**opt, "gathered_params": (m.vocab_size * h * p if gathered else 0.0), "checkpointed_activations": L * kept + offload_inflight}
+    base_loss = {
+        **opt,
+        "gathered_params": (m.vocab_size * h * p if gathered else 0.0),
+        "checkpointed_activations": L * kept + offload_inflight,
+    }
     loss_bwd = {**base_loss, "gradients": max(carried_grads, head_grad), **loss_terms}
     loss_fwd = {**base_loss, "gradients": carried_grads, "autocast_weight_cache": cache, **loss_terms}
     if "loss_fp32_logits" in loss_fwd:
@@ -290,13 +309,25 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     backward = {}
     for j in (L - 1, 0):
         g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (m.layer_params * p if gathered else 0.0))
-        cand = {**opt, "gradients": g, "gathered_params": gathered, "checkpointed_activations": (j + 1) * kept + offload_inflight,
-                "layer_recompute": recompute, "gradient_flow": grad_flow, "tiled_mlp_buffers": tiled_buffers, "mode_buffers": bwd_buf}
+        cand = {
+            **opt,
+            "gradients": g,
+            "gathered_params": gathered,
+            "checkpointed_activations": (j + 1) * kept + offload_inflight,
+            "layer_recompute": recompute,
+            "gradient_flow": grad_flow,
+            "tiled_mlp_buffers": tiled_buffers,
+            "mode_buffers": bwd_buf,
+        }
         if sum(cand.values()) > sum(backward.values()):
             backward = cand
     # optimizer step: the states plus one fp32 temporary of the largest local tensor (per-tensor update)
     largest = max(m.vocab_size * h, h * i) * (1.0 if s.sharding in ("ddp",) else 1.0 / world)
-    optimizer = {**opt, "gradients": grads_full, "optimizer_temporaries": (2 * prec.grad * largest if w.optimizer != "none" else 0.0)}
+    optimizer = {
+        **opt,
+        "gradients": grads_full,
+        "optimizer_temporaries": (2 * prec.grad * largest if w.optimizer != "none" else 0.0),
+    }
     if s.sharding == "zero3_offload":
         optimizer["optimizer_temporaries"] = 0.0  # the update runs on the CPU
 
@@ -305,15 +336,19 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     peak_phase = max(totals, key=totals.get)
     breakdown = {k: v for k, v in phases[peak_phase].items() if v > 0}
     peak = totals[peak_phase]
-    reserved = (peak * (1 + c.allocator_reserve_fraction) + (c.allocator_reserve_gib + c.cuda_context_gib
-                + c.nccl_buffer_gib_per_group * _nccl_groups(s, world)) * GIB)
+    reserved = (
+        peak * (1 + c.allocator_reserve_fraction)
+        + (c.allocator_reserve_gib + c.cuda_context_gib + c.nccl_buffer_gib_per_group * _nccl_groups(s, world)) * GIB
+    )
     capacity = cluster.gpu.memory_gib * GIB
     host = host_bytes(w, cluster, s, c)
     host_cap = cluster.host_ram_gib * GIB * c.host_ram_usable_fraction
     reason = ""
     if reserved + c.headroom_gib * GIB > capacity:
-        reason = (f"predicted {reserved / GIB:.1f} GiB reserved (peak allocated {peak / GIB:.1f} GiB in {peak_phase}) + "
-                  f"{c.headroom_gib:g} GiB headroom > {capacity / GIB:.1f} GiB on {cluster.gpu.name}")
+        reason = (
+            f"predicted {reserved / GIB:.1f} GiB reserved (peak allocated {peak / GIB:.1f} GiB in {peak_phase}) + "
+            f"{c.headroom_gib:g} GiB headroom > {capacity / GIB:.1f} GiB on {cluster.gpu.name}"
+        )
     elif host > host_cap:
         reason = f"host RAM: {host / GIB:.0f} GiB per node needed > {host_cap / GIB:.0f} GiB usable"
     return MemoryEstimate(peak, peak_phase, breakdown, totals, reserved, capacity, host, host_cap, not reason, reason)

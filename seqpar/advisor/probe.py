@@ -48,7 +48,9 @@ class ProbeResult(_Result):
     reason: str = Field(description="What the probe found, or why it found nothing.")
     driver_version: str = Field(default="", description="NVIDIA driver version.")
     gpus: list[ProbedGpu] = Field(default_factory=list, description="The GPUs visible to this process.")
-    topology: list[list[str]] = Field(default_factory=list, description="Pairwise path: NVLink, PCIe switch, host bridge, cross-socket.")
+    topology: list[list[str]] = Field(
+        default_factory=list, description="Pairwise path: NVLink, PCIe switch, host bridge, cross-socket."
+    )
     nodes: int = Field(default=1, description="Nodes of the job (torchrun or SLURM variables; 1 otherwise).")
     node_rank: int = Field(default=0, description="This node's rank in the job.")
     world_size: int = Field(default=1, description="Processes in the job (WORLD_SIZE or SLURM_NTASKS; 1 otherwise).")
@@ -75,7 +77,9 @@ class ProbeResult(_Result):
         spec = self.matched_gpu()
         if spec is None:
             found = sorted({g.name for g in self.gpus})
-            raise SeqparError(f"probed GPU(s) {', '.join(found)} have no seqpar profile (or are mixed); declare one with --gpu NAME")
+            raise SeqparError(
+                f"probed GPU(s) {', '.join(found)} have no seqpar profile (or are mixed); declare one with --gpu NAME"
+            )
         # Measured beats datasheet: the memory NVML reports (smaller under MIG) replaces the profile's figure.
         spec = spec.model_copy(update={"memory_gib": min(g.memory_total_gib for g in self.gpus)})
         if self.gpu_count > 1 and all(t == "NVLink" for i, row in enumerate(self.topology) for j, t in enumerate(row) if i != j):
@@ -168,12 +172,22 @@ def _job(env: Mapping[str, str]) -> dict:
     """nodes, node_rank, world_size, rank and launcher from torchrun's or SLURM's variables (one process otherwise)."""
     if "WORLD_SIZE" in env and "LOCAL_WORLD_SIZE" in env:
         world, local = int(env["WORLD_SIZE"]), max(1, int(env["LOCAL_WORLD_SIZE"]))
-        return dict(nodes=max(1, world // local), node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
-                    world_size=world, rank=int(env.get("RANK", 0)), launcher="torchrun")
+        return dict(
+            nodes=max(1, world // local),
+            node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+            world_size=world,
+            rank=int(env.get("RANK", 0)),
+            launcher="torchrun",
+        )
     nn = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     if nn:
-        return dict(nodes=max(1, int(nn)), node_rank=int(env.get("SLURM_NODEID", 0)),
-                    world_size=int(env.get("SLURM_NTASKS", nn)), rank=int(env.get("SLURM_PROCID", 0)), launcher="slurm")
+        return dict(
+            nodes=max(1, int(nn)),
+            node_rank=int(env.get("SLURM_NODEID", 0)),
+            world_size=int(env.get("SLURM_NTASKS", nn)),
+            rank=int(env.get("SLURM_PROCID", 0)),
+            launcher="slurm",
+        )
     return dict(nodes=1, node_rank=0, world_size=1, rank=0, launcher="none")
 
 
@@ -212,7 +226,9 @@ def probe(
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as e:
-        return ProbeResult(nvml_available=False, reason=f"NVML is not available ({e}): no NVIDIA driver on this machine", **common)
+        return ProbeResult(
+            nvml_available=False, reason=f"NVML is not available ({e}): no NVIDIA driver on this machine", **common
+        )
     try:
         handles = [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in _visible(nvml.nvmlDeviceGetCount(), env)]
         gpus = []

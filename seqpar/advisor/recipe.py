@@ -74,19 +74,26 @@ def advise_recipe(req: AdviseRequest, name: str, cluster_note: str = "") -> Laun
     recipe = get_recipe(name)
     stages, last = [], None
     for i, st in enumerate(recipe.stages):
-        stage_req = req.model_copy(update={"seq_len": st.seq_len, "tokens_per_step": req.tokens_per_step or recipe.tokens_per_step})
+        stage_req = req.model_copy(
+            update={"seq_len": st.seq_len, "tokens_per_step": req.tokens_per_step or recipe.tokens_per_step}
+        )
         try:
             last = advise(stage_req, cluster_note)
         except SeqparError as e:
             raise SeqparError(f"recipe {name} stage {i} (seq_len {st.seq_len}): {e}") from None
-        stages.append(Stage(seq_len=st.seq_len, rope_theta=st.rope_theta, steps=st.steps, strategy=last.strategy,
-                            prediction=last.prediction))
+        stages.append(
+            Stage(
+                seq_len=st.seq_len, rope_theta=st.rope_theta, steps=st.steps, strategy=last.strategy, prediction=last.prediction
+            )
+        )
     final = recipe.stages[-1]
     lines = [f"recipe {name}: {recipe.description}; {len(stages)} stages, each planned by the {req.policy} policy"]
     for i, (st, planned) in enumerate(zip(recipe.stages, stages)):
         s = planned.strategy
-        lines.append(f"stage {i}: seq_len {st.seq_len}, rope_theta {st.rope_theta:g}, {st.steps} steps: {s.mode} sp {s.sp_degree} "
-                     f"dp {s.dp_degree} (EasyContext ran {st.easycontext_mode})")
+        lines.append(
+            f"stage {i}: seq_len {st.seq_len}, rope_theta {st.rope_theta:g}, {st.steps} steps: {s.mode} sp {s.sp_degree} "
+            f"dp {s.dp_degree} (EasyContext ran {st.easycontext_mode})"
+        )
     r = last.rationale
     rationale = Rationale.model_validate({**r.model_dump(), "reasons": lines + list(r.reasons)})
     data = last.model_dump()

@@ -32,7 +32,9 @@ def cluster_line(c: ClusterSpec) -> str:
 def plan_summary(plan: LaunchPlan) -> str:
     """One line: mode, degrees, seq_len, model, cluster."""
     s, w = plan.strategy, plan.workload
-    degrees = f"sp {s.sp_degree} x dp {s.dp_degree}" + (f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})" if s.mode == "usp_attn" else "")
+    degrees = f"sp {s.sp_degree} x dp {s.dp_degree}" + (
+        f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})" if s.mode == "usp_attn" else ""
+    )
     return f"{s.mode}, {degrees}, seq_len {w.seq_len} ({format_tokens(w.seq_len)}), {w.model.name}, {cluster_line(plan.cluster)}"
 
 
@@ -40,32 +42,63 @@ def plan_tables(plan: LaunchPlan, plan_path: str = "plan.json") -> list[Renderab
     """The plan's sections; ``plan_path``: where the plan is (or would be) written, for the launch line."""
     w, c, s, r = plan.workload, plan.cluster, plan.strategy, plan.rationale
     out: list[RenderableType] = [
-        _kv("Workload", [
-            ("model", f"{w.model.name} ({w.model.num_params / 1e9:.2f}B params, {w.model.num_layers} layers, "
-                      f"{w.model.num_attention_heads} heads / {w.model.num_key_value_heads} KV heads)"),
-            ("seq_len", f"{w.seq_len} ({format_tokens(w.seq_len)})"),
-            ("micro-batch", w.micro_batch_size),
-            ("tokens per step", w.tokens_per_step or "one micro-batch per DP rank"),
-            ("dtype / optimizer", f"{w.dtype} / {w.optimizer}"),
-        ]),
-        _kv("Cluster", [("hardware", cluster_line(c)), ("host RAM per node", f"{c.host_ram_gib:.0f} GiB"),
-                        ("source", c.source), ("note", r.cluster_note or "-")]),
-        _kv("Strategy", [
-            ("mode", s.mode),
-            ("degrees", f"sp {s.sp_degree} x dp {s.dp_degree}" + (f", ulysses {s.ulysses_degree} x ring {s.ring_degree}" if s.mode == "usp_attn" else "")),
-            ("tokens per rank", w.seq_len // s.sp_degree),
-            ("checkpointing", s.checkpointing), ("sharding", s.sharding), ("loss", s.loss_impl),
-            ("fused ops", s.fused_ops), ("tiled MLP", "yes" if s.tiled_mlp else "no"),
-            ("grad accumulation", s.gradient_accumulation_steps),
-        ]),
+        _kv(
+            "Workload",
+            [
+                (
+                    "model",
+                    f"{w.model.name} ({w.model.num_params / 1e9:.2f}B params, {w.model.num_layers} layers, "
+                    f"{w.model.num_attention_heads} heads / {w.model.num_key_value_heads} KV heads)",
+                ),
+                ("seq_len", f"{w.seq_len} ({format_tokens(w.seq_len)})"),
+                ("micro-batch", w.micro_batch_size),
+                ("tokens per step", w.tokens_per_step or "one micro-batch per DP rank"),
+                ("dtype / optimizer", f"{w.dtype} / {w.optimizer}"),
+            ],
+        ),
+        _kv(
+            "Cluster",
+            [
+                ("hardware", cluster_line(c)),
+                ("host RAM per node", f"{c.host_ram_gib:.0f} GiB"),
+                ("source", c.source),
+                ("note", r.cluster_note or "-"),
+            ],
+        ),
+        _kv(
+            "Strategy",
+            [
+                ("mode", s.mode),
+                (
+                    "degrees",
+                    f"sp {s.sp_degree} x dp {s.dp_degree}"
+                    + (f", ulysses {s.ulysses_degree} x ring {s.ring_degree}" if s.mode == "usp_attn" else ""),
+                ),
+                ("tokens per rank", w.seq_len // s.sp_degree),
+                ("checkpointing", s.checkpointing),
+                ("sharding", s.sharding),
+                ("loss", s.loss_impl),
+                ("fused ops", s.fused_ops),
+                ("tiled MLP", "yes" if s.tiled_mlp else "no"),
+                ("grad accumulation", s.gradient_accumulation_steps),
+            ],
+        ),
     ]
     if plan.prediction is not None:
         p = plan.prediction
-        out.append(_kv("Prediction", [
-            ("peak memory", f"{p.peak_memory_gib:.1f} GiB allocated, {p.reserved_memory_gib:.1f} GiB reserved of {p.capacity_gib:.1f} GiB"
-                            + ("  [bold red]OOM risk[/]" if p.oom_risk else "")),
-            ("throughput", f"{p.tokens_per_s:,.0f} tokens/s, step {p.step_time_s:.2f} s, MFU {p.mfu:.1%}"),
-        ]))
+        out.append(
+            _kv(
+                "Prediction",
+                [
+                    (
+                        "peak memory",
+                        f"{p.peak_memory_gib:.1f} GiB allocated, {p.reserved_memory_gib:.1f} GiB reserved of {p.capacity_gib:.1f} GiB"
+                        + ("  [bold red]OOM risk[/]" if p.oom_risk else ""),
+                    ),
+                    ("throughput", f"{p.tokens_per_s:,.0f} tokens/s, step {p.step_time_s:.2f} s, MFU {p.mfu:.1%}"),
+                ],
+            )
+        )
     why = Table(title=f"Why ({r.policy})", show_header=False, title_justify="left", box=None, pad_edge=False)
     why.add_column()
     for i, step in enumerate(r.rule_path, 1):
@@ -77,8 +110,16 @@ def plan_tables(plan: LaunchPlan, plan_path: str = "plan.json") -> list[Renderab
     out.append(why)
     launch = " ".join(shlex.quote(a) if not a.startswith("$") else a for a in plan.launch.command)
     runs = f"{plan.launch.launcher} on each node" + (f" (stage 0 of {len(plan.stages)})" if plan.stages else "")
-    out.append(_kv("Launch", [("run", f"seqpar launch {plan_path}"), (runs, launch or "-"),
-                              ("env", " ".join(f"{k}={v}" for k, v in plan.launch.env.items()) or "-")]))
+    out.append(
+        _kv(
+            "Launch",
+            [
+                ("run", f"seqpar launch {plan_path}"),
+                (runs, launch or "-"),
+                ("env", " ".join(f"{k}={v}" for k, v in plan.launch.env.items()) or "-"),
+            ],
+        )
+    )
     return out
 
 
@@ -91,18 +132,34 @@ def render_plan(plan: LaunchPlan, console: Console, plan_path: str = "plan.json"
 
 def probe_tables(res) -> list[RenderableType]:
     """Tables of a seqpar.advisor.probe.ProbeResult."""
-    head = _kv("Probe", [("NVML", res.reason), ("driver", res.driver_version or "-"),
-                         ("nodes", f"{res.nodes} (node rank {res.node_rank}; rank {res.rank} of {res.world_size}; from {res.launcher})"),
-                         ("host RAM", f"{res.host_ram_gib:.1f} GiB" if res.host_ram_gib else "unknown"),
-                         ("InfiniBand", ", ".join(f"{p.device}/{p.port} {p.state} {p.rate_gbps:g} Gb/s {p.link_layer}" for p in res.ib_ports) or "none")])
+    head = _kv(
+        "Probe",
+        [
+            ("NVML", res.reason),
+            ("driver", res.driver_version or "-"),
+            ("nodes", f"{res.nodes} (node rank {res.node_rank}; rank {res.rank} of {res.world_size}; from {res.launcher})"),
+            ("host RAM", f"{res.host_ram_gib:.1f} GiB" if res.host_ram_gib else "unknown"),
+            (
+                "InfiniBand",
+                ", ".join(f"{p.device}/{p.port} {p.state} {p.rate_gbps:g} Gb/s {p.link_layer}" for p in res.ib_ports) or "none",
+            ),
+        ],
+    )
     out: list[RenderableType] = [head]
     if res.gpus:
         t = Table(title="GPUs", title_justify="left")
         for col in ("#", "name", "profile", "memory GiB (free)", "cc", "NVLinks", "PCIe"):
             t.add_column(col)
         for g in res.gpus:
-            t.add_row(str(g.index), g.name, g.profile or "[red]none[/]", f"{g.memory_total_gib:.1f} ({g.memory_free_gib:.1f})",
-                      g.compute_capability, str(g.nvlinks_active), f"gen{g.pcie_gen} x{g.pcie_width}" if g.pcie_gen else "-")
+            t.add_row(
+                str(g.index),
+                g.name,
+                g.profile or "[red]none[/]",
+                f"{g.memory_total_gib:.1f} ({g.memory_free_gib:.1f})",
+                g.compute_capability,
+                str(g.nvlinks_active),
+                f"gen{g.pcie_gen} x{g.pcie_width}" if g.pcie_gen else "-",
+            )
         out.append(t)
     if len(res.gpus) > 1:
         t = Table(title="Topology", title_justify="left")
@@ -130,8 +187,17 @@ def profile_tables(gpus: list[GpuSpec], links: list[LinkSpec], models: list[Mode
     for col in ("name", "arch", "params", "layers", "hidden", "heads/KV", "head dim", "vocab", "max pos"):
         tm.add_column(col)
     for m in models:
-        tm.add_row(m.name, m.architecture, f"{m.num_params / 1e9:.2f}B", str(m.num_layers), str(m.hidden_size),
-                   f"{m.num_attention_heads}/{m.num_key_value_heads}", str(m.head_dim), str(m.vocab_size), str(m.max_position_embeddings))
+        tm.add_row(
+            m.name,
+            m.architecture,
+            f"{m.num_params / 1e9:.2f}B",
+            str(m.num_layers),
+            str(m.hidden_size),
+            f"{m.num_attention_heads}/{m.num_key_value_heads}",
+            str(m.head_dim),
+            str(m.vocab_size),
+            str(m.max_position_embeddings),
+        )
     return [tg, tl, tm]
 
 

@@ -31,8 +31,10 @@ def check_workload(workload: Workload, cluster: ClusterSpec, fused_ops: Optional
     """SeqparError when no strategy can train ``workload`` (with these fused kernels) on ``cluster``: the plan rules
     (schema.plan_problems) refuse every sharding, e.g. fp16 needs DeepSpeed's loss scaling, which runs AdamW only, or
     Liger's kernels need CUDA. Probed with whole sequences on every rank, so only the option rules can refuse."""
-    probes = [Strategy.over("data_parallel", 1, cluster.world_size, sharding=sh, fused_ops=fused_ops or "none")
-              for sh in get_args(Sharding)]
+    probes = [
+        Strategy.over("data_parallel", 1, cluster.world_size, sharding=sh, fused_ops=fused_ops or "none")
+        for sh in get_args(Sharding)
+    ]
     problems = [plan_problems(workload, cluster, st) for st in probes]
     if all(problems):
         raise SeqparError(problems[0][0])
@@ -43,7 +45,9 @@ class AdviseRequest(_Frozen):
     seq_len: int = Field(ge=1, description="Tokens per sequence.")
     cluster: ClusterSpec = Field(description="The hardware (probed, declared or the default).")
     micro_batch_size: int = Field(default=1, ge=1, description="Sequences per data-parallel rank per forward pass.")
-    tokens_per_step: Optional[int] = Field(default=None, ge=1, description="Tokens per optimizer step; None = one micro-batch per DP rank.")
+    tokens_per_step: Optional[int] = Field(
+        default=None, ge=1, description="Tokens per optimizer step; None = one micro-batch per DP rank."
+    )
     dtype: DType = Field(default="bf16", description="Parameter and activation dtype.")
     optimizer: Optimizer = Field(default="adamw", description="Optimizer (part of the workload, not searched).")
     policy: Literal["rules", "cost"] = Field(default="cost", description="rules: the guide's tree; cost: the cost-model search.")
@@ -54,11 +58,13 @@ class AdviseRequest(_Frozen):
     checkpointing: Optional[Checkpointing] = Field(default=None, description="Pinned checkpointing.")
     sharding: Optional[Sharding] = Field(default=None, description="Pinned sharding.")
     loss_impl: Optional[LossImpl] = Field(default=None, description="Pinned loss implementation.")
-    fused_ops: Optional[FusedOps] = Field(default=None, description="Pinned fused kernels (None = none: liger is an optional dependency, never picked unasked).")
+    fused_ops: Optional[FusedOps] = Field(
+        default=None, description="Pinned fused kernels (None = none: liger is an optional dependency, never picked unasked)."
+    )
     tiled_mlp: Optional[bool] = Field(default=None, description="Pinned TiledMLP (None = the search tries both).")
 
     @model_validator(mode="after")
-    def _runnable(self) -> "AdviseRequest":
+    def _runnable(self) -> AdviseRequest:
         check_workload(self.workload(), self.cluster, self.fused_ops)
         return self
 

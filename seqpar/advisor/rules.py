@@ -114,7 +114,10 @@ def check_mode(
     if mode == "usp_attn":
         u = u_pin or _usp_ulysses_degree(model, sp, cluster.gpus_per_node)
         if u < 2 or sp % u:
-            return None, f"usp_attn found no Ulysses degree >= 2 dividing sp_degree {sp} and {model.name}'s {model.num_attention_heads} heads"
+            return (
+                None,
+                f"usp_attn found no Ulysses degree >= 2 dividing sp_degree {sp} and {model.name}'s {model.num_attention_heads} heads",
+            )
     problems = layout_problems(Strategy.over(mode, sp, world, u), seq_len, model, cluster)  # ranks, split, heads
     return (None, problems[0]) if problems else ((sp, u), "")
 
@@ -156,22 +159,38 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
     c, s = req.cluster, req.seq_len
     ch = choose_mode(s, req.model, c, req.mode, req.sp_degree, req.ulysses_degree)
     dp = c.world_size // ch.sp_degree
-    reasons = [f"seq_len {s} ({format_tokens(s)}) on {c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name}: the guide's tree picks {ch.tree_mode}"]
+    reasons = [
+        f"seq_len {s} ({format_tokens(s)}) on {c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name}: the guide's tree picks {ch.tree_mode}"
+    ]
     reasons += [f"{m} rejected: {w}" for m, w in ch.rejected]
     if ch.mode == "data_parallel":
-        reasons.append("the guide: start with data parallel and switch to sequence parallelism at the first OOM; "
-                       "the rules do not model memory, so check the fit with --policy cost or `seqpar check`")
+        reasons.append(
+            "the guide: start with data parallel and switch to sequence parallelism at the first OOM; "
+            "the rules do not model memory, so check the fit with --policy cost or `seqpar check`"
+        )
     else:
-        reasons.append(f"{ch.mode} over sp_degree {ch.sp_degree}" + (f" (ulysses {ch.ulysses_degree} x ring {ch.sp_degree // ch.ulysses_degree})" if ch.mode == "usp_attn" else "")
-                       + f", dp_degree {dp}: {s // ch.sp_degree} tokens per rank")
+        reasons.append(
+            f"{ch.mode} over sp_degree {ch.sp_degree}"
+            + (f" (ulysses {ch.ulysses_degree} x ring {ch.sp_degree // ch.ulysses_degree})" if ch.mode == "usp_attn" else "")
+            + f", dp_degree {dp}: {s // ch.sp_degree} tokens per rank"
+        )
         hw = "multi-node cluster" if c.nodes > 1 else "one 8-GPU node" if c.gpus_per_node == 8 else None
         if hw and BY_HARDWARE[hw] != ch.mode:
             reasons.append(f"the guide's by-hardware table says {BY_HARDWARE[hw]} for a {hw}; its by-length rule decides here")
     # EasyContext's recipe: gradient checkpointing, DeepSpeed ZeRO-3 with CPU offload, its own loss on full logits, micro-batch 1.
     ckpt, loss = req.checkpointing or "full", req.loss_impl or "hf"
     gas = req.accumulation_steps(dp)
-    strategy = Strategy.over(ch.mode, ch.sp_degree, c.world_size, ch.ulysses_degree, checkpointing=ckpt, loss_impl=loss,
-                             gradient_accumulation_steps=gas, fused_ops=req.fused_ops or "none", tiled_mlp=bool(req.tiled_mlp))
+    strategy = Strategy.over(
+        ch.mode,
+        ch.sp_degree,
+        c.world_size,
+        ch.ulysses_degree,
+        checkpointing=ckpt,
+        loss_impl=loss,
+        gradient_accumulation_steps=gas,
+        fused_ops=req.fused_ops or "none",
+        tiled_mlp=bool(req.tiled_mlp),
+    )
     # Sharding: the pin, else EasyContext's engine on CUDA (FSDP2 where the plan rules refuse ZeRO-3: another optimizer than
     # AdamW, tiled_mlp) and plain DDP on gloo CPU ranks (DeepSpeed is a GPU engine).
     w = req.workload()
@@ -181,11 +200,20 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
     if sharding is None:
         raise SeqparError(tried[0][1][0])
     strategy = strategy.model_copy(update={"sharding": sharding})
-    sharding_why = ("EasyContext's engine: DeepSpeed ZeRO-3 with CPU offload; pin --sharding fsdp to run without DeepSpeed"
-                    if sharding == "zero3_offload" else f"not EasyContext's zero3_offload: {tried[0][1][0]}" if sharding != shardings[0]
-                    else "gloo CPU ranks: plain data-parallel gradients (DeepSpeed is a GPU engine)")
+    sharding_why = (
+        "EasyContext's engine: DeepSpeed ZeRO-3 with CPU offload; pin --sharding fsdp to run without DeepSpeed"
+        if sharding == "zero3_offload"
+        else f"not EasyContext's zero3_offload: {tried[0][1][0]}"
+        if sharding != shardings[0]
+        else "gloo CPU ranks: plain data-parallel gradients (DeepSpeed is a GPU engine)"
+    )
     for what, pinned, val, why in (
-        ("checkpointing", req.checkpointing, ckpt, "EasyContext trains with gradient checkpointing (dist_flash_attn requires it)"),
+        (
+            "checkpointing",
+            req.checkpointing,
+            ckpt,
+            "EasyContext trains with gradient checkpointing (dist_flash_attn requires it)",
+        ),
         ("sharding", req.sharding, sharding, sharding_why),
         ("loss_impl", req.loss_impl, loss, "EasyContext computes the loss on full logits (transformers' way)"),
     ):
@@ -195,12 +223,25 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
             reasons.append(f"{what} {pinned}: pinned")
     if req.tokens_per_step:
         per_micro = req.micro_batch_size * s * dp
-        reasons.append(f"gradient_accumulation_steps {gas}: {req.tokens_per_step} tokens per step / ({req.micro_batch_size} x {s} x dp {dp}) "
-                       f"= {req.tokens_per_step / per_micro:.2f}, rounded")
-    everything_pinned = bool(req.mode and (req.mode == "data_parallel" or req.sp_degree) and req.checkpointing and req.sharding and req.loss_impl
-                             and (req.mode != "usp_attn" or req.ulysses_degree))
-    rationale = Rationale(policy="pinned" if everything_pinned else "rules", rule_path=ch.rule_path, rules_choice=ch.tree_mode,
-                          reasons=reasons, cluster_note=cluster_note)
+        reasons.append(
+            f"gradient_accumulation_steps {gas}: {req.tokens_per_step} tokens per step / ({req.micro_batch_size} x {s} x dp {dp}) "
+            f"= {req.tokens_per_step / per_micro:.2f}, rounded"
+        )
+    everything_pinned = bool(
+        req.mode
+        and (req.mode == "data_parallel" or req.sp_degree)
+        and req.checkpointing
+        and req.sharding
+        and req.loss_impl
+        and (req.mode != "usp_attn" or req.ulysses_degree)
+    )
+    rationale = Rationale(
+        policy="pinned" if everything_pinned else "rules",
+        rule_path=ch.rule_path,
+        rules_choice=ch.tree_mode,
+        reasons=reasons,
+        cluster_note=cluster_note,
+    )
     return written_plan("rules", workload=w, cluster=c, strategy=strategy, prediction=None, rationale=rationale)
 
 
@@ -212,5 +253,15 @@ def written_plan(policy: str, **fields) -> LaunchPlan:
     return plan.model_copy(update={"launch": launch_spec(plan)})
 
 
-__all__ = ["TREE", "NEXT_CHOICE", "BY_HARDWARE", "BY_PHASE", "Choice", "tree_mode", "check_mode", "choose_mode", "advise_by_rules",
-           "written_plan"]
+__all__ = [
+    "TREE",
+    "NEXT_CHOICE",
+    "BY_HARDWARE",
+    "BY_PHASE",
+    "Choice",
+    "tree_mode",
+    "check_mode",
+    "choose_mode",
+    "advise_by_rules",
+    "written_plan",
+]

@@ -97,8 +97,18 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
             for ck, sh, loss, tiled in product(ckpts, shards, losses, tileds):
                 if ck == "none" and FACTS[mode].needs_checkpointing and req.checkpointing is None:
                     continue
-                st = Strategy.over(mode, sp, world, u, checkpointing=ck, sharding=sh, loss_impl=loss,
-                                   gradient_accumulation_steps=gas, fused_ops=fused, tiled_mlp=tiled)
+                st = Strategy.over(
+                    mode,
+                    sp,
+                    world,
+                    u,
+                    checkpointing=ck,
+                    sharding=sh,
+                    loss_impl=loss,
+                    gradient_accumulation_steps=gas,
+                    fused_ops=fused,
+                    tiled_mlp=tiled,
+                )
                 problems = plan_problems(workload, c, st)
                 if problems:
                     invalid.append((st, problems[0]))
@@ -127,7 +137,9 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
     w, cl = req.workload(), req.cluster
     valid, invalid = enumerate_strategies(req, w)
     if not valid:
-        why = Counter(r for _, r in invalid).most_common(1)[0][0] if invalid else "nothing to try"  # the reason that rules out most
+        why = (
+            Counter(r for _, r in invalid).most_common(1)[0][0] if invalid else "nothing to try"
+        )  # the reason that rules out most
         raise SeqparError(f"no valid strategy for seq_len {req.seq_len} on {cl.world_size} GPUs: {why}")
     cands = _predict_all(req, valid, w, cl, c)
     fitting = sorted((x for x in cands if x.fits), key=lambda x: (-x.tokens_per_s, x.peak_gib))
@@ -137,13 +149,18 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
         best = fitting[0]
     else:
         best = min(cands, key=lambda x: x.peak_gib)
-        reasons.append(f"nothing fits: the smallest footprint is {describe(best.strategy)} and it {best.why}; "
-                       f"see `seqpar advise --max-seq-len` for what fits on this cluster")
+        reasons.append(
+            f"nothing fits: the smallest footprint is {describe(best.strategy)} and it {best.why}; "
+            f"see `seqpar advise --max-seq-len` for what fits on this cluster"
+        )
     pred = predict(w, cl, best.strategy, c)
     rules_mode, rule_path = tree_mode(req.seq_len, req.cluster)
-    reasons.insert(0, f"cost model: {describe(best.strategy)}: {pred.tokens_per_s:,.0f} tokens/s, peak {pred.peak_memory_gib:.1f} GiB "
-                      f"allocated ({pred.reserved_memory_gib:.1f} reserved) of {pred.capacity_gib:.1f} GiB, MFU {pred.mfu:.0%}"
-                      f" ({len(cands)} strategies predicted, {len(fitting)} fit, {len(invalid)} invalid)")
+    reasons.insert(
+        0,
+        f"cost model: {describe(best.strategy)}: {pred.tokens_per_s:,.0f} tokens/s, peak {pred.peak_memory_gib:.1f} GiB "
+        f"allocated ({pred.reserved_memory_gib:.1f} reserved) of {pred.capacity_gib:.1f} GiB, MFU {pred.mfu:.0%}"
+        f" ({len(cands)} strategies predicted, {len(fitting)} fit, {len(invalid)} invalid)",
+    )
     if rules_mode and not req.mode:
         reasons.append(_departure(rules_mode, best, fitting, cands))
     reasons += _option_notes(req, best, cands, valid, w, cl, c)
@@ -152,8 +169,14 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
     liger = _liger_alternative(req, best, w, cl, c)
     if liger is not None:
         alts.append(liger)
-    rationale = Rationale(policy="pinned" if pinned else "cost", rule_path=rule_path, rules_choice=rules_mode,
-                          reasons=reasons, alternatives=alts, cluster_note=cluster_note)
+    rationale = Rationale(
+        policy="pinned" if pinned else "cost",
+        rule_path=rule_path,
+        rules_choice=rules_mode,
+        reasons=reasons,
+        alternatives=alts,
+        cluster_note=cluster_note,
+    )
     return written_plan("cost", workload=w, cluster=cl, strategy=best.strategy, prediction=pred, rationale=rationale)
 
 
@@ -188,34 +211,49 @@ def _departure(rules_mode: str, best: Candidate, fitting: list[Candidate], cands
     return f"rules: {rules_mode}; cost model: {best.strategy.mode}, because {rules_mode} is invalid here"
 
 
-def _option_notes(req: AdviseRequest, best: Candidate, cands: list[Candidate], valid: list[Strategy], w: Workload,
-                  cl: ClusterSpec, c: Coefficients) -> list[str]:
+def _option_notes(
+    req: AdviseRequest,
+    best: Candidate,
+    cands: list[Candidate],
+    valid: list[Strategy],
+    w: Workload,
+    cl: ClusterSpec,
+    c: Coefficients,
+) -> list[str]:
     """Why tiled_mlp is on (its untiled twin does not fit), and whether pinning fused_ops liger would be faster or fit."""
     out = []
     s = best.strategy
     if s.tiled_mlp and req.tiled_mlp is None and best.fits:
         twin = next((x for x in cands if x.strategy == s.model_copy(update={"tiled_mlp": False})), None)
         if twin is not None:
-            out.append(f"tiled_mlp: without it, {describe(twin.strategy)}: {twin.why or 'fits'}; tiling the MLP saves "
-                       f"{twin.peak_gib - best.peak_gib:.1f} GiB for one more MLP forward")
+            out.append(
+                f"tiled_mlp: without it, {describe(twin.strategy)}: {twin.why or 'fits'}; tiling the MLP saves "
+                f"{twin.peak_gib - best.peak_gib:.1f} GiB for one more MLP forward"
+            )
     if req.fused_ops is not None or cl.accelerator != "cuda":
         return out
     if best.fits:
         alt = evaluate(w, cl, s.model_copy(update={"fused_ops": "liger"}), c)
         if alt.fits and alt.tokens_per_s > best.tokens_per_s:
-            out.append(f"fused_ops liger (Liger-Kernel's fused RMSNorm, RoPE and SwiGLU; optional: pip install liger-kernel) would "
-                       f"run {alt.tokens_per_s:,.0f} tokens/s ({alt.tokens_per_s / best.tokens_per_s - 1:+.0%}) at a peak of "
-                       f"{alt.peak_gib:.1f} GiB; pin --fused-ops liger to use it")
+            out.append(
+                f"fused_ops liger (Liger-Kernel's fused RMSNorm, RoPE and SwiGLU; optional: pip install liger-kernel) would "
+                f"run {alt.tokens_per_s:,.0f} tokens/s ({alt.tokens_per_s / best.tokens_per_s - 1:+.0%}) at a peak of "
+                f"{alt.peak_gib:.1f} GiB; pin --fused-ops liger to use it"
+            )
         return out
     fits = [x for x in (evaluate(w, cl, v.model_copy(update={"fused_ops": "liger"}), c) for v in valid) if x.fits]
     if fits:
         top = max(fits, key=lambda x: x.tokens_per_s)
-        out.append(f"with --fused-ops liger (Liger-Kernel, optional: pip install liger-kernel) {describe(top.strategy)} fits: "
-                   f"{top.tokens_per_s:,.0f} tokens/s, peak {top.peak_gib:.1f} GiB")
+        out.append(
+            f"with --fused-ops liger (Liger-Kernel, optional: pip install liger-kernel) {describe(top.strategy)} fits: "
+            f"{top.tokens_per_s:,.0f} tokens/s, peak {top.peak_gib:.1f} GiB"
+        )
     return out
 
 
-def _liger_alternative(req: AdviseRequest, best: Candidate, w: Workload, cl: ClusterSpec, c: Coefficients) -> Optional[Alternative]:
+def _liger_alternative(
+    req: AdviseRequest, best: Candidate, w: Workload, cl: ClusterSpec, c: Coefficients
+) -> Optional[Alternative]:
     """The chosen strategy with Liger's fused kernels, when they were not pinned and would be faster on this CUDA cluster."""
     if req.fused_ops is not None or cl.accelerator != "cuda" or not best.fits:
         return None
@@ -223,9 +261,14 @@ def _liger_alternative(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
     pred = predict(w, cl, s, c)
     if pred.oom_risk or pred.tokens_per_s <= best.tokens_per_s:
         return None
-    return Alternative(strategy=s, prediction=pred, rejected_because=(
-        f"{describe(s)}: faster, {pred.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s "
-        f"({pred.tokens_per_s / best.tokens_per_s - 1:+.0%}), but Liger-Kernel is an optional dependency: pin --fused-ops liger"))
+    return Alternative(
+        strategy=s,
+        prediction=pred,
+        rejected_because=(
+            f"{describe(s)}: faster, {pred.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s "
+            f"({pred.tokens_per_s / best.tokens_per_s - 1:+.0%}), but Liger-Kernel is an optional dependency: pin --fused-ops liger"
+        ),
+    )
 
 
 def _alternatives(best, fitting, cands, w, cl, c) -> list[Alternative]:
@@ -235,9 +278,19 @@ def _alternatives(best, fitting, cands, w, cl, c) -> list[Alternative]:
     for key in ("mode", "sharding", "checkpointing", "tiled_mlp"):
         for x in fitting:
             k = (key, getattr(x.strategy, key))
-            if x is not best and k not in seen and getattr(x.strategy, key) != getattr(best.strategy, key) and (key == "mode" or x.strategy.mode == best.strategy.mode):
+            if (
+                x is not best
+                and k not in seen
+                and getattr(x.strategy, key) != getattr(best.strategy, key)
+                and (key == "mode" or x.strategy.mode == best.strategy.mode)
+            ):
                 seen.add(k)
-                picks.append((x, f"{describe(x.strategy)}: slower, {x.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s ({x.tokens_per_s / best.tokens_per_s - 1:+.0%})"))
+                picks.append(
+                    (
+                        x,
+                        f"{describe(x.strategy)}: slower, {x.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s ({x.tokens_per_s / best.tokens_per_s - 1:+.0%})",
+                    )
+                )
     for mode in MODES:
         ms = [x for x in cands if x.strategy.mode == mode]
         if ms and not any(x.fits for x in ms) and mode != best.strategy.mode:
@@ -248,7 +301,6 @@ def _alternatives(best, fitting, cands, w, cl, c) -> list[Alternative]:
     return out
 
 
-
 # --------------------------------------------------------------------------------------------- max context
 
 
@@ -256,8 +308,14 @@ def _request_for(model: ModelSpec, cluster: ClusterSpec, seq_len: int, **pins) -
     return AdviseRequest(model=model, seq_len=seq_len, cluster=cluster, **{k: v for k, v in pins.items() if v is not None})
 
 
-def max_seq_len(model: ModelSpec, cluster: ClusterSpec, modes: Optional[list[str]] = None, coeffs: Optional[Coefficients] = None,
-                limit: int = 2**27, **pins) -> dict[str, tuple[int, Optional[Strategy]]]:
+def max_seq_len(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    modes: Optional[list[str]] = None,
+    coeffs: Optional[Coefficients] = None,
+    limit: int = 2**27,
+    **pins,
+) -> dict[str, tuple[int, Optional[Strategy]]]:
     """Per mode, the longest seq_len (a multiple of 1024 and of the mode's split) that some allowed strategy fits, and that strategy.
 
     ``pins``: AdviseRequest fields (optimizer, micro_batch_size, dtype, sp_degree, checkpointing, sharding, loss_impl,
@@ -269,8 +327,12 @@ def max_seq_len(model: ModelSpec, cluster: ClusterSpec, modes: Optional[list[str
     for mode in modes or list(MODES):
         req0 = _request_for(model, cluster, 1024, mode=mode, **pins)
         w0 = req0.workload()
-        any_len = 2 * math.lcm(1024, *range(1, cluster.world_size + 1))  # a length every mode splits: the options and heads decide
-        strategies, _ = enumerate_strategies(req0.model_copy(update={"seq_len": any_len}), w0.model_copy(update={"seq_len": any_len}))
+        any_len = 2 * math.lcm(
+            1024, *range(1, cluster.world_size + 1)
+        )  # a length every mode splits: the options and heads decide
+        strategies, _ = enumerate_strategies(
+            req0.model_copy(update={"seq_len": any_len}), w0.model_copy(update={"seq_len": any_len})
+        )
         if not strategies:
             out[mode] = (0, None)
             continue

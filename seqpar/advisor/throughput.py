@@ -50,7 +50,9 @@ class TimeEstimate:
     tokens_per_s: float  # whole cluster
     breakdown_s: dict[str, float]  # compute / elementwise / exposed_comm / offload / optimizer, per optimizer step
     mfu: float
-    parts_s: dict[str, float]  # unscaled components the fit works on (ideal linear / attention time, fixed rest incl. elementwise)
+    parts_s: dict[
+        str, float
+    ]  # unscaled components the fit works on (ideal linear / attention time, fixed rest incl. elementwise)
 
 
 def linear_flops_per_token(m: ModelSpec, checkpointing: str, loss_impl: str, tiled_mlp: bool = False) -> float:
@@ -132,7 +134,11 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     accum = s.gradient_accumulation_steps
 
     # ---- compute of one micro-batch
-    lin_ideal = t * linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp) / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
+    lin_ideal = (
+        t
+        * linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp)
+        / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
+    )
     lin_ideal /= width_efficiency(m.hidden_size, c.matmul_width_h0)
     n = call_tokens(s, S)
     n0 = c.attn_block_tokens
@@ -142,7 +148,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     attn_ideal = attn_flops / attn_rate / eff
     lin_factor, attn_factor = c.factors(cluster)
     lin_t, attn_t = lin_ideal * lin_factor, attn_ideal * attn_factor
-    # forward, (recompute forward), backward; selective's Ulysses backward re-sends q, k, v, out (runtime/selective.py)
+    # forward, (recompute forward), backward; selective's Ulysses backward re-sends q, k, v, out (runtime/ulysses_attn.py head_split_backward)
     passes = 3 if s.checkpointing != "none" else 2
     attn_fwd_t = attn_t / attention_multiplier(s)  # one forward pass over all layers
 
@@ -206,8 +212,19 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     tokens = S * b * s.dp_degree * accum
     model_flops = b * s.dp_degree * accum * model_flops_per_sequence(m, S)  # seqpar.flops: the count measured MFU uses too
     mfu = model_flops / step / (world * cluster.gpu.bf16_tflops * 1e12)
-    parts = {"linear_ideal": accum * lin_ideal, "attn_ideal": accum * attn_ideal, "cpu_adam": opt_t if s.sharding == "zero3_offload" else 0.0,
-             "elementwise": elementwise}
-    parts["rest"] = step - compute - parts["cpu_adam"]  # fixed, unscaled by the fit: elementwise + communication + offload + GPU Adam
-    return TimeEstimate(step, tokens / step, {"compute": compute, "elementwise": elementwise, "exposed_comm": exposed, "offload": offload,
-                                              "optimizer": opt_t}, mfu, parts)
+    parts = {
+        "linear_ideal": accum * lin_ideal,
+        "attn_ideal": accum * attn_ideal,
+        "cpu_adam": opt_t if s.sharding == "zero3_offload" else 0.0,
+        "elementwise": elementwise,
+    }
+    parts["rest"] = (
+        step - compute - parts["cpu_adam"]
+    )  # fixed, unscaled by the fit: elementwise + communication + offload + GPU Adam
+    return TimeEstimate(
+        step,
+        tokens / step,
+        {"compute": compute, "elementwise": elementwise, "exposed_comm": exposed, "offload": offload, "optimizer": opt_t},
+        mfu,
+        parts,
+    )

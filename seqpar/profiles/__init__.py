@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -44,7 +44,7 @@ def _read(file: str, key: str) -> list[dict]:
     return data[key]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gpus() -> dict[str, GpuProfile]:
     out = {}
     for e in _read("gpus.json", "gpus"):
@@ -52,16 +52,18 @@ def _gpus() -> dict[str, GpuProfile]:
             spec = GpuSpec.model_validate(e["spec"])
         except ValidationError as err:  # a broken data file is a bug in seqpar, not user input
             raise RuntimeError(f"seqpar/profiles/gpus.json: {first_error(err)}") from None
-        out[spec.name] = GpuProfile(spec, tuple(e.get("aliases", ())), tuple(e.get("nvml_names", ())), e["intra_node_link"], e["inter_node_link"])
+        out[spec.name] = GpuProfile(
+            spec, tuple(e.get("aliases", ())), tuple(e.get("nvml_names", ())), e["intra_node_link"], e["inter_node_link"]
+        )
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _links() -> dict[str, LinkSpec]:
     return {s.kind: s for s in (LinkSpec.model_validate(e) for e in _read("links.json", "links"))}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _models() -> tuple[dict[str, ModelSpec], dict[str, str]]:
     specs, aliases = {}, {}
     for e in _read("models.json", "models"):
@@ -142,7 +144,9 @@ def get_model(name_or_path: str) -> ModelSpec:
     if p.exists():
         return model_from_config(p)
     if name_or_path.endswith(".json") or name_or_path.startswith((".", "/", "~")):
-        raise SeqparError(f"model config {name_or_path!r} does not exist; pass a profile name (seqpar profiles list) or a local config.json")
+        raise SeqparError(
+            f"model config {name_or_path!r} does not exist; pass a profile name (seqpar profiles list) or a local config.json"
+        )
     raise _unknown("model", name_or_path, list(specs) + list(aliases), " or pass a local config.json")
 
 
@@ -161,8 +165,13 @@ def model_from_config(path: str | Path) -> ModelSpec:
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "config.json"
-    cfg = read_json_object(p, "model config", "config", missing_fix="pass a folder holding config.json or the file itself",
-                           invalid_fix="check the file")
+    cfg = read_json_object(
+        p,
+        "model config",
+        "config",
+        missing_fix="pass a folder holding config.json or the file itself",
+        invalid_fix="check the file",
+    )
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
     missing = [src for src in _REQUIRED.values() if cfg.get(src) is None]

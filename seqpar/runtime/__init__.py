@@ -8,3 +8,5 @@ Never imports seqpar.advisor: a launch plan is all it needs.
 from seqpar.runtime.attention import attention  # noqa: E402
 from seqpar.runtime.data_parallel import local_attention  # noqa: E402
 from seqpar.runtime.layout import shard, unshard  # noqa: E402
+
+__all__ = ["attention", "local_attention", "shard", "unshard"]

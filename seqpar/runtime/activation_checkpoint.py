@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparError
+from seqpar.options import CHECKPOINTING
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,17 @@ class Policy:
     keep_attention: bool  # attention keeps its out + lse for the recomputation (seqpar.runtime.selective)
 
 
-# The plan's Checkpointing values (seqpar.schema), in its order.
-POLICIES: dict[str, Policy] = {p.name: p for p in (
-    Policy("none", None, False, False),
-    Policy("full", False, False, False),
-    Policy("offload", True, True, False),
-    Policy("selective", False, False, True),
-)}
+# One row per name of seqpar.options.CHECKPOINTING (the plan's values), in its order.
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy("none", None, False, False),
+        Policy("full", False, False, False),
+        Policy("offload", True, True, False),
+        Policy("selective", False, False, True),
+    )
+}
+assert tuple(POLICIES) == CHECKPOINTING, "seqpar.options.CHECKPOINTING and POLICIES must name the same policies"
 
 
 def policy(name: str) -> Policy:
@@ -50,16 +55,22 @@ def from_deprecated(checkpointing: str | None, offload_checkpoints: bool | None,
     old = {k: v for k, v in (("offload_checkpoints", offload_checkpoints), ("keep_attention", keep_attention)) if v is not None}
     if not old:
         return checkpointing
-    warnings.warn(f"seqpar.apply({', '.join(f'{k}={v}' for k, v in old.items())}) is deprecated; pass "
-                  "checkpointing='offload' (offload_checkpoints) or checkpointing='selective' (keep_attention)",
-                  DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"seqpar.apply({', '.join(f'{k}={v}' for k, v in old.items())}) is deprecated; pass "
+        "checkpointing='offload' (offload_checkpoints) or checkpointing='selective' (keep_attention)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     if offload_checkpoints and keep_attention:
-        raise SeqparError("keep_attention (selective checkpointing) and offload_checkpoints exclude each other: pick one "
-                          "checkpointing policy")
+        raise SeqparError(
+            "keep_attention (selective checkpointing) and offload_checkpoints exclude each other: pick one checkpointing policy"
+        )
     implied = "offload" if offload_checkpoints else "selective" if keep_attention else None
     if implied is not None and checkpointing not in (None, implied):
-        raise SeqparError(f"checkpointing={checkpointing!r} contradicts {', '.join(f'{k}={v}' for k, v in old.items())}; "
-                          "pass checkpointing alone")
+        raise SeqparError(
+            f"checkpointing={checkpointing!r} contradicts {', '.join(f'{k}={v}' for k, v in old.items())}; "
+            "pass checkpointing alone"
+        )
     return checkpointing if implied is None else implied
 
 

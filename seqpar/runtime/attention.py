@@ -58,27 +58,44 @@ def get_attention_fn(mode: str) -> Callable[..., tuple[Tensor, Tensor]]:
     return getattr(mode_module(mode), f"{mode}_attention")
 
 
-def prepare(mode: str, q: Tensor, k: Tensor, v: Tensor, *, group, causal: bool, softmax_scale: float | None,
-            ulysses_degree: int | None, backend: str | None) -> dict:
+def prepare(
+    mode: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group,
+    causal: bool,
+    softmax_scale: float | None,
+    ulysses_degree: int | None,
+    backend: str | None,
+) -> dict:
     """Every check of a mode's inputs, then its keyword arguments for forward/backward (scale and backend resolved).
 
     All checks are local and see the same shapes on every rank (shard makes them so), so every rank raises the same
     error before any transfer; a cross-rank check would cost a collective and a host sync per call."""
     if not q.dtype == k.dtype == v.dtype:
-        raise SeqparError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first "
-                          "(under autocast: to torch.get_autocast_dtype)")
+        raise SeqparError(
+            f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first "
+            "(under autocast: to torch.get_autocast_dtype)"
+        )
     P = group_size(group)
     degrees(mode, P, ulysses_degree)  # ulysses_degree is usp_attn's: it must divide the group size
     whole = facts(mode).layout == "whole"  # data_parallel: any Sq, Sk when not causal, as one kernel call takes them
     kernels.check_shapes(q, k, v, causal=causal and whole)
     if not whole and q.shape[1] != k.shape[1]:
-        raise SeqparError(f"{mode} needs q and k,v chunks of the same local length, got {q.shape[1]} and {k.shape[1]}; "
-                          "shard q, k, v alike")
+        raise SeqparError(
+            f"{mode} needs q and k,v chunks of the same local length, got {q.shape[1]} and {k.shape[1]}; shard q, k, v alike"
+        )
     check_heads(mode, q.shape[2], k.shape[2], P, ulysses_degree)
     if causal:  # zigzag layouts need whole halves of every chunk; the other layouts split any local length
         check_split(mode, q.shape[1] * P, P, ulysses_degree)
-    kwargs = dict(group=group, causal=causal, scale=kernels.default_scale(q, softmax_scale),
-                  backend=kernels.select_backend(q.device, q.dtype, backend))
+    kwargs = dict(
+        group=group,
+        causal=causal,
+        scale=kernels.default_scale(q, softmax_scale),
+        backend=kernels.select_backend(q.device, q.dtype, backend),
+    )
     if mode == "usp_attn":
         kwargs["ulysses_degree"] = ulysses_degree
     return kwargs
@@ -120,16 +137,25 @@ def plain(fns: Functions) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Te
     return fns.forward
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mode: str, group=None, causal: bool = True,
-              softmax_scale: float | None = None, ulysses_degree: int | None = None,
-              backend: str | None = None) -> tuple[Tensor, Tensor]:
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mode: str,
+    group=None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    ulysses_degree: int | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
     """Exact attention over a sequence sharded across the group in ``mode``'s layout (see ``seqpar.runtime.shard``).
 
     ``ulysses_degree`` is for usp_attn only (Ulysses ranks per ring rank, consecutive ranks); ``backend`` overrides the
     kernel choice (exact | cudnn | flash | flash_attn). Returns (out, lse); out is differentiable in q, k, v.
     """
-    kwargs = prepare(mode, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
-                     ulysses_degree=ulysses_degree, backend=backend)
+    kwargs = prepare(
+        mode, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, ulysses_degree=ulysses_degree, backend=backend
+    )
     if facts(mode).splits_heads:  # differentiable all-to-alls around the Function on the inner mode (see the docstring)
         return mode_module(mode).forward(q, k, v, attend=differentiable, **kwargs)
     return differentiable(functions(mode, **kwargs))(q, k, v)

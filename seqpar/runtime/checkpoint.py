@@ -131,7 +131,9 @@ def load_training_state(folder: Path, *, wrapped, optimizer, scheduler, rank: in
         scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     rng = folder / f"rng-{rank}.pt"
     if not rng.is_file():
-        raise SeqparError(f"checkpoint {str(folder)!r} has no RNG state for rank {rank}; resume with the world size that wrote it")
+        raise SeqparError(
+            f"checkpoint {str(folder)!r} has no RNG state for rank {rank}; resume with the world size that wrote it"
+        )
     _set_rng_state(torch.load(rng, weights_only=False))
 
 

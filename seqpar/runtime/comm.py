@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from torch import Tensor
 
 from seqpar.errors import SeqparError

@@ -73,14 +73,18 @@ def open_data(spec: str, *, seq_len: int, vocab_size: int, seed: int = 0, tokeni
         return TokenData("synthetic", seq_len, vocab_size, None, seed)
     p = Path(spec)
     if not p.exists():
-        raise SeqparError(f"data path {spec!r} does not exist; pass --data synthetic, a .jsonl/.bin/.npy file or a datasets folder")
+        raise SeqparError(
+            f"data path {spec!r} does not exist; pass --data synthetic, a .jsonl/.bin/.npy file or a datasets folder"
+        )
     if p.is_dir():
         return TokenData(spec, seq_len, vocab_size, _from_datasets(p, tokenizer_path), seed)
     suffix = p.suffix.lower()
     if suffix == ".bin":
         dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
         if p.stat().st_size % np.dtype(dtype).itemsize:
-            raise SeqparError(f"data file {spec!r} is not a whole number of {np.dtype(dtype).name} tokens; write it with numpy .tofile")
+            raise SeqparError(
+                f"data file {spec!r} is not a whole number of {np.dtype(dtype).name} tokens; write it with numpy .tofile"
+            )
         return TokenData(spec, seq_len, vocab_size, np.memmap(p, dtype=dtype, mode="r"), seed)
     if suffix == ".npy":
         arr = np.load(p, mmap_mode="r")
@@ -94,13 +98,17 @@ def open_data(spec: str, *, seq_len: int, vocab_size: int, seed: int = 0, tokeni
 
 def _tokenizer(path: str | None, what: str):
     if not path:
-        raise SeqparError(f"{what} holds text, which needs a tokenizer; pass --model-path (or --tokenizer) with a local tokenizer folder")
+        raise SeqparError(
+            f"{what} holds text, which needs a tokenizer; pass --model-path (or --tokenizer) with a local tokenizer folder"
+        )
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise SeqparError(f"cannot load a tokenizer from {path!r} ({str(e).splitlines()[0]}); pass a local folder with tokenizer files") from None
+        raise SeqparError(
+            f"cannot load a tokenizer from {path!r} ({str(e).splitlines()[0]}); pass a local folder with tokenizer files"
+        ) from None
 
 
 def _encode(texts, tok) -> np.ndarray:
@@ -123,7 +131,7 @@ def _from_jsonl(p: Path, tokenizer_path: str | None) -> np.ndarray:
         except json.JSONDecodeError as e:
             raise SeqparError(f"data file {str(p)!r} line {n} is not JSON ({e}); write one object per line") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise SeqparError(f"data file {str(p)!r} line {n} has no string field 'text'; write {{\"text\": \"...\"}} per line")
+            raise SeqparError(f'data file {str(p)!r} line {n} has no string field \'text\'; write {{"text": "..."}} per line')
         texts.append(row["text"])
     return _encode(texts, _tokenizer(tokenizer_path, f"data file {str(p)!r}"))
 

@@ -19,8 +19,8 @@ def prepare(module, plan: LaunchPlan, total_steps: int):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
+    from seqpar.jobspec import deepspeed_config
     from seqpar.runtime.engine import make_scheduler
-    from seqpar.runtime.launch import deepspeed_config
 
     t = plan.training
     if plan.strategy.sharding == "zero3_offload":

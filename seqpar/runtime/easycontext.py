@@ -16,8 +16,16 @@ from seqpar.runtime.inputs import check_ids
 from seqpar.runtime.layout import shard
 
 
-def prepare_seq_parallel_inputs(seq_algo: str, input_ids: Tensor, position_ids: Tensor, target_ids: Tensor | None,
-                                rank: int, world_size: int, device, ulysses_degree: int | None = None) -> dict:
+def prepare_seq_parallel_inputs(
+    seq_algo: str,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    target_ids: Tensor | None,
+    rank: int,
+    world_size: int,
+    device,
+    ulysses_degree: int | None = None,
+) -> dict:
     """EasyContext's function: {"local_input_ids", "local_position_ids", "local_target_ids"} on ``device``.
 
     target_ids are already shifted (EasyContext's input = ids[:S], target = ids[1:S+1]) and are sliced like the inputs;
@@ -66,6 +74,7 @@ def _patch_class(cls: type, mode: str) -> None:
     cls.__init__ = __init__
     autoset = getattr(cls, "_autoset_attn_implementation", None)
     if autoset is not None:  # 4.x: from_pretrained validates the request before __init__; switch it there too
+
         def _autoset_attn_implementation(klass, config, *args, **kwargs):
             patched = _PATCHED_MODE.get(klass)
             if patched is not None:

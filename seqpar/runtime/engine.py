@@ -50,7 +50,9 @@ def init_distributed(plan: LaunchPlan) -> Topology:
     """Join (or reuse) the default process group and build the sequence-parallel groups; checks the world matches the plan."""
     cpu = plan.cluster.accelerator == "cpu"
     if not cpu and not torch.cuda.is_available():
-        raise SeqparError("the plan's cluster is accelerator 'cuda' but torch sees no CUDA device; run on the GPU machine or use a --cluster cpu:N plan")
+        raise SeqparError(
+            "the plan's cluster is accelerator 'cuda' but torch sees no CUDA device; run on the GPU machine or use a --cluster cpu:N plan"
+        )
     if not cpu:  # before the NCCL communicator exists, so it binds to this rank's GPU
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
@@ -149,7 +151,9 @@ def wrap(module: LossModule, plan: LaunchPlan, topo: Topology, *, cpu_offload: b
             fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
         return module
-    raise SeqparError(f"sharding {sharding!r} runs through DeepSpeed; the trainer handles it with accelerate (see deepspeed_engine)")
+    raise SeqparError(
+        f"sharding {sharding!r} runs through DeepSpeed; the trainer handles it with accelerate (see deepspeed_engine)"
+    )
 
 
 def uses_deepspeed(plan: LaunchPlan) -> bool:

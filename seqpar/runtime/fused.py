@@ -21,7 +21,6 @@ from torch import nn
 
 from seqpar.errors import SeqparError
 
-
 KINDS = ("none", "liger")
 
 
@@ -37,17 +36,22 @@ def apply_fused_ops(model: nn.Module, kind: str, device_type: str) -> str:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as e:
-        raise SeqparError(f"fused_ops liger needs the liger-kernel package ({e}); pip install 'seqpar[liger]' or set fused_ops none") from None
+        raise SeqparError(
+            f"fused_ops liger needs the liger-kernel package ({e}); pip install 'seqpar[liger]' or set fused_ops none"
+        ) from None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise SeqparError(f"fused_ops liger has no kernels for model type {model_type!r} (Liger supports "
-                     f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set fused_ops none")
+        raise SeqparError(
+            f"fused_ops liger has no kernels for model type {model_type!r} (Liger supports "
+            f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set fused_ops none"
+        )
     accepted = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
     kinds = [k for k in ("rms_norm", "rope", "swiglu") if k in accepted]
     modeling = sys.modules.get(type(model).__module__)
     before = dict(vars(modeling)) if modeling is not None else {}
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    _apply_liger_kernel_to_instance(
+        model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
     _scope_to_cuda(modeling, before)
     return f"fused ops: liger ({model_type}: {', '.join(kinds) or 'nothing applicable'})"
 

@@ -48,7 +48,7 @@ class _Context:
     keep_attention: bool = False  # selective checkpointing: seqpar.runtime.selective keeps out + lse per layer
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_mask_interface() -> bool:
     try:
         from transformers.masking_utils import AttentionMaskInterface  # noqa: F401  (4.53+)
@@ -79,10 +79,17 @@ def _seqpar_attention(module: nn.Module, query, key, value, attention_mask, scal
         )
     name = ctx.model_name
     if attention_mask is not None and _has_mask_interface():
-        raise _refuse(name, "an attention mask or bias (padding, packed documents or a custom 4D mask)",
-                      "pass attention_mask=None with one unpadded document per row")
+        raise _refuse(
+            name,
+            "an attention mask or bias (padding, packed documents or a custom 4D mask)",
+            "pass attention_mask=None with one unpadded document per row",
+        )
     if kwargs.get("softcap") is not None:
-        raise _refuse(name, f"attention logit soft-capping (softcap={kwargs['softcap']})", "train it without seqpar (plain transformers eager attention)")
+        raise _refuse(
+            name,
+            f"attention logit soft-capping (softcap={kwargs['softcap']})",
+            "train it without seqpar (plain transformers eager attention)",
+        )
     if kwargs.get("s_aux") is not None:
         raise _refuse(name, "attention sinks (s_aux)", "use a model without attention sinks")
     if any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q")):
@@ -92,13 +99,19 @@ def _seqpar_attention(module: nn.Module, query, key, value, attention_mask, scal
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
         raise _refuse(name, "bidirectional (non-causal) attention", "seqpar trains causal language models only")
     if key.shape[2] != query.shape[2]:
-        raise _refuse(name, f"a KV cache ({key.shape[2]} keys for {query.shape[2]} queries, as in generation)",
-                      "call the model with use_cache=False; generate with a plain copy of the model")
+        raise _refuse(
+            name,
+            f"a KV cache ({key.shape[2]} keys for {query.shape[2]} queries, as in generation)",
+            "call the model with use_cache=False; generate with a plain copy of the model",
+        )
     window = kwargs.get("sliding_window") or ctx.sliding_window
     total = _global_len(ctx, query.shape[2])
     if window is not None and window < total:
-        raise _refuse(name, f"sliding window attention (window {window} < sequence length {total})",
-                      f"set config.sliding_window = None for full attention, or train at most {window} tokens")
+        raise _refuse(
+            name,
+            f"sliding window attention (window {window} < sequence length {total})",
+            f"set config.sliding_window = None for full attention, or train at most {window} tokens",
+        )
     from seqpar.runtime.attention import attention
     from seqpar.runtime.selective import kept_attention
 
@@ -113,8 +126,9 @@ def _seqpar_attention(module: nn.Module, query, key, value, attention_mask, scal
     return out, None
 
 
-def _no_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
-             attention_mask=None, **kwargs):
+def _no_mask(
+    batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs
+):
     """AttentionMaskInterface function: never builds a mask; refuses a 2D mask with padding in it."""
     if attention_mask is not None and not bool(attention_mask.all()):
         config = kwargs.get("config")
@@ -127,8 +141,9 @@ def _refuse_padding_hook(model_name: str):
     def hook(module, args, kwargs):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask.all())):
-            raise _refuse(model_name, "an attention_mask with padding or a 4D mask/bias",
-                          "pass unpadded rows and attention_mask=None")
+            raise _refuse(
+                model_name, "an attention_mask with padding or a 4D mask/bias", "pass unpadded rows and attention_mask=None"
+            )
         return None
 
     return hook
@@ -171,8 +186,17 @@ def _uses_attention_interface(model: nn.Module) -> bool:
     return hasattr(sys.modules.get(type(model).__module__), "ALL_ATTENTION_FUNCTIONS")
 
 
-def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = None, *, checkpointing: str | None = None,
-          backend: str | None = None, offload_checkpoints: bool | None = None, keep_attention: bool | None = None) -> nn.Module:
+def apply(
+    model: nn.Module,
+    mode: str,
+    group=None,
+    ulysses_degree: int | None = None,
+    *,
+    checkpointing: str | None = None,
+    backend: str | None = None,
+    offload_checkpoints: bool | None = None,
+    keep_attention: bool | None = None,
+) -> nn.Module:
     """Switch a transformers causal LM to the mode's sequence-parallel attention (in place; returns the model).
 
     group: the sequence-parallel process group (None = the default group). ulysses_degree: usp_attn's Ulysses degree.
@@ -187,11 +211,17 @@ def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = 
     config = getattr(model, "config", None)
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
     if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise _refuse(name, f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})",
-                      "use a model without soft-capping")
+        raise _refuse(
+            name,
+            f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})",
+            "use a model without soft-capping",
+        )
     if config is None or not _uses_attention_interface(model):
-        raise _refuse(name, "attention that does not go through transformers' AttentionInterface",
-                      "use a model whose modeling code calls ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, Qwen3, ...)")
+        raise _refuse(
+            name,
+            "attention that does not go through transformers' AttentionInterface",
+            "use a model whose modeling code calls ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, Qwen3, ...)",
+        )
     if ulysses_degree is not None or mode == "usp_attn":
         import torch.distributed as dist
 
@@ -205,8 +235,11 @@ def apply(model: nn.Module, mode: str, group=None, ulysses_degree: int | None = 
     else:  # 4.x before set_attn_implementation
         config._attn_implementation = impl
     if getattr(model.config, "_attn_implementation", None) != impl:
-        raise _refuse(name, "attention that transformers cannot switch dynamically", "use a model that supports "
-                      "set_attn_implementation (AttentionInterface-based modeling code)")
+        raise _refuse(
+            name,
+            "attention that transformers cannot switch dynamically",
+            "use a model that supports set_attn_implementation (AttentionInterface-based modeling code)",
+        )
 
     ctx = _Context(mode, group, ulysses_degree, backend, name, _active_sliding_window(config), keep)
     for module in model.modules():

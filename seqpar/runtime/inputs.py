@@ -45,8 +45,15 @@ def _check_positions(position_ids: Tensor) -> None:
         )
 
 
-def prepare_inputs(input_ids: Tensor, mode: str, rank: int, world_size: int, labels: Tensor | None = None,
-                   position_ids: Tensor | None = None, ulysses_degree: int | None = None) -> dict[str, Tensor]:
+def prepare_inputs(
+    input_ids: Tensor,
+    mode: str,
+    rank: int,
+    world_size: int,
+    labels: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    ulysses_degree: int | None = None,
+) -> dict[str, Tensor]:
     """This rank's {"input_ids", "position_ids", "labels"} (each (B, S_local)) of a full (B, S) batch.
 
     labels: transformers' convention (unshifted; default input_ids); they are shifted over the whole sequence here, so

@@ -55,14 +55,19 @@ def select_backend(device, dtype: torch.dtype, override: str | None = None) -> s
                 f"use 'exact' or None (automatic)"
             )
         if override == "flash_attn" and not _has_flash_attn():
-            raise SeqparError("attention backend 'flash_attn' needs the flash-attn package; pip install flash-attn, or use 'cudnn'/'flash'")
+            raise SeqparError(
+                "attention backend 'flash_attn' needs the flash-attn package; pip install flash-attn, or use 'cudnn'/'flash'"
+            )
         choice, why = override, "override"
     elif device.type != "cuda" or dtype not in _HALF:
         choice, why = "exact", f"{device.type} {dtype}: fused kernels need CUDA and bf16/fp16"
     else:
         major, minor = torch.cuda.get_device_capability(device)
         if major >= 9 and torch.backends.cudnn.is_available():
-            choice, why = "cudnn", f"sm_{major}{minor}: cuDNN attention is the fastest on Hopper (~550-600 TFLOP/s fwd+bwd on H200)"
+            choice, why = (
+                "cudnn",
+                f"sm_{major}{minor}: cuDNN attention is the fastest on Hopper (~550-600 TFLOP/s fwd+bwd on H200)",
+            )
         elif major >= 8:
             choice, why = "flash", f"sm_{major}{minor}: PyTorch's flash attention"
         else:
@@ -159,7 +164,9 @@ def _aten_forward(q, k, v, causal, scale, backend):
             _cudnn_no_gqa = True
             log.info("cuDNN attention refused GQA (%s); expanding K,V heads for it", str(e).splitlines()[0])
     k, v = _expand_kv(k, groups if _cudnn_no_gqa else 1), _expand_kv(v, groups if _cudnn_no_gqa else 1)
-    r = torch.ops.aten._scaled_dot_product_cudnn_attention(_heads(q), _heads(k), _heads(v), None, True, 0.0, causal, False, scale=scale)
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _heads(q), _heads(k), _heads(v), None, True, 0.0, causal, False, scale=scale
+    )
     return r[0].transpose(1, 2), r[1].reshape(B, Hq, Sq)
 
 
@@ -170,15 +177,42 @@ def _aten_backward(dout, q, k, v, out, lse, causal, scale, backend):
     lse = lse.float().contiguous()
     if backend == "flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            _heads(dout.to(q.dtype)), _heads(q), _heads(k), _heads(v), _heads(out.to(q.dtype)), lse,
-            None, None, Sq, Sk, 0.0, causal, seed, seed, scale=scale,
+            _heads(dout.to(q.dtype)),
+            _heads(q),
+            _heads(k),
+            _heads(v),
+            _heads(out.to(q.dtype)),
+            lse,
+            None,
+            None,
+            Sq,
+            Sk,
+            0.0,
+            causal,
+            seed,
+            seed,
+            scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     groups = Hq // k.shape[2]
     g = groups if _cudnn_no_gqa else 1
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _heads(dout.to(q.dtype)), _heads(q), _heads(_expand_kv(k, g)), _heads(_expand_kv(v, g)), _heads(out.to(q.dtype)),
-        lse.view(B, Hq, Sq, 1), seed, seed, None, None, None, Sq, Sk, 0.0, causal, scale=scale,
+        _heads(dout.to(q.dtype)),
+        _heads(q),
+        _heads(_expand_kv(k, g)),
+        _heads(_expand_kv(v, g)),
+        _heads(out.to(q.dtype)),
+        lse.view(B, Hq, Sq, 1),
+        seed,
+        seed,
+        None,
+        None,
+        None,
+        Sq,
+        Sk,
+        0.0,
+        causal,
+        scale=scale,
     )
     return dq.transpose(1, 2), _fold_kv(dk.transpose(1, 2), g), _fold_kv(dv.transpose(1, 2), g)
 
@@ -193,12 +227,22 @@ def _flash_attn_call(fn, **kw):
     return fn(**{n: val for n, val in kw.items() if n in params})
 
 
+# what seqpar never uses in flash-attn's private functions: no dropout, no window, no soft-capping, no ALiBi
+_FLASH_ATTN_OFF = dict(dropout_p=0.0, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None)
+
+
 def _flash_attn_forward(q, k, v, causal, scale):
     from flash_attn import flash_attn_interface as fa
 
     r = _flash_attn_call(
-        fa._flash_attn_forward, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), dropout_p=0.0, softmax_scale=scale,
-        causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+        fa._flash_attn_forward,
+        q=q.contiguous(),
+        k=k.contiguous(),
+        v=v.contiguous(),
+        softmax_scale=scale,
+        causal=causal,
+        return_softmax=False,
+        **_FLASH_ATTN_OFF,
     )
     out, lse = (r[0], r[1]) if len(r) == 4 else (r[0], r[5])  # 2.7+: (out, lse, p, rng); 2.6: (out, q, k, v, out_pad, lse, ...)
     return out, lse[..., : q.shape[1]]
@@ -209,10 +253,21 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_attn_call(
-        fa._flash_attn_backward, dout=dout.to(q.dtype).contiguous(), q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
-        out=out.to(q.dtype).contiguous(), softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv, dropout_p=0.0,
-        softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-        deterministic=False, rng_state=None,
+        fa._flash_attn_backward,
+        dout=dout.to(q.dtype).contiguous(),
+        q=q.contiguous(),
+        k=k.contiguous(),
+        v=v.contiguous(),
+        out=out.to(q.dtype).contiguous(),
+        softmax_lse=lse.float().contiguous(),
+        dq=dq,
+        dk=dk,
+        dv=dv,
+        softmax_scale=scale,
+        causal=causal,
+        deterministic=False,
+        rng_state=None,
+        **_FLASH_ATTN_OFF,
     )
     return dq, dk, dv
 
@@ -225,7 +280,9 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise SeqparError(f"attention wants (B, S, H, D) tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise SeqparError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match each other and q {tuple(q.shape)} in batch and head dim")
+        raise SeqparError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must match each other and q {tuple(q.shape)} in batch and head dim"
+        )
     if q.shape[2] % k.shape[2]:
         raise SeqparError(
             f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} KV heads (GQA needs Hq % Hkv == 0); check the model config"

@@ -16,18 +16,18 @@ import subprocess
 from pathlib import Path
 
 from seqpar.errors import SeqparError
-from seqpar.jobspec import Job, LaunchOptions, build_job, deepspeed_config, jobs_for, uses_deepspeed
+from seqpar.jobspec import Job, LaunchOptions, jobs_for, uses_deepspeed
 from seqpar.schema import ClusterSpec, LaunchPlan
 
-# build_job and deepspeed_config live in seqpar.jobspec; named here for callers of the launcher that import them from it.
-__all__ = ["LaunchOptions", "build_job", "check_machine", "deepspeed_config", "failure_message", "jobs_for", "launch",
-           "preflight", "run_job"]
+__all__ = ["LaunchOptions", "check_machine", "failure_message", "launch", "preflight", "run_job"]
 
 
 # --------------------------------------------------------------------------------------------- machine check
 
 
-def check_machine(cluster: ClusterSpec, *, gpu_names: list[str], gpu_profile: str | None, cpu_count: int, nnodes: int) -> list[str]:
+def check_machine(
+    cluster: ClusterSpec, *, gpu_names: list[str], gpu_profile: str | None, cpu_count: int, nnodes: int
+) -> list[str]:
     """What differs between the plan's cluster and this machine (empty = it matches). gpu_names/gpu_profile: probed."""
     diffs = []
     if nnodes != cluster.nodes:
@@ -38,7 +38,9 @@ def check_machine(cluster: ClusterSpec, *, gpu_names: list[str], gpu_profile: st
             diffs.append(f"the plan runs {cluster.gpus_per_node} CPU ranks per node, more than 4 x the {cpu_count} cores here")
         return diffs
     if not gpu_names:
-        diffs.append(f"the plan needs {cluster.gpus_per_node} x {cluster.gpu.name} per node, this machine has no NVIDIA GPU visible")
+        diffs.append(
+            f"the plan needs {cluster.gpus_per_node} x {cluster.gpu.name} per node, this machine has no NVIDIA GPU visible"
+        )
         return diffs
     if len(gpu_names) != cluster.gpus_per_node:
         diffs.append(f"the plan needs {cluster.gpus_per_node} GPUs per node, this machine has {len(gpu_names)}")
@@ -53,8 +55,13 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool) -> Non
 
     for job, sp in jobs:
         p = sp or plan
-        open_data(opts.data, seq_len=p.workload.seq_len, vocab_size=p.workload.model.vocab_size,
-                  seed=p.training.seed, tokenizer_path=opts.model_path)
+        open_data(
+            opts.data,
+            seq_len=p.workload.seq_len,
+            vocab_size=p.workload.model.vocab_size,
+            seed=p.training.seed,
+            tokenizer_path=opts.model_path,
+        )
         if not opts.resume and not dry_run:
             ck = job.output / "checkpoints"
             if ck.is_dir() and any(x.name.startswith("step-") for x in ck.iterdir()):
@@ -85,7 +92,9 @@ def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_
     jobs = jobs_for(plan, plan_path, opts)
     preflight(plan, jobs, opts, dry_run)
     for n, (job, sp) in enumerate(jobs):
-        title = f"stage {n}: seq_len {sp.workload.seq_len}, rope_theta {sp.training.rope_theta}, {sp.strategy.mode}" if sp else "job"
+        title = (
+            f"stage {n}: seq_len {sp.workload.seq_len}, rope_theta {sp.training.rope_theta}, {sp.strategy.mode}" if sp else "job"
+        )
         if dry_run:
             echo(f"# {title}")
             for k, v in job.env.items():
@@ -129,6 +138,7 @@ def run_job(job: Job) -> int:
 
 def failure_message(job: Job, rc: int) -> str:
     """Name the rank that failed first (the trainer leaves failed-rank<R>.txt), else point at torchrun's summary."""
+
     def key(p: Path):
         stamp, _, line = p.read_text().strip().partition(" ")
         # A rank whose peer died fails too ("connection closed/reset by peer"): a consequence, never the cause.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from torch import Tensor
 
 from seqpar.errors import SeqparError
@@ -56,8 +55,10 @@ def _global_mean(loss_sum: Tensor, count: Tensor, group) -> Tensor:
 
 def _check(labels: Tensor, tokens: int, what: str) -> None:
     if labels.numel() != tokens:
-        raise SeqparError(f"labels {tuple(labels.shape)} hold {labels.numel()} tokens but {what} holds {tokens}; "
-                     "pass the labels from seqpar.prepare_inputs for the same shard")
+        raise SeqparError(
+            f"labels {tuple(labels.shape)} hold {labels.numel()} tokens but {what} holds {tokens}; "
+            "pass the labels from seqpar.prepare_inputs for the same shard"
+        )
 
 
 def _ce_sum(logits: Tensor, labels: Tensor) -> Tensor:
@@ -78,7 +79,7 @@ def loss(logits: Tensor, labels: Tensor, group=None, chunk_size: int | None = No
         from torch.utils.checkpoint import checkpoint
 
         total = sum(
-            checkpoint(_ce_sum, flat[i:i + chunk_size], targets[i:i + chunk_size], use_reentrant=False)
+            checkpoint(_ce_sum, flat[i : i + chunk_size], targets[i : i + chunk_size], use_reentrant=False)
             for i in range(0, flat.shape[0], chunk_size)
         )
     return _global_mean(total, (targets != IGNORE_INDEX).sum(), group)
@@ -95,8 +96,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         ctx.compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for i in range(0, hidden.shape[0], chunk):
-            logits = hidden[i:i + chunk] @ weight.t()  # (c, V) in the model dtype, as the lm_head would produce
-            total += _ce_sum(logits, targets[i:i + chunk])
+            logits = hidden[i : i + chunk] @ weight.t()  # (c, V) in the model dtype, as the lm_head would produce
+            total += _ce_sum(logits, targets[i : i + chunk])
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk = chunk
         return total
@@ -110,7 +111,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None  # (N, H)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # (V, H)
         for i in range(0, hidden.shape[0], ctx.chunk):
-            h, y = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk]  # (c, H), (c,)
+            h, y = hidden[i : i + ctx.chunk], targets[i : i + ctx.chunk]  # (c, H), (c,)
             h = h if cd is None else h.to(cd)
             valid = (y != IGNORE_INDEX)[:, None]  # (c, 1)
             d_logits = torch.softmax((h @ w_c.t()).float(), dim=-1)  # (c, V) fp32: dCE/dlogits = p - onehot(y)
@@ -120,9 +121,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
             d_logits = d_logits.to(h.dtype)
             if need_h:
                 if d_hidden.dtype == h.dtype:
-                    torch.mm(d_logits, w_c, out=d_hidden[i:i + ctx.chunk])  # (c, H)
+                    torch.mm(d_logits, w_c, out=d_hidden[i : i + ctx.chunk])  # (c, H)
                 else:
-                    d_hidden[i:i + ctx.chunk] = d_logits @ w_c  # (c, H) computed in the autocast dtype
+                    d_hidden[i : i + ctx.chunk] = d_logits @ w_c  # (c, H) computed in the autocast dtype
             if need_w:
                 if d_weight.dtype == d_logits.dtype:
                     d_weight.addmm_(d_logits.t(), h)  # (V, H) in place
@@ -131,8 +132,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return d_hidden, (d_weight.to(weight.dtype) if need_w else None), None, None
 
 
-def loss_from_hidden(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, group=None,
-                     chunk_size: int = 4096) -> Tensor:
+def loss_from_hidden(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, group=None, chunk_size: int = 4096) -> Tensor:
     """Global mean cross-entropy of logits = hidden @ lm_head_weight.T, computed chunk_size tokens at a time.
 
     hidden (B, S_local, H): the base model's last hidden state (e.g. model.model(...).last_hidden_state);
@@ -143,8 +143,10 @@ def loss_from_hidden(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, gro
     flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     _check(labels, flat.shape[0], "hidden")
     if lm_head_weight.shape[-1] != flat.shape[-1]:
-        raise SeqparError(f"lm_head_weight {tuple(lm_head_weight.shape)} does not match hidden size {flat.shape[-1]}; "
-                     "pass model.lm_head.weight (vocab, hidden)")
+        raise SeqparError(
+            f"lm_head_weight {tuple(lm_head_weight.shape)} does not match hidden size {flat.shape[-1]}; "
+            "pass model.lm_head.weight (vocab, hidden)"
+        )
     targets = labels.reshape(-1).to(flat.device)  # (N,)
     total = _ChunkedLinearCE.apply(flat, lm_head_weight, targets, int(chunk_size))
     return _global_mean(total, (targets != IGNORE_INDEX).sum(), group)

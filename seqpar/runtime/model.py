@@ -54,8 +54,16 @@ def set_rope_theta(config, theta: float) -> None:
         config.rope_theta = float(theta)
 
 
-def build_model(spec: ModelSpec, *, model_path: str | None, seed: int, rope_theta: float | None, init_from: str | None = None,
-                device=None, dtype=None):
+def build_model(
+    spec: ModelSpec,
+    *,
+    model_path: str | None,
+    seed: int,
+    rope_theta: float | None,
+    init_from: str | None = None,
+    device=None,
+    dtype=None,
+):
     """The causal LM; weights from model_path, init_from, or seeded random. Random weights are created directly on
     ``device`` in ``dtype`` (a 7B model initialised in fp32 on the host would take ~27 GB of RAM and a minute of CPU);
     loaded weights come in ``dtype`` on the host and the caller moves them."""

@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-GIB = 2**30
+from seqpar.units import GIB
 
 
 def _physical_ram() -> int:

@@ -47,10 +47,17 @@ class ProgressBar:
         self.bar = None
         if self.live:
             self.bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TextColumn("peak {task.fields[mem]} GiB"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                console=console, transient=False,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("peak {task.fields[mem]} GiB"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=console,
+                transient=False,
             )
             self.task = self.bar.add_task("train", total=total, completed=start, loss="-", tps="-", mem="-")
             self.bar.start()
@@ -59,11 +66,18 @@ class ProgressBar:
     def update(self, rec: dict) -> None:
         if self.rank != 0:
             return
-        msg = (f"step {rec['step']}/{self.total} loss {rec['loss']:.4f} lr {rec['lr']:.3g} "
-               f"{rec['tokens_per_s']:.0f} tok/s peak {rec['peak_memory_gib']:.2f} GiB")
+        msg = (
+            f"step {rec['step']}/{self.total} loss {rec['loss']:.4f} lr {rec['lr']:.3g} "
+            f"{rec['tokens_per_s']:.0f} tok/s peak {rec['peak_memory_gib']:.2f} GiB"
+        )
         if self.live:
-            self.bar.update(self.task, completed=rec["step"], loss=f"{rec['loss']:.4f}", tps=f"{rec['tokens_per_s']:.0f}",
-                            mem=f"{rec['peak_memory_gib']:.2f}")
+            self.bar.update(
+                self.task,
+                completed=rec["step"],
+                loss=f"{rec['loss']:.4f}",
+                tps=f"{rec['tokens_per_s']:.0f}",
+                mem=f"{rec['peak_memory_gib']:.2f}",
+            )
             for h in self.log.handlers:  # the file still gets every line; the terminal has the bar
                 if isinstance(h, logging.FileHandler):
                     h.handle(self.log.makeRecord(self.log.name, logging.INFO, "", 0, msg, None, None))

@@ -73,8 +73,20 @@ class Metrics:
             sink(rec)
 
 
-def write_report(out: Path, plan: LaunchPlan, *, step_times: list[float], tokens_per_step: int, sequences_per_step: int,
-                 device: torch.device, backend: str, dtype_reason: str, engine: str, steps_done: int, rank: int) -> dict | None:
+def write_report(
+    out: Path,
+    plan: LaunchPlan,
+    *,
+    step_times: list[float],
+    tokens_per_step: int,
+    sequences_per_step: int,
+    device: torch.device,
+    backend: str,
+    dtype_reason: str,
+    engine: str,
+    steps_done: int,
+    rank: int,
+) -> dict | None:
     """Collective: gathers every rank's memory peaks; rank 0 writes run_report.json and returns it."""
     mem = memory_now(device)
     per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [mem]

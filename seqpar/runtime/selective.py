@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from seqpar.runtime.attention import differentiable, functions, prepare
 
-_PENDING: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()  # module -> [weakref to _Entry]
+_PENDING: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()  # module -> [weakref to _Entry]
 
 
 class _Entry:
@@ -126,14 +126,25 @@ class _Keep:
             _release(module, entry)
 
 
-def kept_attention(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, mode: str, *, group=None, causal: bool = True,
-                   softmax_scale: float | None = None, ulysses_degree: int | None = None,
-                   backend: str | None = None) -> tuple[Tensor, Tensor]:
+def kept_attention(
+    module: nn.Module,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mode: str,
+    *,
+    group=None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    ulysses_degree: int | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
     """``seqpar.runtime.attention.attention`` whose (out, lse) is kept for the recomputation of ``module``'s layer.
 
     Same inputs, checks and results as the mode's function; differentiable in q, k, v; lse carries no gradient."""
-    kwargs = prepare(mode, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
-                     ulysses_degree=ulysses_degree, backend=backend)
+    kwargs = prepare(
+        mode, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, ulysses_degree=ulysses_degree, backend=backend
+    )
     active = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return differentiable(functions(mode, **kwargs), _Keep(module, group, active))(q, k, v)
 

@@ -19,11 +19,9 @@ import math
 import warnings
 
 import torch
-
 from torch import Tensor, nn
 
 from seqpar.errors import SeqparError
-
 
 
 def tile_tokens(local_tokens: int, hidden_size: int) -> int:
@@ -36,7 +34,9 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, module: nn.Module, names: tuple[str, ...], tile: int, *params: Tensor) -> Tensor:
         dev = x.device.type
-        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") else (False, None)
+        ctx.autocast = (
+            (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cuda", "cpu") else (False, None)
+        )
         ctx.module, ctx.names, ctx.tile = module, names, tile
         ctx.save_for_backward(x, *params)
         with torch.no_grad():
@@ -50,14 +50,14 @@ class _TiledMLP(torch.autograd.Function):
         want = [i for i, p in enumerate(params) if ctx.needs_input_grad[4 + i]]
         acc = [torch.zeros_like(params[i], dtype=torch.promote_types(params[i].dtype, torch.float32)) for i in want]
         for start in range(0, x.shape[1], ctx.tile):
-            xt = x[:, start:start + ctx.tile].detach().requires_grad_(dx is not None)
+            xt = x[:, start : start + ctx.tile].detach().requires_grad_(dx is not None)
             leaves = [p.detach().requires_grad_(i in want) for i, p in enumerate(params)]
             with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
                 y = _call(ctx.module, ctx.names, leaves, xt)
             inputs = ([xt] if dx is not None else []) + [leaves[i] for i in want]
-            grads = torch.autograd.grad(y, inputs, dout[:, start:start + ctx.tile], allow_unused=True)
+            grads = torch.autograd.grad(y, inputs, dout[:, start : start + ctx.tile], allow_unused=True)
             if dx is not None:
-                dx[:, start:start + ctx.tile] = grads[0]
+                dx[:, start : start + ctx.tile] = grads[0]
                 grads = grads[1:]
             for a, g in zip(acc, grads):
                 if g is not None:
@@ -107,10 +107,10 @@ class _Tiled:
 def _tiles_no_grad(module, names, params, x: Tensor, tile: int) -> Tensor:
     out = None
     for start in range(0, x.shape[1], tile):
-        y = _call(module, names, params, x[:, start:start + tile])
+        y = _call(module, names, params, x[:, start : start + tile])
         if out is None:
             out = y.new_empty((x.shape[0], x.shape[1], *y.shape[2:]))
-        out[:, start:start + tile] = y
+        out[:, start : start + tile] = y
     return out
 
 
@@ -143,11 +143,15 @@ def tile_mlp(model: nn.Module, tile: int | None = None) -> int:
         raise SeqparError(f"{name}: tiled_mlp found no decoder MLP (a submodule named 'mlp'); set tiled_mlp false")
     for m in mlps:
         if any(hasattr(m, a) for a in ("gate", "router", "experts")) or getattr(config, "num_experts", None):
-            raise SeqparError(f"{name}: tiled_mlp cannot tile a mixture-of-experts block ({type(m).__name__}); set tiled_mlp false")
+            raise SeqparError(
+                f"{name}: tiled_mlp cannot tile a mixture-of-experts block ({type(m).__name__}); set tiled_mlp false"
+            )
         drop = [d.p for d in m.modules() if isinstance(d, nn.Dropout) and d.p > 0]
         if drop and model.training:
-            raise SeqparError(f"{name}: tiled_mlp recomputes each tile in backward and would draw new dropout masks "
-                         f"(dropout p={drop[0]} inside {type(m).__name__}); set the MLP's dropout to 0 or tiled_mlp false")
+            raise SeqparError(
+                f"{name}: tiled_mlp recomputes each tile in backward and would draw new dropout masks "
+                f"(dropout p={drop[0]} inside {type(m).__name__}); set the MLP's dropout to 0 or tiled_mlp false"
+            )
     if tile is not None and tile < 1:
         raise SeqparError(f"tiled_mlp tile {tile} must be >= 1 token")
     for m in mlps:
@@ -159,7 +163,9 @@ def tile_mlp(model: nn.Module, tile: int | None = None) -> int:
             func = getattr(bound, "__func__", None)
             if func is None or getattr(bound, "__self__", None) is not m:
                 m.forward = bound
-                raise SeqparError(f"{name}: tiled_mlp cannot wrap {type(m).__name__}'s replaced forward ({bound!r}); set tiled_mlp false")
+                raise SeqparError(
+                    f"{name}: tiled_mlp cannot wrap {type(m).__name__}'s replaced forward ({bound!r}); set tiled_mlp false"
+                )
             m._seqpar_inner_forward = func
         m.__class__ = _tiled_class(type(m))
         m._seqpar_tile, m._seqpar_hidden, m._seqpar_inside, m._seqpar_warned = tile, hidden, False, False

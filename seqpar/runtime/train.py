@@ -23,7 +23,13 @@ from typing import Any
 from seqpar.errors import SeqparError
 from seqpar.schema import LaunchPlan
 
-ENGINES = {"ddp": "ddp", "fsdp": "fsdp2", "zero2": "deepspeed-zero2", "zero3": "deepspeed-zero3", "zero3_offload": "deepspeed-zero3-offload"}
+ENGINES = {
+    "ddp": "ddp",
+    "fsdp": "fsdp2",
+    "zero2": "deepspeed-zero2",
+    "zero3": "deepspeed-zero3",
+    "zero3_offload": "deepspeed-zero3-offload",
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -101,8 +107,9 @@ def setup(args: argparse.Namespace) -> Run:
     s, w, t = plan.strategy, plan.workload, plan.training
     steps = args.steps or t.steps
     every = t.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
-    data = open_data(args.data, seq_len=w.seq_len, vocab_size=w.model.vocab_size, seed=t.seed,
-                     tokenizer_path=args.tokenizer or args.model_path)
+    data = open_data(
+        args.data, seq_len=w.seq_len, vocab_size=w.model.vocab_size, seed=t.seed, tokenizer_path=args.tokenizer or args.model_path
+    )
     out = Path(args.output)
     check_output(out, args.resume)
     deepspeed = engine.uses_deepspeed(plan)
@@ -114,16 +121,30 @@ def setup(args: argparse.Namespace) -> Run:
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
     dist.barrier()
     log = setup_logging(out, topo.rank)
-    topo_state = {"world_size": topo.world_size, "sp_degree": s.sp_degree, "dp_degree": s.dp_degree, "mode": s.mode,
-                  "seq_len": w.seq_len, "micro_batch_size": w.micro_batch_size,
-                  "gradient_accumulation_steps": s.gradient_accumulation_steps, "data": args.data}
+    topo_state = {
+        "world_size": topo.world_size,
+        "sp_degree": s.sp_degree,
+        "dp_degree": s.dp_degree,
+        "mode": s.mode,
+        "seq_len": w.seq_len,
+        "micro_batch_size": w.micro_batch_size,
+        "gradient_accumulation_steps": s.gradient_accumulation_steps,
+        "data": args.data,
+    }
     resume_from, start = ckpt.resume_point(out / "checkpoints", args.resume, topo_state, log)
 
     # ----- model, engine, optimizer
     init = ckpt.init_weights(args.init_from)
     param_dtype, autocast_dtype, dtype_reason = engine.compute_dtype(plan, topo.device)
-    model = build_model(w.model, model_path=args.model_path, seed=t.seed, rope_theta=t.rope_theta,
-                        init_from=str(resume_from / "model") if resume_from else init, device=topo.device, dtype=param_dtype)
+    model = build_model(
+        w.model,
+        model_path=args.model_path,
+        seed=t.seed,
+        rope_theta=t.rope_theta,
+        init_from=str(resume_from / "model") if resume_from else init,
+        device=topo.device,
+        dtype=param_dtype,
+    )
     apply(model, s.mode, group=topo.sp_group, ulysses_degree=_ulysses_degree(plan), checkpointing=s.checkpointing)
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
@@ -145,12 +166,41 @@ def setup(args: argparse.Namespace) -> Run:
 
     engine_name = ENGINES[s.sharding] if deepspeed or not s.sharding.startswith("zero") else f"fsdp2 ({s.sharding} on CPU ranks)"
     backend = _backend(topo.device, param_dtype if autocast_dtype is None else autocast_dtype)
-    log.info("plan %s: %s sp=%d dp=%d engine=%s checkpointing=%s loss=%s; %s; %s; %s; attention backend %s; %d steps from %d%s",
-             args.plan, s.mode, s.sp_degree, s.dp_degree, engine_name, s.checkpointing, s.loss_impl, fused_line, tiled_line,
-             dtype_reason, backend,
-             steps, start, f"; weights from {init}" if init and resume_from is None else "")
-    return Run(plan, steps, start, every, out, topo, log, data, model, wrapped, optimizer, scheduler, backward,
-               autocast_dtype, topo_state, {"engine": engine_name, "backend": backend, "dtype_reason": dtype_reason})
+    log.info(
+        "plan %s: %s sp=%d dp=%d engine=%s checkpointing=%s loss=%s; %s; %s; %s; attention backend %s; %d steps from %d%s",
+        args.plan,
+        s.mode,
+        s.sp_degree,
+        s.dp_degree,
+        engine_name,
+        s.checkpointing,
+        s.loss_impl,
+        fused_line,
+        tiled_line,
+        dtype_reason,
+        backend,
+        steps,
+        start,
+        f"; weights from {init}" if init and resume_from is None else "",
+    )
+    return Run(
+        plan,
+        steps,
+        start,
+        every,
+        out,
+        topo,
+        log,
+        data,
+        model,
+        wrapped,
+        optimizer,
+        scheduler,
+        backward,
+        autocast_dtype,
+        topo_state,
+        {"engine": engine_name, "backend": backend, "dtype_reason": dtype_reason},
+    )
 
 
 def train_step(r: Run, step: int) -> dict:
@@ -166,8 +216,9 @@ def train_step(r: Run, step: int) -> dict:
 
     s, w, topo = r.plan.strategy, r.plan.workload, r.topo
     ga, mbs, ulysses = s.gradient_accumulation_steps, w.micro_batch_size, _ulysses_degree(r.plan)
-    autocast = (torch.autocast(topo.device.type, dtype=r.autocast_dtype) if r.autocast_dtype is not None
-                else contextlib.nullcontext())
+    autocast = (
+        torch.autocast(topo.device.type, dtype=r.autocast_dtype) if r.autocast_dtype is not None else contextlib.nullcontext()
+    )
     t0 = time.perf_counter()
     total = torch.zeros((), dtype=torch.float64, device=topo.device)
     for micro in range(ga):
@@ -202,8 +253,14 @@ def train_step(r: Run, step: int) -> dict:
         torch.cuda.synchronize(topo.device)
     dt = time.perf_counter() - t0
     lr = r.scheduler.get_last_lr()[0] if r.scheduler is not None else 0.0
-    rec = {"step": step + 1, "loss": step_loss, "lr": lr, "tokens_per_s": _tokens_per_step(r) / dt, "step_time_s": dt,
-           "peak_memory_gib": memory_now(topo.device)["peak_allocated_gib"]}
+    rec = {
+        "step": step + 1,
+        "loss": step_loss,
+        "lr": lr,
+        "tokens_per_s": _tokens_per_step(r) / dt,
+        "step_time_s": dt,
+        "peak_memory_gib": memory_now(topo.device)["peak_allocated_gib"],
+    }
     if grad_norm is not None:
         rec["grad_norm"] = grad_norm
     return rec
@@ -235,14 +292,31 @@ def run(args: argparse.Namespace) -> dict:
             metrics.log(rec)
             bar.update(rec)
             if (r.every and (step + 1) % r.every == 0) or step + 1 == r.steps:
-                ckpt.save(r.root, step + 1, wrapped=r.wrapped, hf_model=r.model, optimizer=r.optimizer, scheduler=r.scheduler,
-                          state={"step": step + 1, "windows_read": (step + 1) * sequences_per_step, **r.topo_state},
-                          rank=rank)
+                ckpt.save(
+                    r.root,
+                    step + 1,
+                    wrapped=r.wrapped,
+                    hf_model=r.model,
+                    optimizer=r.optimizer,
+                    scheduler=r.scheduler,
+                    state={"step": step + 1, "windows_read": (step + 1) * sequences_per_step, **r.topo_state},
+                    rank=rank,
+                )
     finally:
         bar.close()
-    report = write_report(r.out, r.plan, step_times=step_times, tokens_per_step=_tokens_per_step(r),
-                          sequences_per_step=sequences_per_step, device=r.topo.device, backend=r.notes["backend"],
-                          dtype_reason=r.notes["dtype_reason"], engine=r.notes["engine"], steps_done=r.steps, rank=rank)
+    report = write_report(
+        r.out,
+        r.plan,
+        step_times=step_times,
+        tokens_per_step=_tokens_per_step(r),
+        sequences_per_step=sequences_per_step,
+        device=r.topo.device,
+        backend=r.notes["backend"],
+        dtype_reason=r.notes["dtype_reason"],
+        engine=r.notes["engine"],
+        steps_done=r.steps,
+        rank=rank,
+    )
     if rank == 0:
         r.log.info("done: %d steps; run report %s", r.steps, r.out / "run_report.json")
     return {"losses": losses, "report": report, "output": str(r.out)}
@@ -284,8 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         import traceback
 
         traceback.print_exc()
-        _fail(rank, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              args.output if Path(args.output, "checkpoints").is_dir() else None)
+        _fail(
+            rank,
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            args.output if Path(args.output, "checkpoints").is_dir() else None,
+        )
         return 1
     finally:
         import torch.distributed as dist

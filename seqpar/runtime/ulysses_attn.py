@@ -96,4 +96,3 @@ def ulysses_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=No
     q (B, S/P, Hq, D); k, v (B, S/P, Hkv, D) -> out (B, S/P, Hq, D), lse (B, Hq, S/P); out differentiable.
     """
     return attention(q, k, v, "ulysses_attn", group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
-

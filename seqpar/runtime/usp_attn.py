@@ -78,8 +78,10 @@ def subgroups(group, ulysses_degree: int):
                         f"different numbers of process groups ({counts}); call seqpar.runtime.usp_attn.create_subgroups"
                         f"(all sp groups, {U}) on every process after creating the sp groups"
                     )
-            _SUBGROUPS[key] = tuple(dist.new_group(r, backend=backend, use_local_synchronization=True)
-                                    for r in (uly_sets[ring_rank], ring_sets[uly_rank]))
+            _SUBGROUPS[key] = tuple(
+                dist.new_group(r, backend=backend, use_local_synchronization=True)
+                for r in (uly_sets[ring_rank], ring_sets[uly_rank])
+            )
     return _SUBGROUPS[key]
 
 
@@ -95,8 +97,9 @@ def _inner(group, ulysses_degree: int, causal: bool, scale: float, backend: str)
     return U, uly_group, functions("zigzag_ring_attn", group=ring_group, **kw)
 
 
-def forward(q, k, v, *, group, causal: bool, scale: float, backend: str, ulysses_degree: int,
-            attend=plain) -> tuple[Tensor, Tensor]:
+def forward(
+    q, k, v, *, group, causal: bool, scale: float, backend: str, ulysses_degree: int, attend=plain
+) -> tuple[Tensor, Tensor]:
     """Ulysses inside the group of U consecutive ranks around the zigzag ring over every U-th rank: out (B, S/W, Hq, D)
     in q's dtype, lse (B, Hq, S/W)."""
     U, uly_group, inner = _inner(group, ulysses_degree, causal, scale, backend)
@@ -105,19 +108,30 @@ def forward(q, k, v, *, group, causal: bool, scale: float, backend: str, ulysses
     return head_split(q, k, v, uly_group, inner, attend)  # the ring runs on (B, S/R, Hq/U, D): its zigzag part, H/U heads
 
 
-def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str,
-             ulysses_degree: int) -> tuple[Tensor, Tensor, Tensor]:
+def backward(
+    dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str, ulysses_degree: int
+) -> tuple[Tensor, Tensor, Tensor]:
     U, uly_group, inner = _inner(group, ulysses_degree, causal, scale, backend)
     if U == 1:
         return inner.backward(dout, q, k, v, out, lse)
     return head_split_backward(dout, q, k, v, out, lse, uly_group, inner)
 
 
-def usp_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None,
-                       ulysses_degree: int | None = None) -> tuple[Tensor, Tensor]:
+def usp_attn_attention(
+    q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None, ulysses_degree: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Exact attention over a sequence in the usp_attn layout; returns (out, lse) in this rank's layout.
 
     q (B, S/W, Hq, D); k, v (B, S/W, Hkv, D) -> out (B, S/W, Hq, D), lse (B, Hq, S/W). ulysses_degree U must divide W.
     """
-    return attention(q, k, v, "usp_attn", group=group, causal=causal, softmax_scale=softmax_scale,
-                     ulysses_degree=ulysses_degree, backend=backend)
+    return attention(
+        q,
+        k,
+        v,
+        "usp_attn",
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        ulysses_degree=ulysses_degree,
+        backend=backend,
+    )

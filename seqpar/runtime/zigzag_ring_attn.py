@@ -69,7 +69,9 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, back
         kv_handle = kv_comm.send_recv_many([k, v]) if step + 1 < W else None
         plan = _plan(step, rank, causal)
         if plan in ("diag", "full"):
-            bdq, bdk, bdv = kernels.attn_backward(dout, q, k, v, out, lse, causal=plan == "diag", softmax_scale=scale, backend=backend)
+            bdq, bdk, bdv = kernels.attn_backward(
+                dout, q, k, v, out, lse, causal=plan == "diag", softmax_scale=scale, backend=backend
+            )
         elif plan == "kv_first_half":
             bdq, bdk, bdv = kernels.attn_backward(
                 dout, q, k[:, :c], v[:, :c], out, lse, causal=False, softmax_scale=scale, backend=backend
