@@ -23,6 +23,7 @@ from rich.console import Console
 
 from seqpar.cli_options import OUTPUT, RequestFlags, advise_request, with_request_flags
 from seqpar.errors import SeqparError
+from seqpar.options import KEEP_LAST
 from seqpar.schema import LaunchPlan, first_error, format_tokens, parse_seq_len
 
 app = typer.Typer(
@@ -462,13 +463,29 @@ def launch(
         None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node."
     ),
     report_to: str = typer.Option("", "--report-to", help="tensorboard,wandb: also log metrics there (when installed)."),
+    checkpoint_every: Optional[str] = typer.Option(
+        None,
+        "--checkpoint-every",
+        metavar="N|auto",
+        help="Steps between checkpoints: 0 = only the final one, auto = about hourly (default: the plan's).",
+    ),
+    keep_last: Optional[int] = typer.Option(
+        None, "--keep-last", min=0, help=f"Checkpoints kept, newest first; 0 = all (default {KEEP_LAST})."
+    ),
+    no_final_checkpoint: bool = typer.Option(
+        False, "--no-final-checkpoint", help="No checkpoint or export after the last step (benchmarks)."
+    ),
+    skip_nonfinite: bool = typer.Option(
+        False, "--skip-nonfinite", help="Skip the update of a step with a non-finite loss instead of stopping."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the exact command and generated configs; run nothing."),
     force: bool = typer.Option(False, "--force", help="Run even when the plan's cluster does not match this machine."),
 ):
     """Run a plan: torchrun (accelerate for DeepSpeed plans) starts the trainer on every rank; exit status = the job's.
 
-    Checks first (exit 2, nothing written): the plan, the data, the output folder, and that this machine is the plan's
-    cluster (`--force` skips that). Writes checkpoints, `run_report.json` (measured beside predicted), `metrics.jsonl` and
+    Checks first (exit 2, nothing written): the plan, the data, the output folder, the free space there for the
+    checkpoints and the export, and that this machine is the plan's cluster (`--force` skips that). A non-finite loss
+    stops the run before its update (exit 1, the step named; `latest` stays the last good checkpoint). Writes checkpoints, `run_report.json` (measured beside predicted), `metrics.jsonl` and
     `train.log` into `--output`. Staged plans (`seqpar advise --recipe`) run stage by stage.
 
     **Examples**
@@ -509,10 +526,22 @@ def launch(
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
         report_to=report_to,
+        checkpoint_every=_checkpoint_every(checkpoint_every),
+        keep_last=keep_last,
+        final_checkpoint=not no_final_checkpoint,
+        skip_nonfinite=skip_nonfinite,
     )
     rc = run_launch(plan, plan_path, opts, dry_run=dry_run, echo=typer.echo if dry_run else note)
     if rc:
         raise typer.Exit(rc)
+
+
+def _checkpoint_every(text: str | None) -> int | str | None:
+    if text is None or text == "auto":
+        return text
+    if not text.isdigit():
+        raise SeqparError(f"--checkpoint-every {text!r} is not a number of steps >= 0 or 'auto'; e.g. --checkpoint-every 500")
+    return int(text)
 
 
 def main() -> None:

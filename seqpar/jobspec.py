@@ -37,6 +37,10 @@ class LaunchOptions:
     node_rank: int | str = 0  # a recorded plan's command: NODE_RANK_VAR
     rdzv_endpoint: str | None = None
     report_to: str = ""
+    checkpoint_every: int | str | None = None  # None: the plan's training.checkpoint_every; "auto": about hourly
+    keep_last: int | None = None  # None: the trainer's default (seqpar.options.KEEP_LAST)
+    final_checkpoint: bool = True
+    skip_nonfinite: bool = False
     extra: list[str] = field(default_factory=list)
 
 
@@ -137,6 +141,12 @@ def build_job(
         train += ["--init-from", init_from]
     if opts.report_to:
         train += ["--report-to", opts.report_to]
+    if opts.checkpoint_every is not None:
+        train += ["--checkpoint-every", str(opts.checkpoint_every)]
+    if opts.keep_last is not None:
+        train += ["--keep-last", str(opts.keep_last)]
+    train += [] if opts.final_checkpoint else ["--no-final-checkpoint"]
+    train += ["--skip-nonfinite"] if opts.skip_nonfinite else []
     train += opts.extra + ["--plan", str(plan_file)]
     configs: dict[str, str] = {}
     if uses_deepspeed(plan):

@@ -8,4 +8,8 @@ from __future__ import annotations
 
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "offload", "selective")
 
-__all__ = ["CHECKPOINTING"]
+# Training checkpoints kept by default (--keep-last): the newest and the one before it, so a damaged newest still
+# leaves one to resume from. The CLI's help and the trainer read it.
+KEEP_LAST = 2
+
+__all__ = ["CHECKPOINTING", "KEEP_LAST"]

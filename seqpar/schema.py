@@ -363,7 +363,12 @@ class TrainingSpec(_Frozen):
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(default=1.0, ge=0, description="Max gradient norm, 0 = off.")
     seed: int = Field(default=0, description="Random seed.")
-    checkpoint_every: int = Field(default=0, ge=0, description="Save every K steps (0 = only at the end).")
+    checkpoint_every: Optional[int] = Field(
+        default=None,
+        ge=0,
+        description="Save every K steps; 0 = only at the end; None = about hourly, from the predicted (else the first "
+        "measured) step time.",
+    )
     rope_theta: Optional[float] = Field(
         default=None, gt=0, description="Override of the model's RoPE base (EasyContext raises it per stage)."
     )

@@ -159,7 +159,7 @@ def _reference_and_torn_checkpoint(rank, world, plan_file, out):
     """Uninterrupted run; then a crash inside the step-8 checkpoint write (both ranks) must keep step-4 as the latest."""
     import torch.distributed as dist
 
-    from seqpar.runtime.checkpoint import latest
+    from seqpar.runtime.resume import latest
     from seqpar.runtime.train import parser, run
 
     run(parser().parse_args(["--plan", plan_file, "--output", out]))

@@ -52,7 +52,10 @@ def check_machine(
 def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool) -> None:
     """Everything that can be checked before a process starts; SeqparError (exit 2, nothing written) otherwise."""
     from seqpar.runtime.data import open_data  # numpy only; text data loads the tokenizer to count tokens
+    from seqpar.runtime.resume import launch_check
+    from seqpar.runtime.storage import launch_problem
 
+    reserved = 0  # an earlier stage's checkpoints stay in its folder while the next one runs
     for job, sp in jobs:
         p = sp or plan
         open_data(
@@ -66,6 +69,13 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool) -> Non
             ck = job.output / "checkpoints"
             if ck.is_dir() and any(x.name.startswith("step-") for x in ck.iterdir()):
                 raise SeqparError(f"output {str(job.output)!r} already holds checkpoints; pass --resume or pick another --output")
+        if opts.resume and not dry_run:
+            launch_check(p, job.output, opts.data, opts.steps)  # a torn, foreign or incompatible checkpoint: one line
+        if not dry_run:
+            problem, need = launch_problem(p, job.output, opts, reserved)
+            if problem:
+                raise SeqparError(problem)
+            reserved += need
         if uses_deepspeed(p) and not dry_run:
             import importlib.util
 

@@ -4,6 +4,12 @@ Random-weight models (benchmarks, smoke tests) are built from a transformers con
 alone is enough to run. Every rank seeds the same generator before building, so all ranks start from identical weights.
 The RoPE base can be overridden (EasyContext's recipe raises it per stage); transformers 5 keeps it in
 ``config.rope_parameters``, 4.x in ``config.rope_theta``: both are set.
+
+Host memory: only rank 0 builds the model with its weights (``meta=False``); every other rank builds it on the meta
+device (shapes, no storage), the engine wraps it (FSDP2 shards the meta parameters), ``materialize`` allocates what the
+rank keeps, and ``share_from_rank0`` broadcasts rank 0's values tensor by tensor (torch.distributed.checkpoint's
+``broadcast_from_rank0``), each rank keeping its shard. A W-rank job so holds one full copy (rank 0's, while it
+broadcasts) instead of W, and an FSDP2 rank other than 0 never more than its shard.
 """
 
 from __future__ import annotations
@@ -63,10 +69,11 @@ def build_model(
     init_from: str | None = None,
     device=None,
     dtype=None,
+    meta: bool = False,
 ):
     """The causal LM; weights from model_path, init_from, or seeded random. Random weights are created directly on
     ``device`` in ``dtype`` (a 7B model initialised in fp32 on the host would take ~27 GB of RAM and a minute of CPU);
-    loaded weights come in ``dtype`` on the host and the caller moves them."""
+    loaded weights come in ``dtype`` on the host and the caller moves them. ``meta``: shapes only, no weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -82,6 +89,9 @@ def build_model(
         set_rope_theta(config, rope_theta)
     torch.manual_seed(seed)
     dtype = dtype or torch.float32
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
     if model_path:
         model = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=dtype, local_files_only=True)
     else:
@@ -112,3 +122,29 @@ def load_weights(model, folder: str | Path) -> None:
             f"checkpoint {str(folder)!r} does not fit the model: missing {real_missing[:3]}, unexpected {list(unexpected)[:3]}; "
             f"resume with the plan that wrote it"
         )
+
+
+def full_state(module) -> dict:
+    """Rank 0's values to broadcast, keyed as torch.distributed.checkpoint keys the module (wrappers' prefixes removed)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module)
+
+
+def materialize(module, device) -> None:
+    """Allocate the meta tensors of ``module`` on ``device`` (uninitialised: share_from_rank0 fills them)."""
+    import itertools
+
+    if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        module.to_empty(device=device)
+
+
+def share_from_rank0(module, full: dict | None) -> None:
+    """Collective: every parameter and buffer of ``module`` (wrapped or not) takes rank 0's value; ``full`` is rank 0's
+    ``full_state`` taken before wrapping, None elsewhere. FSDP2 ranks keep their shard of each parameter."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for b in module.buffers():  # non-persistent buffers (RoPE's inv_freq) are in no state dict
+        dist.broadcast(b, src=0)

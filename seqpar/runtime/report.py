@@ -1,6 +1,8 @@
 """What a run measured, beside what its plan predicted: the run report (JSON) and the per-step metrics (JSONL).
 
-``run_report.json`` sits next to ``checkpoints/`` in the output folder; ``seqpar calibrate`` reads it. Measured figures
+``run_report.json`` sits next to ``checkpoints/`` in the output folder; ``seqpar calibrate`` reads it. The trainer
+writes it before the final checkpoint (a failed final write leaves the measurements) and then adds the checkpoints'
+predicted and written sizes (``checkpoints``). Measured figures
 use the plan's field names (``tokens_per_s``, ``peak_memory_gib``, ``reserved_memory_gib``, ``step_time_s``, ``mfu``) so a
 measured/predicted pair lines up by key.
 
@@ -11,6 +13,7 @@ causal attention, no recompute) / step time / the datasheet bf16 peak of every G
 from __future__ import annotations
 
 import json
+import math
 import resource
 import statistics
 import sys
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from seqpar.errors import SeqparError
 from seqpar.flops import model_flops_per_sequence
 from seqpar.schema import LaunchPlan, write_atomic
 from seqpar.units import GIB
@@ -45,8 +49,8 @@ class Metrics:
         if rank != 0:
             return
         if self.path.exists():  # keep what the checkpoint covers; the steps after it are run again
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+            keep = [ln for ln, rec in _records(self.path, log) if rec["step"] <= resume_step]
+            write_atomic(self.path, "".join(ln + "\n" for ln in keep))
         for name in report_to:
             try:
                 if name == "tensorboard":
@@ -67,10 +71,44 @@ class Metrics:
     def log(self, rec: dict) -> None:
         if self.rank != 0:
             return
+        # strict JSON: a skipped step's non-finite loss or norm is null
+        line = json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()})
         with self.path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(line + "\n")
         for sink in self.sinks:
             sink(rec)
+
+
+def _records(path: Path, log) -> list[tuple[str, dict]]:
+    """(line, record) of a metrics file; a torn last line (a crash or a full disk mid-append) is dropped with a warning,
+    a bad line before it is an error naming the file and line."""
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    out = []
+    for n, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as e:
+            if n == len(lines):
+                log.warning("%s: dropped a torn last line (%d characters); its step runs again", path, len(ln))
+                break
+            raise SeqparError(
+                f"metrics file {str(path)!r} line {n} is not a step record ({e}); restore the file or delete it to start "
+                f"its records afresh"
+            ) from None
+        out.append((ln, rec))
+    return out
+
+
+def update_report(out: Path, **fields) -> None:
+    """Rank 0: add ``fields`` to run_report.json (atomically)."""
+    path = out / "run_report.json"
+    report = json.loads(path.read_text())
+    report.update(fields)
+    write_atomic(path, json.dumps(report, indent=2) + "\n")
 
 
 def write_report(

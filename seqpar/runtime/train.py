@@ -5,7 +5,13 @@ group; each sequence-parallel rank trains on its shard of the group's windows (s
 reads its settings from the plan (mode, degrees, sharding, checkpointing, loss_impl, training section); the flags only say
 what to train on, for how long and where to write. Errors in the input are one line and exit code 2 on every rank.
 
-Test hooks (environment): SEQPAR_FAULT_RANK + SEQPAR_FAULT_STEP (+ SEQPAR_FAULT_PHASE=step|checkpoint) raise on one rank.
+Checkpoints (seqpar.runtime.saver): every ``--checkpoint-every`` steps (the plan's interval; by default about hourly),
+the newest ``--keep-last`` kept, and a final one with the save_pretrained export after the run report is written
+(``--no-final-checkpoint`` skips it). A non-finite loss or gradient norm stops the run before its update is applied
+(exit 1, one line naming the step; no checkpoint of it is written, ``latest`` stays the last good one), or with
+``--skip-nonfinite`` the step's update is skipped and the run goes on.
+
+Test hooks (environment): SEQPAR_FAULT_RANK + SEQPAR_FAULT_STEP + SEQPAR_FAULT_PHASE (seqpar.runtime.checkpoint.fault).
 """
 
 from __future__ import annotations
@@ -13,14 +19,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from seqpar.errors import SeqparError
+from seqpar.errors import SeqparError, TrainingStopped
+from seqpar.options import KEEP_LAST
+from seqpar.runtime import resume
+from seqpar.runtime.storage import AUTO
 from seqpar.schema import LaunchPlan
 
 ENGINES = {
@@ -42,11 +53,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="runs/seqpar", help="folder for checkpoints, run report, metrics and log")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--init-from", default=None, help="save_pretrained folder to start the weights from (recipe stages)")
-    p.add_argument("--checkpoint-every", type=int, default=None, help="override training.checkpoint_every (0 = only at the end)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=_every,
+        default=None,
+        help="steps between checkpoints: N, 0 = only the final one, auto = about hourly (default: training.checkpoint_every)",
+    )
+    p.add_argument("--keep-last", type=int, default=KEEP_LAST, help="checkpoints kept, newest first (0 = all)")
+    p.add_argument("--no-final-checkpoint", action="store_true", help="write no checkpoint (and no export) after the last step")
+    p.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step with a non-finite loss or grad norm")
+    p.add_argument(
+        "--async-checkpoint",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="write interval checkpoints on a thread (auto: on CUDA)",
+    )
     p.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP2: keep parameters and optimizer state in host RAM")
     p.add_argument("--report-to", default="", help="comma list: tensorboard, wandb (used only when installed)")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps when there is no progress bar")
     return p
+
+
+def _every(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--checkpoint-every {text}: give a number of steps >= 0 or 'auto'")
+    return n
 
 
 def check_output(out: Path, resume: bool) -> None:
@@ -63,23 +97,28 @@ class Run:
     plan: LaunchPlan
     steps: int  # the optimizer step to reach
     start: int  # the step to continue from: 0, or the resumed checkpoint's
-    every: int  # checkpoint interval in steps (0: only at the end)
+    every: int | None  # checkpoint interval in steps (0: only the final one; None: from the first measured steps)
     out: Path
     topo: Any  # seqpar.runtime.engine.Topology
     log: logging.Logger
     data: Any  # seqpar.runtime.data's windows
-    model: Any  # the transformers model (what checkpoints save_pretrained)
+    model: Any  # the transformers model (what the final checkpoint exports)
     wrapped: Any  # the engine around engine.LossModule(model)
     optimizer: Any
     scheduler: Any
     backward: Any  # DeepSpeed's backward (it scales and steps itself), else None
     autocast_dtype: Any  # torch dtype or None
-    topo_state: dict  # what a checkpoint must match to be resumed
+    facts: dict  # seqpar.runtime.resume's run / layout / training facts: what a checkpoint records
     notes: dict  # engine, attention backend and dtype reason: for the log line and the run report
+    skip_nonfinite: bool = False
 
     @property
     def root(self) -> Path:
         return self.out / "checkpoints"
+
+    def state(self, step: int) -> dict:
+        """What trainer_state.json records for a checkpoint after ``step`` steps."""
+        return {"step": step, "windows_read": step * self.facts["run"][resume.WINDOWS_PER_STEP], **self.facts}
 
 
 def _ulysses_degree(plan: LaunchPlan) -> int | None:
@@ -95,18 +134,19 @@ def setup(args: argparse.Namespace) -> Run:
 
     from seqpar.runtime import checkpoint as ckpt
     from seqpar.runtime import engine
+    from seqpar.runtime import model as models
     from seqpar.runtime.data import open_data
     from seqpar.runtime.fused import apply_fused_ops
     from seqpar.runtime.hf import apply
-    from seqpar.runtime.model import build_model
     from seqpar.runtime.progress import setup_logging
+    from seqpar.runtime.storage import interval
     from seqpar.runtime.tiled_mlp import tile_mlp
 
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
     plan = LaunchPlan.load(args.plan)
     s, w, t = plan.strategy, plan.workload, plan.training
     steps = args.steps or t.steps
-    every = t.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
+    every, every_why = interval(plan, args.checkpoint_every)
     data = open_data(
         args.data, seq_len=w.seq_len, vocab_size=w.model.vocab_size, seed=t.seed, tokenizer_path=args.tokenizer or args.model_path
     )
@@ -121,53 +161,85 @@ def setup(args: argparse.Namespace) -> Run:
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
     dist.barrier()
     log = setup_logging(out, topo.rank)
-    topo_state = {
-        "world_size": topo.world_size,
-        "sp_degree": s.sp_degree,
-        "dp_degree": s.dp_degree,
-        "mode": s.mode,
-        "seq_len": w.seq_len,
-        "micro_batch_size": w.micro_batch_size,
-        "gradient_accumulation_steps": s.gradient_accumulation_steps,
-        "data": args.data,
-    }
-    resume_from, start = ckpt.resume_point(out / "checkpoints", args.resume, topo_state, log)
+    # Every rank reads and checks the checkpoint, so a bad one is the same one line everywhere, before any transfer.
+    resume_from = resume.latest(out / "checkpoints") if args.resume else None
+    saved = resume.read_state(resume_from) if resume_from is not None else None
+    start = saved["step"] if saved else 0
+    if args.resume and resume_from is None:
+        log.info("--resume: no checkpoint in %s yet, starting at step 0", out / "checkpoints")
 
-    # ----- model, engine, optimizer
+    # ----- model: rank 0 builds it with its weights, the others on the meta device (seqpar.runtime.model)
     init = ckpt.init_weights(args.init_from)
     param_dtype, autocast_dtype, dtype_reason = engine.compute_dtype(plan, topo.device)
-    model = build_model(
+    meta = topo.rank != 0 and not deepspeed  # DeepSpeed builds and partitions its own way
+    model = models.build_model(
         w.model,
         model_path=args.model_path,
         seed=t.seed,
         rope_theta=t.rope_theta,
-        init_from=str(resume_from / "model") if resume_from else init,
+        init_from=init if resume_from is None else None,
         device=topo.device,
         dtype=param_dtype,
+        meta=meta,
     )
+    facts = {
+        "run": resume.run_facts(
+            plan,
+            data=args.data,
+            data_windows=data.num_windows,
+            parameters={k: list(v.shape) for k, v in model.state_dict().items()},
+            fmt="deepspeed" if deepspeed else "dcp",
+        ),
+        "layout": resume.layout_facts(plan),
+        "training": resume.training_facts(plan, steps),
+    }
+    changes = resume.compare(saved, facts, resume_from) if saved else []
     apply(model, s.mode, group=topo.sp_group, ulysses_degree=_ulysses_degree(plan), checkpointing=s.checkpointing)
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
     tiled_line = f"tiled MLP: {tile_mlp(model)} MLPs, ~hidden_size tokens per tile" if s.tiled_mlp else "tiled MLP: off"
     model.train()
-    model.to(device=topo.device, dtype=param_dtype)
+    if not meta:
+        model.to(device=topo.device, dtype=param_dtype)
     module = engine.LossModule(model, s.loss_impl, topo.sp_group)
     if deepspeed:
         from seqpar.runtime.deepspeed import prepare
 
         wrapped, optimizer, scheduler, backward = prepare(module, plan, steps)
     else:
+        full = models.full_state(module) if topo.rank == 0 else None
+        sharded = s.sharding != "ddp"  # FSDP2 (zero* on CPU ranks too, engine.wrap) shards the meta parameters
+        if not sharded:
+            models.materialize(module, topo.device)
         wrapped = engine.wrap(module, plan, topo, cpu_offload=args.fsdp_cpu_offload)
+        models.materialize(wrapped, topo.device)
+        models.share_from_rank0(wrapped, full)
+        del full
         optimizer = engine.make_optimizer(wrapped, plan)
         scheduler = engine.make_scheduler(optimizer, plan, steps)
         backward = None
     if resume_from is not None:
-        ckpt.load_training_state(resume_from, wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, rank=topo.rank)
+        notes = ckpt.load(
+            resume_from,
+            saved,
+            wrapped=wrapped,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            rank=topo.rank,
+            world_size=topo.world_size,
+        )
+        log.info(
+            "resuming from %s (step %d)%s",
+            resume_from,
+            start,
+            "; changed: " + ", ".join(changes + notes) if changes or notes else "",
+        )
 
     engine_name = ENGINES[s.sharding] if deepspeed or not s.sharding.startswith("zero") else f"fsdp2 ({s.sharding} on CPU ranks)"
     backend = _backend(topo.device, param_dtype if autocast_dtype is None else autocast_dtype)
     log.info(
-        "plan %s: %s sp=%d dp=%d engine=%s checkpointing=%s loss=%s; %s; %s; %s; attention backend %s; %d steps from %d%s",
+        "plan %s: %s sp=%d dp=%d engine=%s checkpointing=%s loss=%s; %s; %s; %s; attention backend %s; %d steps from %d%s; "
+        "checkpoints %s",
         args.plan,
         s.mode,
         s.sp_degree,
@@ -182,30 +254,34 @@ def setup(args: argparse.Namespace) -> Run:
         steps,
         start,
         f"; weights from {init}" if init and resume_from is None else "",
+        every_why,
     )
     return Run(
-        plan,
-        steps,
-        start,
-        every,
-        out,
-        topo,
-        log,
-        data,
-        model,
-        wrapped,
-        optimizer,
-        scheduler,
-        backward,
-        autocast_dtype,
-        topo_state,
-        {"engine": engine_name, "backend": backend, "dtype_reason": dtype_reason},
+        plan=plan,
+        steps=steps,
+        start=start,
+        every=every,
+        out=out,
+        topo=topo,
+        log=log,
+        data=data,
+        model=model,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        backward=backward,
+        autocast_dtype=autocast_dtype,
+        facts=facts,
+        notes={"engine": engine_name, "backend": backend, "dtype_reason": dtype_reason},
+        skip_nonfinite=args.skip_nonfinite,
     )
 
 
 def train_step(r: Run, step: int) -> dict:
     """One optimizer step: gradient_accumulation_steps micro-batches, then the update. Returns the step's metrics
-    record (loss = the world mean). Collective over the job."""
+    record (loss = the world mean). A non-finite loss or gradient norm skips the update (--skip-nonfinite) or stops the
+    run (TrainingStopped) before it is applied; every rank sees the same all-reduced loss and global norm, so all agree.
+    Collective over the job."""
     import torch
     import torch.distributed as dist
 
@@ -236,19 +312,22 @@ def train_step(r: Run, step: int) -> dict:
         else:
             (loss * (s.sp_degree / ga)).backward()  # see engine.py: sum over sp, mean over dp and micro-batches
         total += loss.detach().double()
-    grad_norm = None
-    if r.backward is None and r.optimizer is not None:
-        if r.plan.training.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(r.wrapped.parameters(), r.plan.training.grad_clip)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP2
-        r.optimizer.step()
-        r.scheduler.step()
-        r.optimizer.zero_grad(set_to_none=True)
-    elif r.backward is None:
-        r.wrapped.zero_grad(set_to_none=True)
     # Every rank of a group holds the same global loss: the world mean is the mean over data-parallel groups.
     dist.all_reduce(total)
     step_loss = float(total) / (topo.world_size * ga)
+    grad_norm = _grad_norm(r) if r.backward is None and r.optimizer is not None else None
+    bad = [f"{k} {v}" for k, v in (("loss", step_loss), ("grad norm", grad_norm)) if v is not None and not math.isfinite(v)]
+    if bad and not r.skip_nonfinite:
+        raise TrainingStopped(_nonfinite_message(r, step + 1, bad))
+    if r.backward is None and r.optimizer is not None:
+        if not bad:
+            r.optimizer.step()
+        with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()" is meant
+            warnings.simplefilter("ignore", UserWarning)
+            r.scheduler.step()  # the schedule stays a function of the step, skipped or not
+        r.optimizer.zero_grad(set_to_none=True)
+    elif r.backward is None:
+        r.wrapped.zero_grad(set_to_none=True)
     if topo.device.type == "cuda":
         torch.cuda.synchronize(topo.device)
     dt = time.perf_counter() - t0
@@ -263,7 +342,34 @@ def train_step(r: Run, step: int) -> dict:
     }
     if grad_norm is not None:
         rec["grad_norm"] = grad_norm
+    if bad:
+        rec["skipped"] = f"non-finite {', '.join(bad)}; update not applied (--skip-nonfinite)"
+        r.log.warning("step %d: %s", step + 1, rec["skipped"])
     return rec
+
+
+def _grad_norm(r: Run) -> float:
+    """The global gradient norm (clipping to training.grad_clip when it is > 0)."""
+    import torch
+
+    params = [p for p in r.wrapped.parameters() if p.grad is not None]
+    if r.plan.training.grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, r.plan.training.grad_clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP2
+
+
+def _nonfinite_message(r: Run, step: int, bad: list[str]) -> str:
+    from seqpar.runtime.resume import latest
+
+    last = latest(r.root)
+    kept = f"latest stays {last.name}" if last is not None else "no checkpoint was written yet"
+    applied = "was not applied" if r.backward is None else "was applied by DeepSpeed, and no checkpoint of it written"
+    return (
+        f"non-finite {' and '.join(bad)} at step {step}: training stopped, the step's update {applied}; {kept}; "
+        f"lower training.learning_rate or check the data, or pass --skip-nonfinite to skip such steps"
+    )
 
 
 def _tokens_per_step(r: Run) -> int:
@@ -275,51 +381,72 @@ def run(args: argparse.Namespace) -> dict:
     """Train; returns {"losses": [...], "report": dict | None (rank 0), "output": str}. Collective over the job."""
     from seqpar.runtime import checkpoint as ckpt
     from seqpar.runtime.progress import ProgressBar
-    from seqpar.runtime.report import Metrics, write_report
+    from seqpar.runtime.report import Metrics, update_report, write_report
+    from seqpar.runtime.saver import Saver
 
     r = setup(args)
-    s, rank = r.plan.strategy, r.topo.rank
-    sequences_per_step = r.plan.workload.micro_batch_size * s.gradient_accumulation_steps * s.dp_degree
+    rank = r.topo.rank
+    if r.start >= r.steps:  # e.g. --resume --steps 2 after step 4: nothing to run, nothing to overwrite
+        r.log.info(
+            "the checkpoint is at step %d, and --steps is %d: nothing to train; outputs left as they are", r.start, r.steps
+        )
+        return {"losses": [], "report": None, "output": str(r.out)}
+    saver = Saver(
+        r, every=r.every, keep_last=args.keep_last, final=not args.no_final_checkpoint, async_mode=args.async_checkpoint
+    )
     metrics = Metrics(r.out, rank, [x for x in args.report_to.split(",") if x], r.start, r.log)
     bar = ProgressBar(rank, r.steps, r.start, r.log, args.log_every)
     losses, step_times = [], []
+
+    def report(steps_done: int) -> dict | None:
+        return write_report(
+            r.out,
+            r.plan,
+            step_times=step_times,
+            tokens_per_step=_tokens_per_step(r),
+            sequences_per_step=r.facts["run"][resume.WINDOWS_PER_STEP],
+            device=r.topo.device,
+            backend=r.notes["backend"],
+            dtype_reason=r.notes["dtype_reason"],
+            engine=r.notes["engine"],
+            steps_done=steps_done,
+            rank=rank,
+        )
+
+    done = r.start
     try:
         for step in range(r.start, r.steps):
-            ckpt._fault("step", step + 1, rank)
+            ckpt.fault("step", step + 1, rank)
             rec = train_step(r, step)
+            done = step + 1
+            saver.wait()  # an asynchronous write of an earlier step commits now
             step_times.append(rec["step_time_s"])
             losses.append(rec["loss"])
             metrics.log(rec)
             bar.update(rec)
-            if (r.every and (step + 1) % r.every == 0) or step + 1 == r.steps:
-                ckpt.save(
-                    r.root,
-                    step + 1,
-                    wrapped=r.wrapped,
-                    hf_model=r.model,
-                    optimizer=r.optimizer,
-                    scheduler=r.scheduler,
-                    state={"step": step + 1, "windows_read": (step + 1) * sequences_per_step, **r.topo_state},
-                    rank=rank,
-                )
+            saver.observe(done, r.start, rec["step_time_s"])
+            if done < r.steps and saver.due(done, r.steps):
+                saver.save(done, r.state(done), final=False)
+        saver.wait()
+    except TrainingStopped:
+        if step_times:  # what was measured survives the stop (a full disk may refuse this too)
+            with contextlib.suppress(OSError):
+                report(done)
+        raise
     finally:
         bar.close()
-    report = write_report(
-        r.out,
-        r.plan,
-        step_times=step_times,
-        tokens_per_step=_tokens_per_step(r),
-        sequences_per_step=sequences_per_step,
-        device=r.topo.device,
-        backend=r.notes["backend"],
-        dtype_reason=r.notes["dtype_reason"],
-        engine=r.notes["engine"],
-        steps_done=r.steps,
-        rank=rank,
-    )
+    # The run report first: a final checkpoint that fails (full disk, a kill) leaves the measurements behind.
+    result = report(r.steps)
+    if saver.final:
+        saver.save(r.steps, r.state(r.steps), final=True)
     if rank == 0:
+        sizes = saver.sizes
+        update_report(
+            r.out,
+            checkpoints={"predicted_bytes": sizes.checkpoint, "export_predicted_bytes": sizes.export, "written": saver.written},
+        )
         r.log.info("done: %d steps; run report %s", r.steps, r.out / "run_report.json")
-    return {"losses": losses, "report": report, "output": str(r.out)}
+    return {"losses": losses, "report": result, "output": str(r.out)}
 
 
 def _backend(device, dtype) -> str:
@@ -354,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     except SeqparError as e:
         print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingStopped as e:  # a named stop (non-finite loss, full disk): one line, no traceback
+        _fail(rank, str(e), args.output)
+        return 1
     except BaseException as e:
         import traceback
 
