@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -178,7 +179,9 @@ def _one_layout_many_ways(rank, world, tmp, data):
         for k in ("SEQPAR_FAULT_PHASE", "SEQPAR_FAULT_RANK", "SEQPAR_FAULT_STEP"):
             os.environ.pop(k)
     # non-finite losses skipped on request: the run ends with finite weights
-    _run(make_plan(2, "zigzag_ring_attn", 2, mbs=2, steps=6, lr=1e10), tmp, "skip", data, "--skip-nonfinite", rank=rank)
+    # (interval None and no prediction: decided from the first two measured steps)
+    skip = make_plan(2, "zigzag_ring_attn", 2, mbs=2, steps=6, lr=1e10, checkpoint_every=None)
+    _run(skip, tmp, "skip", data, "--skip-nonfinite", rank=rank)
     return res
 
 
@@ -225,6 +228,10 @@ def test_async_checkpoints_resume_hostile_files_full_disks_and_skipped_steps(tmp
     assert not list((enospc / "checkpoints").glob(".step-*")) and (enospc / "run_report.json").is_file()
 
     skip = read_metrics(tmp_path / "skip")
+    log = (tmp_path / "skip" / "train.log").read_text()
+    assert "checkpoints about hourly, from the measured step time" in log
+    assert re.search(r"checkpoints every \d{3,} steps \(about hourly at [\d.e-]+ s per step\)", log), log
+    assert [p.name for p in (tmp_path / "skip" / "checkpoints").glob("step-*")] == ["step-000006"]  # an hour is far
     assert len(skip) == 6 and any("skipped" in m for m in skip) and "skipped" not in skip[0]
     weights = load_file(str(tmp_path / "skip" / "checkpoints" / "step-000006" / "model" / "model.safetensors"))
     assert all(t.float().isfinite().all() for t in weights.values())

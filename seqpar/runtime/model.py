@@ -148,3 +148,16 @@ def share_from_rank0(module, full: dict | None) -> None:
     set_model_state_dict(module, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for b in module.buffers():  # non-persistent buffers (RoPE's inv_freq) are in no state dict
         dist.broadcast(b, src=0)
+
+
+def wrap_from_rank0(module, wrap, *, rank: int, device, sharded: bool, offload: bool):
+    """Collective: ``wrap(module)`` (the engine) with every rank's tensors allocated and holding rank 0's values.
+    DDP (``sharded`` False) checks and broadcasts real tensors, so they are allocated before wrapping; FSDP2 shards the
+    meta parameters first, so a rank allocates only its shards (in host memory when ``offload``)."""
+    full = full_state(module) if rank == 0 else None
+    if not sharded:
+        materialize(module, device)
+    wrapped = wrap(module)
+    materialize(wrapped, "cpu" if offload else device)
+    share_from_rank0(wrapped, full)
+    return wrapped

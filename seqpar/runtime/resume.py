@@ -92,6 +92,16 @@ def training_facts(plan: LaunchPlan, steps: int) -> dict:
     }
 
 
+def facts(plan: LaunchPlan, steps: int, *, data: str, data_windows: int, model, deepspeed: bool) -> dict:
+    """The three groups for trainer_state.json; ``model`` is the transformers model (meta-device ones too: shapes only)."""
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    return {
+        "run": run_facts(plan, data=data, data_windows=data_windows, parameters=shapes, fmt="deepspeed" if deepspeed else "dcp"),
+        "layout": layout_facts(plan),
+        "training": training_facts(plan, steps),
+    }
+
+
 def compare(saved: dict, now: dict, folder: Path) -> list[str]:
     """Refuse a changed ``run`` fact (SeqparError naming it); return the applied changes of layout and training."""
     for key, want in now["run"].items():
@@ -191,6 +201,7 @@ __all__ = [
     "compare",
     "complete",
     "digest",
+    "facts",
     "latest",
     "launch_check",
     "read_state",

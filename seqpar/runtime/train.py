@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import sys
 import time
@@ -182,17 +181,7 @@ def setup(args: argparse.Namespace) -> Run:
         dtype=param_dtype,
         meta=meta,
     )
-    facts = {
-        "run": resume.run_facts(
-            plan,
-            data=args.data,
-            data_windows=data.num_windows,
-            parameters={k: list(v.shape) for k, v in model.state_dict().items()},
-            fmt="deepspeed" if deepspeed else "dcp",
-        ),
-        "layout": resume.layout_facts(plan),
-        "training": resume.training_facts(plan, steps),
-    }
+    facts = resume.facts(plan, steps, data=args.data, data_windows=data.num_windows, model=model, deepspeed=deepspeed)
     changes = resume.compare(saved, facts, resume_from) if saved else []
     apply(model, s.mode, group=topo.sp_group, ulysses_degree=_ulysses_degree(plan), checkpointing=s.checkpointing)
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
@@ -207,14 +196,15 @@ def setup(args: argparse.Namespace) -> Run:
 
         wrapped, optimizer, scheduler, backward = prepare(module, plan, steps)
     else:
-        full = models.full_state(module) if topo.rank == 0 else None
         sharded = s.sharding != "ddp"  # FSDP2 (zero* on CPU ranks too, engine.wrap) shards the meta parameters
-        if not sharded:
-            models.materialize(module, topo.device)
-        wrapped = engine.wrap(module, plan, topo, cpu_offload=args.fsdp_cpu_offload)
-        models.materialize(wrapped, topo.device)
-        models.share_from_rank0(wrapped, full)
-        del full
+        wrapped = models.wrap_from_rank0(
+            module,
+            lambda m: engine.wrap(m, plan, topo, cpu_offload=args.fsdp_cpu_offload),
+            rank=topo.rank,
+            device=topo.device,
+            sharded=sharded,
+            offload=sharded and args.fsdp_cpu_offload and topo.device.type == "cuda",  # shards kept in host memory
+        )
         optimizer = engine.make_optimizer(wrapped, plan)
         scheduler = engine.make_scheduler(optimizer, plan, steps)
         backward = None
@@ -285,7 +275,7 @@ def train_step(r: Run, step: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from seqpar.runtime import engine
+    from seqpar.runtime import engine, nonfinite
     from seqpar.runtime.inputs import prepare_inputs
     from seqpar.runtime.layout import shard
     from seqpar.runtime.report import memory_now
@@ -315,10 +305,12 @@ def train_step(r: Run, step: int) -> dict:
     # Every rank of a group holds the same global loss: the world mean is the mean over data-parallel groups.
     dist.all_reduce(total)
     step_loss = float(total) / (topo.world_size * ga)
-    grad_norm = _grad_norm(r) if r.backward is None and r.optimizer is not None else None
-    bad = [f"{k} {v}" for k, v in (("loss", step_loss), ("grad norm", grad_norm)) if v is not None and not math.isfinite(v)]
+    grad_norm = (
+        nonfinite.grad_norm(r.wrapped, r.plan.training.grad_clip) if r.backward is None and r.optimizer is not None else None
+    )
+    bad = nonfinite.problems(step_loss, grad_norm)
     if bad and not r.skip_nonfinite:
-        raise TrainingStopped(_nonfinite_message(r, step + 1, bad))
+        raise TrainingStopped(nonfinite.message(step + 1, bad, r.root, applied=r.backward is not None))
     if r.backward is None and r.optimizer is not None:
         if not bad:
             r.optimizer.step()
@@ -346,30 +338,6 @@ def train_step(r: Run, step: int) -> dict:
         rec["skipped"] = f"non-finite {', '.join(bad)}; update not applied (--skip-nonfinite)"
         r.log.warning("step %d: %s", step + 1, rec["skipped"])
     return rec
-
-
-def _grad_norm(r: Run) -> float:
-    """The global gradient norm (clipping to training.grad_clip when it is > 0)."""
-    import torch
-
-    params = [p for p in r.wrapped.parameters() if p.grad is not None]
-    if r.plan.training.grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, r.plan.training.grad_clip)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP2
-
-
-def _nonfinite_message(r: Run, step: int, bad: list[str]) -> str:
-    from seqpar.runtime.resume import latest
-
-    last = latest(r.root)
-    kept = f"latest stays {last.name}" if last is not None else "no checkpoint was written yet"
-    applied = "was not applied" if r.backward is None else "was applied by DeepSpeed, and no checkpoint of it written"
-    return (
-        f"non-finite {' and '.join(bad)} at step {step}: training stopped, the step's update {applied}; {kept}; "
-        f"lower training.learning_rate or check the data, or pass --skip-nonfinite to skip such steps"
-    )
 
 
 def _tokens_per_step(r: Run) -> int:
