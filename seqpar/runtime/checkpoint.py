@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -48,12 +47,6 @@ from torch.distributed.checkpoint.state_dict import (
 from seqpar.errors import SeqparError
 from seqpar.runtime.resume import FORMAT, complete, digest, latest, step_dir
 from seqpar.schema import write_atomic
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
 
 # --------------------------------------------------------------------------------------------- writing
 
