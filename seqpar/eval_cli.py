@@ -120,7 +120,13 @@ def run_eval(
     # With --json the ranks' output goes to stderr (fd 2: the process's own, also under a test runner).
     rc = subprocess.run(job.argv, env={**os.environ, **job.env}, stdout=2 if o.json_out else None).returncode
     if rc:
-        note(f"error: the eval job failed with exit status {rc}; the ranks' errors are above")
+        done = json.loads(report.read_text())["lengths"] if report.is_file() else []
+        kept = (
+            f"; {report} holds the lengths done before it ({', '.join(format_tokens(r['seq_len']) for r in done)})"
+            if done
+            else ""
+        )
+        note(f"error: the eval job failed with exit status {rc}; the ranks' errors are above{kept}")
         return 1, None
     return 0, json.loads(report.read_text())
 

@@ -3,8 +3,8 @@
 
 The model runs forward under ``torch.no_grad`` in the plan's mode and degrees: no optimizer, no gradients, no
 checkpointing; weights whole on every rank in the model dtype (the plan's on CUDA, fp32 on CPU ranks, kept exact). Each
-forward stops at the final hidden state and ``token_scores`` derives every token's cross-entropy and argmax a chunk of
-tokens at a time, so the (tokens, vocab) fp32 logits never exist (extra memory: one (chunk, vocab) block).
+forward stops at the final hidden state and seqpar.runtime.forward.token_scores derives every token's cross-entropy and
+argmax a chunk of tokens at a time, so the (tokens, vocab) fp32 logits never exist.
 
 Exactness. A window of seq_len + 1 held-out tokens (seqpar.runtime.data's windows: inputs window[:-1], targets
 window[1:], as in training) is split by seqpar.runtime.inputs.prepare_inputs; each rank scores its shard's tokens at
@@ -21,24 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from seqpar.errors import SeqparError
-from seqpar.runtime.inputs import prepare_inputs
-from seqpar.runtime.layout import shard
-from seqpar.runtime.loss import IGNORE_INDEX
+from seqpar.runtime.forward import Evaluator, check_head, perplexity, score
 from seqpar.schema import LaunchPlan, parse_seq_len, write_atomic
 
-CHUNK_TOKENS = 4096  # tokens per logits chunk: the trainer's (engine.LossModule) and the advisor's loss_chunk_tokens
 REPORTS = {"perplexity": "eval.json", "needle": "needle.json"}
 
 
@@ -85,106 +79,12 @@ def parse_lengths(text: str | None, default: int) -> list[int]:
     return [parse_seq_len(x) for x in text.split(",") if x.strip()]
 
 
-@dataclass
-class Evaluator:
-    """A model switched to the plan's attention mode, and where this rank sits: what every forward needs."""
-
-    model: Any  # transformers causal LM after seqpar.runtime.hf.apply
-    mode: str
-    sp_degree: int
-    sp_rank: int
-    dp_degree: int
-    dp_rank: int
-    ulysses_degree: int | None  # usp_attn's, None for the other modes
-    device: torch.device
-    chunk: int = CHUNK_TOKENS
-
-
 def eval_dtype(plan: LaunchPlan, device: torch.device) -> tuple[torch.dtype, str]:
     """Weights in the model dtype on CUDA (nothing is updated, so no fp32 master); fp32 on CPU, where runs are checks."""
     want = plan.workload.dtype
     if device.type != "cuda":
         return torch.float32, f"fp32 on CPU (plan asks {want}; CPU runs are for checks, kept exact)"
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[want], f"{want} weights, no autocast"
-
-
-def check_head(model) -> None:
-    """token_scores computes logits as hidden @ lm_head.weight.T: refuse heads that add a bias, a scale or a cap."""
-    cfg, head = model.config, model.get_output_embeddings()
-    extra = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(cfg, k, None) not in (None, 1.0)]
-    if getattr(head, "bias", None) is not None:
-        extra.append("an LM head bias")
-    if extra:
-        raise SeqparError(
-            f"{type(model).__name__}: its logits use {', '.join(extra)}, which seqpar eval's chunked loss does not apply; "
-            f"evaluate it without seqpar (plain transformers)"
-        )
-
-
-@torch.no_grad()
-def token_scores(hidden, weight, targets, chunk: int = CHUNK_TOKENS):
-    """Per token: cross-entropy (fp32, fp64 for fp64 models; 0 where the target is -100), argmax and hit (argmax ==
-    target). hidden (N, H), weight (V, H), targets (N,). Logits exist one (chunk, V) block at a time."""
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    n = hidden.shape[0]
-    ce = torch.empty(n, dtype=acc, device=hidden.device)  # (N,)
-    pred = torch.empty(n, dtype=torch.long, device=hidden.device)  # (N,)
-    for i in range(0, n, chunk):
-        logits = (hidden[i : i + chunk] @ weight.t()).to(acc)  # (c, V): the model dtype's product, upcast
-        ce[i : i + chunk] = F.cross_entropy(logits, targets[i : i + chunk], ignore_index=IGNORE_INDEX, reduction="none")
-        pred[i : i + chunk] = logits.argmax(-1)
-    return ce, pred == targets, pred
-
-
-@torch.no_grad()
-def score(ev: Evaluator, ids, targets) -> dict:
-    """One forward of a full-length row: ids (1, S) and its already shifted targets (1, S), the same on every rank of
-    the group. Returns this rank's tokens: global position, target, ce, hit, pred, each (S_local,)."""
-    batch = prepare_inputs(ids, mode=ev.mode, rank=ev.sp_rank, world_size=ev.sp_degree, ulysses_degree=ev.ulysses_degree)
-    tgt = shard(targets, ev.mode, ev.sp_rank, ev.sp_degree, dim=1, ulysses_degree=ev.ulysses_degree)  # (1, S_local)
-    pos = batch["position_ids"].to(ev.device)  # (1, S_local), global positions
-    hidden = ev.model.base_model(input_ids=batch["input_ids"].to(ev.device), position_ids=pos).last_hidden_state  # (1, s, h)
-    flat_t = tgt.reshape(-1).to(ev.device)
-    head = ev.model.get_output_embeddings().weight  # (V, h)
-    ce, hit, pred = token_scores(hidden.reshape(-1, hidden.shape[-1]), head, flat_t, ev.chunk)
-    return {"position": pos.reshape(-1), "target": flat_t, "ce": ce, "hit": hit, "pred": pred}
-
-
-def perplexity(ev: Evaluator, data, windows: int, buckets: int) -> dict:
-    """Exact held-out loss and perplexity over the first ``windows`` windows of ``data`` (a seqpar.runtime.data.TokenData
-    at this length), with the loss per position bucket and per window. Collective over the world."""
-    L = data.seq_len
-    K, B = min(windows, data.num_windows), max(1, min(buckets, L))
-    edges = [L * b // B for b in range(B + 1)]  # bucket b holds global positions edges[b] <= p < edges[b+1]
-    inner = torch.tensor(edges[1:-1], dtype=torch.long, device=ev.device)
-    acc = torch.zeros(2 * B + 2 * K, dtype=torch.float64, device=ev.device)  # bucket sums, counts; window sums, counts
-    for k in range(ev.dp_rank, K, ev.dp_degree):
-        w = torch.from_numpy(data.window(k))[None]  # (1, L+1)
-        r = score(ev, w[:, :-1], w[:, 1:])
-        b = torch.bucketize(r["position"], inner, right=True)  # (s,) bucket of each local token
-        ce = r["ce"].double()
-        acc[:B].index_add_(0, b, ce)
-        acc[B : 2 * B].index_add_(0, b, torch.ones_like(ce))
-        acc[2 * B + k] += ce.sum()
-        acc[2 * B + K + k] += ce.numel()
-    dist.all_reduce(acc)  # every token of every window on exactly one rank: the sums are the whole
-    sums, counts = acc[:B].tolist(), acc[B : 2 * B].tolist()
-    w_sums, w_counts = acc[2 * B : 2 * B + K].tolist(), acc[2 * B + K :].tolist()
-    total, tokens = sum(sums), sum(counts)
-    loss = total / tokens
-    return {
-        "seq_len": L,
-        "windows": K,
-        "tokens": int(tokens),
-        "loss": loss,
-        "perplexity": math.exp(loss),
-        "loss_sum": total,
-        "buckets": [
-            {"start": edges[b], "end": edges[b + 1], "tokens": int(counts[b]), "loss_sum": sums[b], "loss": sums[b] / counts[b]}
-            for b in range(B)
-        ],
-        "window_losses": [s / c for s, c in zip(w_sums, w_counts)],
-    }
 
 
 def measured(ev: Evaluator, tokens: int, fn: Callable[[], Any]) -> tuple[Any, dict]:
@@ -258,7 +158,8 @@ def warm_up(ev: Evaluator) -> None:
 
 
 def run(args: argparse.Namespace, dtype: torch.dtype | None = None) -> dict | None:
-    """Evaluate; rank 0 writes the report and returns it (other ranks return None). Collective over the job."""
+    """Evaluate; rank 0 writes the report after every length ("complete": false until the last, so a length that fails,
+    e.g. out of memory, leaves the ones before it) and returns it; other ranks return None. Collective over the job."""
     from seqpar.runtime.data import TokenData, open_data
 
     plan, ev, notes = setup(args, dtype)
@@ -266,32 +167,39 @@ def run(args: argparse.Namespace, dtype: torch.dtype | None = None) -> dict | No
     predicted = json.loads(Path(args.prediction).read_text()) if args.prediction else {}
     vocab = ev.model.config.vocab_size
     warm_up(ev)
-    rows = []
+    rows: list[dict] = []
     if args.task == "needle":
         from seqpar.runtime.needle import build_prompts, sweep
 
         depths = [float(x) for x in args.depths.split(",") if x.strip()]
         prompts, tok = build_prompts(lengths, depths, args.samples, args.tokenizer or args.model_path, args.data, vocab)
-        for L in lengths:
-            mine = [p for p in prompts if p.seq_len == L]
-            cells, meas = measured(ev, L * len(mine), lambda mine=mine: sweep(ev, mine, tok))
-            rows.append({"seq_len": L, "cells": cells, "measured": meas, "predicted": predicted.get("lengths", {}).get(str(L))})
+        extra = {"prompts": "text (a tokenizer)" if tok is not None else "token ids (no tokenizer)"}
     else:
-        first = open_data(
+        stream = open_data(
             args.data or "synthetic",
-            seq_len=lengths[0],
+            seq_len=min(lengths),
             vocab_size=vocab,
             seed=plan.training.seed,
             tokenizer_path=args.tokenizer or args.model_path,
         )
-        for L in lengths:  # one token stream, cut into windows of each length
-            data = TokenData(first.name, L, vocab, first.tokens, first.seed)
+        extra = {}
+    for L in lengths:
+        if args.task == "needle":
+            mine = [p for p in prompts if p.seq_len == L]
+            cells, meas = measured(ev, L * len(mine), lambda mine=mine: sweep(ev, mine, tok))
+            row = {"seq_len": L, "cells": cells}
+        else:  # one token stream, cut into windows of each length
+            data = TokenData(stream.name, L, vocab, stream.tokens, stream.seed)
             tokens = min(args.windows, data.num_windows) * L
             row, meas = measured(ev, tokens, lambda data=data: perplexity(ev, data, args.windows, args.buckets))
             row["windows_requested"] = args.windows
-            rows.append({**row, "measured": meas, "predicted": predicted.get("lengths", {}).get(str(L))})
-    if notes["rank"] != 0:
-        return None
+        rows.append({**row, "measured": meas, "predicted": predicted.get("lengths", {}).get(str(L))})
+        if notes["rank"] == 0:
+            out = write_report(args, plan, notes, rows, predicted, extra, complete=len(rows) == len(lengths))
+    return out if notes["rank"] == 0 else None
+
+
+def write_report(args, plan: LaunchPlan, notes: dict, rows: list[dict], predicted: dict, extra: dict, complete: bool) -> dict:
     import transformers
 
     import seqpar
@@ -299,11 +207,13 @@ def run(args: argparse.Namespace, dtype: torch.dtype | None = None) -> dict | No
     s = plan.strategy
     report = {
         "task": args.task,
+        "complete": complete,
         "plan": str(args.plan),
         "strategy": {"mode": s.mode, "sp_degree": s.sp_degree, "dp_degree": s.dp_degree, "ulysses_degree": s.ulysses_degree},
         "model": args.model_path or f"{plan.workload.model.name} (random weights, seed {plan.training.seed})",
         "data": args.data or ("synthetic" if args.task == "perplexity" else "built-in filler / synthetic tokens"),
         **{k: notes[k] for k in ("dtype", "device", "backend")},
+        **extra,
         "lengths": rows,
         "max_eval_seq_len": predicted.get("max_eval_seq_len"),
         "versions": {"seqpar": seqpar.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
@@ -311,7 +221,7 @@ def run(args: argparse.Namespace, dtype: torch.dtype | None = None) -> dict | No
     if args.task == "needle":
         from seqpar.runtime.needle import grid
 
-        report.update(grid(rows), prompts="text (a tokenizer)" if tok is not None else "token ids (no tokenizer)")
+        report.update(grid(rows))
     write_atomic(Path(args.output) / REPORTS[args.task], json.dumps(report, indent=2) + "\n")
     return report
 

@@ -167,7 +167,7 @@ def sweep(ev, prompts: list[Prompt], tok=None) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from seqpar.runtime.eval import score
+    from seqpar.runtime.forward import score
     from seqpar.runtime.inputs import shift_labels
     from seqpar.runtime.loss import IGNORE_INDEX
 
