@@ -531,7 +531,8 @@ class _PerplexityByDefault(TyperGroup):
 
 eval_app = typer.Typer(
     cls=_PerplexityByDefault,
-    help="Forward-only evaluation in a plan's layout: held-out loss by position (default), needle in a haystack.",
+    help="Forward-only evaluation in a plan's layout: held-out loss and perplexity by position (`seqpar eval PLAN.json` "
+    "is `seqpar eval perplexity PLAN.json`), and the needle in a haystack (`seqpar eval needle PLAN.json`).",
     no_args_is_help=True,
     rich_markup_mode="markdown",
 )
@@ -544,7 +545,7 @@ MODEL_PATH = typer.Option(
     help="Local model folder: transformers' save_pretrained, or seqpar launch's run / checkpoint (its model/). "
     "Default: the plan's model with random weights.",
 )
-EVAL_OUTPUT = typer.Option(None, "--output", help="Report and plot go here (default runs/eval-<plan name>).")
+EVAL_OUTPUT = typer.Option(None, "--output", help="Report and plot go here (default runs/eval-PLAN, PLAN the plan file's name).")
 EVAL_JSON = typer.Option(False, "--json", help="Print the report as JSON on stdout (only JSON).")
 MAX_LEN = typer.Option(False, "--max-seq-len", help="Only print the longest length the plan's cluster can evaluate (advisor).")
 FORCE = typer.Option(False, "--force", help="Run even when the plan's cluster does not match this machine.")

@@ -30,7 +30,8 @@ Time of one window per data-parallel group (the terms of seqpar.advisor.throughp
   training's 6 N_lin; at the measured matmul rate x the width efficiency x the fitted linear factor.
 * attention: the causal forward 2 S^2 a d per layer, divided by sp_degree: 1/3.5 of training's forward + backward, at
   the measured attention rate x eff(n) x the fitted attention factor.
-* elementwise traffic (norms, RoPE, SwiGLU): one forward pass of bytes over HBM bandwidth.
+* elementwise traffic (the model's own norms, RoPE, SwiGLU: eval applies neither fused_ops nor tiled_mlp): one forward
+  pass of bytes over HBM bandwidth.
 * sequence-parallel communication: the forward pass only (ring: P-1 K,V blocks per layer against each step's
   attention, partly hidden; Ulysses: one set of all-to-alls per layer; dist flash: P/2 helper steps). No gradient or
   optimizer traffic. tokens/s (cluster) = seq_len x dp_degree / that time.
@@ -147,7 +148,8 @@ def estimate_eval_time(m: ModelSpec, seq_len: int, cluster: ClusterSpec, s: Stra
     eff = (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0))
     attn_rate = c.kernel_rate_tflops(cluster, c.attention_backend(cluster)) * 1e12
     attention = attention_fwd_flops(m, S) / P / attn_rate / eff * attn_factor
-    elementwise = t * L * elementwise_bytes_per_token(m, s.fused_ops)[0] / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
+    # the model's own norms, RoPE and SwiGLU: eval applies neither the plan's fused_ops nor its tiled MLP
+    elementwise = t * L * elementwise_bytes_per_token(m, "none")[0] / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
 
     comm = 0.0
     u, r = ulysses_ranks(s), ring_ranks(s)

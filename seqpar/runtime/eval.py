@@ -4,7 +4,8 @@
 The model runs forward under ``torch.no_grad`` in the plan's mode and degrees: no optimizer, no gradients, no
 checkpointing; weights whole on every rank in the model dtype (the plan's on CUDA, fp32 on CPU ranks, kept exact). Each
 forward stops at the final hidden state and seqpar.runtime.forward.token_scores derives every token's cross-entropy and
-argmax a chunk of tokens at a time, so the (tokens, vocab) fp32 logits never exist.
+argmax a chunk of tokens at a time, so the (tokens, vocab) fp32 logits never exist. The plan's sharding, checkpointing,
+loss_impl, fused_ops and tiled_mlp are training choices: eval applies none of them.
 
 Exactness. A window of seq_len + 1 held-out tokens (seqpar.runtime.data's windows: inputs window[:-1], targets
 window[1:], as in training) is split by seqpar.runtime.inputs.prepare_inputs; each rank scores its shard's tokens at
