@@ -20,9 +20,11 @@ from typing import Literal, Optional
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from typer.core import TyperGroup
 
 from seqpar.cli_options import OUTPUT, RequestFlags, advise_request, with_request_flags
 from seqpar.errors import SeqparError
+from seqpar.eval_cli import EvalOptions
 from seqpar.options import KEEP_LAST
 from seqpar.schema import LaunchPlan, first_error, format_tokens, parse_seq_len
 
@@ -542,6 +544,134 @@ def _checkpoint_every(text: str | None) -> int | str | None:
     if not text.isdigit():
         raise SeqparError(f"--checkpoint-every {text!r} is not a number of steps >= 0 or 'auto'; e.g. --checkpoint-every 500")
     return int(text)
+
+
+# --------------------------------------------------------------------------------------------- eval
+
+
+class _PerplexityByDefault(TyperGroup):
+    """`seqpar eval PLAN.json ...` runs `seqpar eval perplexity PLAN.json ...`; `seqpar eval needle ...` names its command."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["perplexity", *args]
+        return super().parse_args(ctx, args)
+
+
+eval_app = typer.Typer(
+    cls=_PerplexityByDefault,
+    help="Forward-only evaluation in a plan's layout: held-out loss and perplexity by position (`seqpar eval PLAN.json` "
+    "is `seqpar eval perplexity PLAN.json`), and the needle in a haystack (`seqpar eval needle PLAN.json`).",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+)
+app.add_typer(eval_app, name="eval")
+
+PLAN_ARG = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`: its mode and degrees are used.")
+MODEL_PATH = typer.Option(
+    None,
+    "--model-path",
+    help="Local model folder: transformers' save_pretrained, or seqpar launch's run / checkpoint (its model/). "
+    "Default: the plan's model with random weights.",
+)
+EVAL_OUTPUT = typer.Option(None, "--output", help="Report and plot go here (default runs/eval-PLAN, PLAN the plan file's name).")
+EVAL_JSON = typer.Option(False, "--json", help="Print the report as JSON on stdout (only JSON).")
+MAX_LEN = typer.Option(False, "--max-seq-len", help="Only print the longest length the plan's cluster can evaluate (advisor).")
+FORCE = typer.Option(False, "--force", help="Run even when the plan's cluster does not match this machine.")
+
+
+def _eval(task: str, plan_path: Path, lengths: list[int] | None, runtime_args: list[str], o: EvalOptions) -> None:
+    """seqpar.eval_cli does the work; here only the output goes where --json wants it."""
+    from seqpar.eval_cli import run_eval, show
+
+    rc, report = run_eval(task, plan_path, lengths, runtime_args, o, note)
+    if rc:
+        raise typer.Exit(rc)
+    if "lengths" in report:
+        show(task, report, o, stderr() if o.json_out else stdout(), note)
+    if o.json_out:
+        print_json(report)
+
+
+def _lengths(values: Optional[list[str]]) -> list[int] | None:
+    return [parse_seq_len(x) for v in values or [] for x in v.split(",") if x.strip()] or None
+
+
+@eval_app.command("perplexity")
+@handle_errors
+def eval_perplexity(
+    plan_path: Path = PLAN_ARG,
+    model_path: Optional[str] = MODEL_PATH,
+    data: str = typer.Option(
+        "synthetic", "--data", help="Held-out data: a .jsonl text file, .bin/.npy tokens, a datasets folder, or synthetic."
+    ),
+    seq_len: Optional[list[str]] = typer.Option(
+        None, "--seq-len", "-s", help="Length(s) to evaluate: repeat it or give a comma list (64k,128k); default the plan's."
+    ),
+    windows: int = typer.Option(4, "--windows", min=1, help="Windows per length, shared out over the data-parallel groups."),
+    buckets: int = typer.Option(16, "--buckets", min=1, help="Position buckets per length (the loss by position)."),
+    output: Optional[Path] = EVAL_OUTPUT,
+    json_out: bool = EVAL_JSON,
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of loss vs position, one line per length."),
+    max_seq_len: bool = MAX_LEN,
+    force: bool = FORCE,
+):
+    """Exact held-out loss and perplexity at each length, and the loss by position bucket, forward only in the plan's layout.
+
+    Every token of every window counts once (float64 sums over all ranks), so the numbers are the same for every mode and
+    degree. Prints the advisor's forward-only memory and tokens/s first; writes `eval.json` (measured beside predicted) and
+    a plot of loss vs position into `--output`.
+
+    **Examples**
+
+        seqpar eval plan.json --data heldout.npy --seq-len 32k,64k,128k
+        seqpar eval plan.json --model-path runs/plan/checkpoints/step-001000/model --data test.jsonl --json
+        seqpar eval plan.json --max-seq-len
+        seqpar advise --model tiny --cluster cpu:2 --seq-len 256 -o plan.json && seqpar eval plan.json --windows 2
+    """
+    o = EvalOptions(model_path, data, output, json_out, plot, max_seq_len, force)
+    _eval("perplexity", plan_path, _lengths(seq_len), ["--windows", str(windows), "--buckets", str(buckets)], o)
+
+
+@eval_app.command("needle")
+@handle_errors
+def eval_needle(
+    plan_path: Path = PLAN_ARG,
+    model_path: Optional[str] = MODEL_PATH,
+    lengths: Optional[list[str]] = typer.Option(
+        None, "--lengths", help="Context lengths, comma list (8k,16k,32k); default the plan's seq_len."
+    ),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths, fractions of the haystack."),
+    samples: int = typer.Option(1, "--samples", min=1, help="Needles (7-digit numbers) per (length, depth)."),
+    data: Optional[str] = typer.Option(
+        None,
+        "--data",
+        help="Haystack: held-out data (as for perplexity); default seqpar's filler text, or random ids without a tokenizer.",
+    ),
+    output: Optional[Path] = EVAL_OUTPUT,
+    json_out: bool = EVAL_JSON,
+    plot: Optional[Path] = typer.Option(None, "--plot", help="The heatmap PNG (rows depths, columns lengths)."),
+    max_seq_len: bool = MAX_LEN,
+    force: bool = FORCE,
+):
+    """Needle in a haystack (EasyContext's test): a 7-digit number hidden at each depth of a prompt of each length.
+
+    Scored teacher-forced from one forward: exact match (every answer token is the argmax at its position, EasyContext's
+    score) and the answer's log-likelihood given the haystack; both exact under sequence parallelism. With a tokenizer
+    in --model-path the prompts are text; without one (random-weight plans) token ids with a fixed random needle.
+    Writes `needle.json` and a heatmap into `--output`.
+
+    **Examples**
+
+        seqpar eval needle plan.json --model-path ./my-model --lengths 8k,16k,32k,64k
+        seqpar eval needle plan.json --lengths 1k,2k --depths 0,0.5,1 --samples 4 --json
+    """
+    try:
+        dl = [float(x) for x in depths.split(",") if x.strip()]
+    except ValueError:
+        raise SeqparError(f"--depths {depths!r} must be a comma list of fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1") from None
+    o = EvalOptions(model_path, data, output, json_out, plot, max_seq_len, force, dl, samples)
+    _eval("needle", plan_path, _lengths(lengths), ["--depths", depths, "--samples", str(samples)], o)
 
 
 def main() -> None:

@@ -119,6 +119,36 @@ def job_env(plan: LaunchPlan, cpu_count: int) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------- command
 
 
+def torchrun_argv(plan: LaunchPlan, opts: LaunchOptions, *, rdzv_id: str, python: str = sys.executable) -> list[str]:
+    """``python -m torch.distributed.run`` for the plan's nodes and ranks, up to (not including) ``-m MODULE``."""
+    nnodes = opts.nnodes or plan.cluster.nodes
+    argv = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(plan.cluster.gpus_per_node),
+        "--max-restarts",
+        "0",
+    ]
+    if opts.rdzv_endpoint:
+        argv += ["--node-rank", str(opts.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint]
+        return argv + ["--rdzv-id", rdzv_id]
+    if nnodes > 1:
+        raise SeqparError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    return argv + ["--standalone"]  # c10d rendezvous on a free local port
+
+
+def eval_job(plan: LaunchPlan, plan_file: Path, args: list[str], *, output: Path, python: str = sys.executable) -> Job:
+    """What ``seqpar eval`` runs: torchrun on this node starting ``seqpar.runtime.eval`` with ``args`` on every rank
+    (forward only, so never DeepSpeed: weights are whole on every rank), in the environment of a launch."""
+    argv = torchrun_argv(plan, LaunchOptions(), rdzv_id=f"seqpar-eval-{plan_file.stem}", python=python)
+    argv += ["-m", "seqpar.runtime.eval", *args, "--plan", str(plan_file), "--output", str(output)]
+    return Job(argv, job_env(plan, os.cpu_count() or 1), {}, output, plan_file)
+
+
 def build_job(
     plan: LaunchPlan,
     plan_file: Path,
@@ -155,33 +185,7 @@ def build_job(
         configs[acc_path.name] = accelerate_config(plan, ds_path, nnodes, opts.node_rank, opts.rdzv_endpoint)
         argv = [python, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), "-m", "seqpar.runtime.train"]
     else:
-        argv = [
-            python,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            str(nnodes),
-            "--nproc-per-node",
-            str(plan.cluster.gpus_per_node),
-            "--max-restarts",
-            "0",
-        ]
-        if opts.rdzv_endpoint:
-            argv += [
-                "--node-rank",
-                str(opts.node_rank),
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                opts.rdzv_endpoint,
-                "--rdzv-id",
-                f"seqpar-{plan_file.stem}",
-            ]
-        elif nnodes > 1:
-            raise SeqparError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
-        else:
-            argv.append("--standalone")  # c10d rendezvous on a free local port
-        argv += ["-m", "seqpar.runtime.train"]
+        argv = torchrun_argv(plan, opts, rdzv_id=f"seqpar-{plan_file.stem}", python=python) + ["-m", "seqpar.runtime.train"]
     return Job(
         argv + train,
         job_env(plan, os.cpu_count() or 1),
@@ -241,9 +245,11 @@ __all__ = [
     "build_job",
     "deepspeed_config",
     "default_output",
+    "eval_job",
     "job_env",
     "jobs_for",
     "launch_spec",
     "stage_plan",
+    "torchrun_argv",
     "uses_deepspeed",
 ]
