@@ -155,17 +155,18 @@ def agree(problem: str | None, digest: int, group, what: str, fix: str) -> None:
         raise SeqparError(f"ranks {differ} of the sequence-parallel group hold {what} other than rank 0's; {fix}")
 
 
-_CACHE = WeakTensorKeyDictionary()  # cu_seqlens tensor -> ((version, S, B, group), Documents | None)
+_CACHE = WeakTensorKeyDictionary()  # cu_seqlens tensor -> ((version, S, B, group), Documents | None, ranks agreed)
 
 
-def plan(cu_seqlens: Tensor, S: int, batch: int, group=None, across_ranks: bool = True) -> Documents | None:
-    """Check cu_seqlens for a (B, S) batch (and, when across_ranks, that the group's ranks agree); Documents or None."""
-    key = (getattr(cu_seqlens, "_version", None), S, batch, id(group), across_ranks)
+def plan(cu_seqlens: Tensor, S: int, batch: int, group=None, across_ranks: bool = True, agreed: bool = False) -> Documents | None:
+    """Check cu_seqlens for a (B, S) batch (and, when across_ranks, that the group's ranks agree); Documents or None.
+    agreed: the caller knows every rank holds the same boundaries (derived from gathered data): no collective."""
+    key = (getattr(cu_seqlens, "_version", None), S, batch, id(group))
     hit = _CACHE.get(cu_seqlens) if isinstance(cu_seqlens, Tensor) else None
-    if hit is not None and hit[0] == key:
+    if hit is not None and hit[0] == key and (hit[2] or not across_ranks):
         return hit[1]
     rows, problem = bounds_of(cu_seqlens, S, batch)
-    if across_ranks:
+    if across_ranks and not agreed:
         agree(
             problem,
             checksum([x for r in rows for x in r]) if rows else 0,
@@ -176,5 +177,5 @@ def plan(cu_seqlens: Tensor, S: int, batch: int, group=None, across_ranks: bool 
     elif problem:
         raise SeqparError(problem)
     docs = make(rows, S)
-    _CACHE[cu_seqlens] = (key, docs)
+    _CACHE[cu_seqlens] = (key, docs, across_ranks or agreed)
     return docs
