@@ -74,14 +74,15 @@ def _exact_cases(rank, W, group) -> list[str]:
     from seqpar.runtime import attention, shard
 
     S, done = 2 * W * CHUNK, []
+    heads = plans(W)[0][2]
     for name, rows in boundaries(S, W).items():
         cu = torch.tensor(rows[0]) if rows[0] == rows[1] else torch.tensor([r + [S] * (S + 1 - len(r)) for r in rows])
-        for mode, uly, heads in plans(W):
-            for hq, hkv in heads:
-                g = torch.Generator().manual_seed(hq * 10 + hkv)
-                q, dout = (torch.randn(2, S, hq, 4, generator=g, dtype=torch.float64) for _ in range(2))
-                k, v = (torch.randn(2, S, hkv, 4, generator=g, dtype=torch.float64) for _ in range(2))
-                ref = doc_reference(q, k, v, dout, rows, 0.4)
+        for hq, hkv in heads:
+            g = torch.Generator().manual_seed(hq * 10 + hkv)
+            q, dout = (torch.randn(2, S, hq, 4, generator=g, dtype=torch.float64) for _ in range(2))
+            k, v = (torch.randn(2, S, hkv, 4, generator=g, dtype=torch.float64) for _ in range(2))
+            ref = doc_reference(q, k, v, dout, rows, 0.4)  # once per case: every mode must reproduce it
+            for mode, uly, _ in plans(W):
                 part = lambda t, dim=1: shard(t, mode, rank, W, dim=dim, ulysses_degree=uly)  # noqa: E731, B023
                 lq, lk, lv = (part(t).clone().requires_grad_() for t in (q, k, v))
                 out, lse = attention(lq, lk, lv, mode, group=group, softmax_scale=0.4, ulysses_degree=uly, cu_seqlens=cu)

@@ -18,6 +18,8 @@ Layout: q (B, n, Hq, D); k, v (B, n, Hkv, D); out like q; lse (B, Hq, n) float32
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -26,6 +28,7 @@ from seqpar.runtime import kernels
 LONG_DOC = 1024  # tokens: a document this long runs alone on the causal kernel (the H200 crossover, see the docstring)
 
 
+@functools.lru_cache(maxsize=8)  # every layer asks for the same blocks' masks
 def _mask(bounds: tuple[int, ...], device) -> Tensor:
     """(n, n) bool, True where query i must not see key j: another document, or a later token."""
     lens = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=device)
@@ -34,13 +37,14 @@ def _mask(bounds: tuple[int, ...], device) -> Tensor:
     return (doc[:, None] != doc[None, :]) | torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
 
 
-def _split(bounds: tuple[int, ...]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def _split(bounds: tuple[int, ...]) -> tuple[list[tuple[int, int]], tuple[tuple[int, int], ...]]:
     """(long documents, short documents) as (start, end) pairs."""
     docs = list(zip(bounds, bounds[1:]))
-    return [d for d in docs if d[1] - d[0] >= LONG_DOC], [d for d in docs if d[1] - d[0] < LONG_DOC]
+    return [d for d in docs if d[1] - d[0] >= LONG_DOC], tuple(d for d in docs if d[1] - d[0] < LONG_DOC)
 
 
-def _short_tokens(short: list[tuple[int, int]], B: int, n: int, device) -> tuple[Tensor | None, Tensor, int]:
+@functools.lru_cache(maxsize=64)  # every layer (and backward) asks for the same blocks: built once, kept on the device
+def _short_tokens(short: tuple[tuple[int, int], ...], B: int, n: int, device) -> tuple[Tensor | None, Tensor, int]:
     """Rows of the flattened (B*n) tokens that belong to short documents (None: all of them, in order), the int32
     cumulative lengths of those documents over every batch row, and the longest."""
     lens = [b - a for a, b in short] * B
