@@ -105,8 +105,8 @@ def _allowed(bounds: list[int], S: int) -> torch.Tensor:
     return (doc[:, None] == doc[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
 
 
-def expected_zigzag(bounds, S, W, rank) -> tuple[int, int]:
-    """(blocks computed, tensors sent) by this rank in one zigzag forward."""
+def expected_zigzag(bounds, S, W, rank, backward: bool = False) -> tuple[int, int]:
+    """(blocks computed, tensors sent) by this rank in one zigzag forward (or backward)."""
     from seqpar.runtime import shard
 
     m = _allowed(bounds, S)
@@ -114,7 +114,10 @@ def expected_zigzag(bounds, S, W, rank) -> tuple[int, int]:
     need = [[bool(m[pos[d]][:, pos[s]].any()) for d in range(W)] for s in range(W)]
     reach = [max(t for t in range(W) if t == 0 or need[s][(s + t) % W]) for s in range(W)]
     computed = sum(need[(rank - t) % W][rank] for t in range(W))
-    sent = sum(2 for t in range(W - 1) if t < reach[(rank - t) % W])  # k and v
+    sent = sum(2 for t in range(W - 1) if t < reach[(rank - t) % W])  # k and v travel as far as they are used
+    if backward:  # dk, dv of every block held travel on with it, then straight home (none when it never left)
+        held = [t for t in range(W) if t <= reach[(rank - t) % W]]
+        sent += sum(2 for t in held if not (t == 0 and reach[rank] == 0))
     return computed, sent
 
 
@@ -160,9 +163,14 @@ def _skip_cases(rank, W, group) -> dict:
             bounds = boundaries(S, W)[name][0]
             for mode, expect in (("zigzag_ring_attn", expected_zigzag), ("dist_flash_attn", expected_dist_flash)):
                 q = shard(torch.randn(1, S, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)), mode, rank, W)
+                q.requires_grad_()
                 counts.update(blocks=0, sent=0)
-                attention(q, q, q, mode, group=group, cu_seqlens=torch.tensor(bounds))
+                out, _ = attention(q, q, q, mode, group=group, cu_seqlens=torch.tensor(bounds))
                 got[(mode, name)] = ((counts["blocks"], counts["sent"]), expect(bounds, S, W, rank))
+                counts.update(sent=0)
+                out.sum().backward()
+                if mode == "zigzag_ring_attn":
+                    got[(mode, name, "backward")] = (counts["sent"], expect(bounds, S, W, rank, backward=True)[1])
     finally:
         blocks.attend, dist.batch_isend_irecv = real_attend, real_batch
     return got
