@@ -114,9 +114,9 @@ def test_prepare_inputs_keeps_given_labels_and_positions():
                 mode="zigzag_ring_attn",
                 rank=0,
                 world_size=2,
-                position_ids=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]),
+                position_ids=torch.tensor([0, 1, 2, 3, 5, 6, 7, 8]),
             ),
-            r"position_ids do not increase by 1 at index 4",
+            r"position_ids go from 3 to 5 at index 4 \(row 0\); packed documents need positions that increase by 1 or restart",
         ),
     ],
     ids=[
@@ -125,7 +125,7 @@ def test_prepare_inputs_keeps_given_labels_and_positions():
         "1d_input_ids",
         "unknown_mode",
         "rank_outside_world",
-        "packed_positions",
+        "positions_neither_contiguous_nor_restarting",
     ],
 )
 def test_prepare_inputs_refusals(kwargs, match):

@@ -2,12 +2,14 @@
 
 Every mode lives in its own module, ``seqpar/runtime/<module>.py`` (the module named in seqpar.modes), layered like
 ring-flash-attention's zigzag_ring_flash_attn.py:
-- ``forward(q, k, v, *, group, causal, scale, backend, **mode_kw) -> (out, lse)`` and
-  ``backward(dout, q, k, v, out, lse, *, group, causal, scale, backend, **mode_kw) -> (dq, dk, dv)``: plain functions, no
-  autograd, on inputs ``prepare`` has checked; out in q's dtype, lse float32 (float64 for float64), gradients in their
-  inputs' dtypes. usp_attn's mode_kw is ``ulysses_degree``.
-- ``<mode>_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None)``: the user-facing call,
-  ``attention`` with the mode filled in (``get_attention_fn`` maps a mode name to it).
+- ``forward(q, k, v, *, group, causal, scale, backend, docs=None, **mode_kw) -> (out, lse)`` and
+  ``backward(dout, q, k, v, out, lse, *, group, causal, scale, backend, docs=None, **mode_kw) -> (dq, dk, dv)``: plain
+  functions, no autograd, on inputs ``prepare`` has checked; out in q's dtype, lse float32 (float64 for float64),
+  gradients in their inputs' dtypes. usp_attn's mode_kw is ``ulysses_degree``. ``docs`` (seqpar.runtime.documents.
+  Documents) are packed documents: each query sees the earlier tokens of its own document only (seqpar.runtime.blocks);
+  None is the plain causal path, unchanged.
+- ``<mode>_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None, cu_seqlens=None)``: the
+  user-facing call, ``attention`` with the mode filled in (``get_attention_fn`` maps a mode name to it).
 This module holds what the modes share: ``prepare`` (every check, once: each rank holds the same shapes, so every rank raises
 the same error before any transfer), ``Functions`` (a mode's forward and backward with its arguments bound) and the one
 autograd Function around any mode (``differentiable``; seqpar.runtime.selective reuses it with its keep hooks).
@@ -30,7 +32,7 @@ from torch import Tensor
 
 from seqpar.errors import SeqparError
 from seqpar.modes import check_heads, check_split, degrees, facts
-from seqpar.runtime import kernels
+from seqpar.runtime import documents, kernels
 from seqpar.runtime.comm import group_size
 
 
@@ -69,11 +71,13 @@ def prepare(
     softmax_scale: float | None,
     ulysses_degree: int | None,
     backend: str | None,
+    cu_seqlens: Tensor | None = None,
 ) -> dict:
     """Every check of a mode's inputs, then its keyword arguments for forward/backward (scale and backend resolved).
 
-    All checks are local and see the same shapes on every rank (shard makes them so), so every rank raises the same
-    error before any transfer; a cross-rank check would cost a collective and a host sync per call."""
+    All checks but one are local and see the same shapes on every rank (shard makes them so), so every rank raises the
+    same error before any transfer. The one collective: with cu_seqlens on a sequence-parallel group, the ranks compare
+    their boundaries (seqpar.runtime.documents.plan, once per cu_seqlens tensor, not per layer)."""
     if not q.dtype == k.dtype == v.dtype:
         raise SeqparError(
             f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first "
@@ -98,6 +102,15 @@ def prepare(
     )
     if mode == "usp_attn":
         kwargs["ulysses_degree"] = ulysses_degree
+    if cu_seqlens is not None:
+        if not causal:
+            raise SeqparError(
+                "cu_seqlens (packed documents) needs causal=True: a query sees the earlier tokens of its own document"
+            )
+        S = q.shape[1] if whole else q.shape[1] * P  # the full, unsharded length the global boundaries cover
+        docs = documents.plan(cu_seqlens, S, q.shape[0], group, across_ranks=not whole)  # whole: ranks hold their own rows
+        if docs is not None:  # None: one document per row, the plain causal path
+            kwargs["docs"] = docs
     return kwargs
 
 
@@ -147,14 +160,27 @@ def attention(
     softmax_scale: float | None = None,
     ulysses_degree: int | None = None,
     backend: str | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention over a sequence sharded across the group in ``mode``'s layout (see ``seqpar.runtime.shard``).
 
     ``ulysses_degree`` is for usp_attn only (Ulysses ranks per ring rank, consecutive ranks); ``backend`` overrides the
-    kernel choice (exact | cudnn | flash | flash_attn). Returns (out, lse); out is differentiable in q, k, v.
+    kernel choice (exact | cudnn | flash | flash_attn). ``cu_seqlens``: packed documents, the GLOBAL cumulative document
+    lengths ``[0, l1, l1+l2, ..., S]`` over the unsharded sequence (int tensor, the same on every rank; (B, n+1) for
+    boundaries per batch row, padded with S): a query attends to the earlier tokens of its own document only, and its
+    lse is over that document. Returns (out, lse); out is differentiable in q, k, v.
     """
     kwargs = prepare(
-        mode, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, ulysses_degree=ulysses_degree, backend=backend
+        mode,
+        q,
+        k,
+        v,
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        ulysses_degree=ulysses_degree,
+        backend=backend,
+        cu_seqlens=cu_seqlens,
     )
     if facts(mode).splits_heads:  # differentiable all-to-alls around the Function on the inner mode (see the docstring)
         return mode_module(mode).forward(q, k, v, attend=differentiable, **kwargs)

@@ -11,6 +11,7 @@ Works on gloo with CPU tensors, NCCL with CUDA tensors, and gloo with CUDA tenso
   (``send_recv(t)`` for one tensor, ``send_recv_many([k, v])`` for several in one batch).
 - ``all_to_all(x, scatter_dim, gather_dim, group)``: ``dist.all_to_all_single`` underneath, differentiable (its
   backward is the inverse all-to-all), usable inside autograd Functions too.
+- ``all_gather(t, group)``: every rank's t (same shape everywhere), in rank order; small tensors (position ids).
 - ``raise_everywhere(msg, group)``: all ranks raise the same error when any one of them has a problem, so none hangs.
 """
 
@@ -164,6 +165,17 @@ def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group=None) -> Tens
     if torch.is_grad_enabled() and x.requires_grad:
         return _AllToAll.apply(x, scatter_dim, gather_dim, group)
     return _all_to_all(x, scatter_dim, gather_dim, group)
+
+
+def all_gather(t: Tensor, group=None) -> list[Tensor]:
+    """[t of group rank 0, ..., rank P-1] on t's device; t has the same shape on every rank."""
+    if group_size(group) == 1 or not dist.is_initialized():
+        return [t]
+    staged = _staged(t, group)
+    src = t.contiguous().cpu() if staged else t.contiguous()
+    parts = [torch.empty_like(src) for _ in range(group_size(group))]
+    dist.all_gather(parts, src, group=group)
+    return [p.to(t.device) for p in parts] if staged else parts
 
 
 def raise_everywhere(msg: str | None, group=None, error=None) -> None:

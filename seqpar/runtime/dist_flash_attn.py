@@ -21,6 +21,8 @@ step t + 1 are in flight while step t computes, and the partials of step t are f
 the kernels. Non-causal attention uses the plain rotation (every rank computes its whole row, one block a step).
 Transfers are batches of arbitrary-peer p2p (seqpar.runtime.comm.exchange); the schedule is the same pure function on every
 rank, so each rank knows whom to send to and receive from without asking.
+Packed documents (``docs``): the same schedule, each block cut into the pieces that attend (seqpar.runtime.blocks), and a
+block whose queries share no document with its keys left idle (``packed_schedule``): no kernel and no transfer for it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from seqpar.runtime import kernels
+from seqpar.runtime import blocks, kernels
 from seqpar.runtime.attention import attention
 from seqpar.runtime.comm import exchange, group_rank, group_size
 
@@ -78,6 +80,33 @@ def schedule(world_size: int, causal: bool = True, split_last: bool = True) -> l
                 step.append(Block(r + t, r, False, 1) if split_last else None)
         steps.append(step)
     return steps
+
+
+def block_segments(blk: Block, n: int) -> tuple[blocks.Segments, blocks.Segments]:
+    """Global (query, key) ranges of a block over chunks of n rows."""
+    sl = rows(blk.half, n)
+    r0, r1 = sl.indices(n)[:2]
+    return ((blk.q * n + r0, r1 - r0),), ((blk.kv * n, n),)
+
+
+def packed_schedule(world_size: int, n: int, docs) -> list[list[Block | None]]:
+    """The causal schedule with every block that attends nowhere (no shared document) made idle."""
+    steps = schedule(world_size, True, split_last=n >= 2)
+    return [[b if b is not None and blocks.need(*block_segments(b, n), docs) else None for b in step] for step in steps]
+
+
+def _attend(bq, bk, bv, blk: Block, n: int, docs, scale: float, backend: str):
+    if docs is None:
+        return kernels.attn_forward(bq, bk, bv, causal=blk.causal, softmax_scale=scale, backend=backend)
+    o, lse = blocks.attend(bq, bk, bv, *block_segments(blk, n), docs, scale=scale, backend=backend)
+    return o.to(bq.dtype), lse  # in q's dtype, like a kernel's: helpers send it to buffers shaped like q
+
+
+def _attend_backward(bdo, bq, bk, bv, bo, bl, blk: Block, n: int, docs, scale: float, backend: str):
+    if docs is None:
+        return kernels.attn_backward(bdo, bq, bk, bv, bo, bl, causal=blk.causal, softmax_scale=scale, backend=backend)
+    g = blocks.attend_backward(bdo, bq, bk, bv, bo, bl, *block_segments(blk, n), docs, scale=scale, backend=backend)
+    return tuple(x.to(like.dtype) for x, like in zip(g, (bq, bk, bv)))
 
 
 def _q_side(name: str, t: Tensor, sl: slice) -> Tensor:
@@ -129,13 +158,18 @@ def _merge_partials(deferred, out, lse):
     return out, lse
 
 
-def forward(q, k, v, *, group, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+def _steps(p: int, n: int, causal: bool, docs) -> list[list[Block | None]]:
+    # n is the same on every rank, so is the schedule
+    return packed_schedule(p, n, docs) if docs is not None else schedule(p, causal, split_last=n >= 2)
+
+
+def forward(q, k, v, *, group, causal: bool, scale: float, backend: str, docs=None) -> tuple[Tensor, Tensor]:
     """The balanced schedule: out (B, S/P, Hq, D) in q's dtype, lse (B, Hq, S/P). One rank: one kernel call."""
     p, me, n = group_size(group), group_rank(group), q.shape[1]
     if p == 1:
-        return kernels.attn_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
+        return _attend(q, k, v, Block(0, 0, causal), n, docs, scale, backend)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # p2p sends and receive buffers shaped like them
-    steps = schedule(p, causal, split_last=n >= 2)  # n is the same on every rank, so is the schedule
+    steps = _steps(p, n, causal, docs)
     mine = {"q": q, "k": k, "v": v}
     out = lse = None  # fp32 (float64 for float64) accumulators of my rows
     deferred = None  # (handle, [(out, lse, rows) buffers]) of the previous step's partials from other ranks
@@ -150,7 +184,7 @@ def forward(q, k, v, *, group, causal: bool, scale: float, backend: str) -> tupl
             sl = rows(blk.half, n)
             bq = received["q"][0] if blk.q != me else q[:, sl]  # (B, rows, Hq, D)
             bk, bv = received["kv"] if blk.kv != me else (k, v)  # (B, S/P, Hkv, D)
-            b_out, b_lse = kernels.attn_forward(bq, bk, bv, causal=blk.causal, softmax_scale=scale, backend=backend)
+            b_out, b_lse = _attend(bq, bk, bv, blk, n, docs, scale, backend)
             if blk.q == me:
                 out, lse = _merge_rows(out, lse, b_out, b_lse, sl)
             else:  # a helper returns the partial (out, lse) to the query's owner
@@ -177,13 +211,15 @@ def _add_partials(deferred, grads: dict[str, Tensor]) -> None:
             grads[name][:, sl] += t
 
 
-def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def backward(
+    dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str, docs=None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The same schedule: owners gather dk, dv partials, helpers return dq partials; gradients in the inputs' dtypes."""
     p, me, n = group_size(group), group_rank(group), q.shape[1]
     if p == 1:
-        return kernels.attn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend=backend)
+        return _attend_backward(dout, q, k, v, out, lse, Block(0, 0, causal), n, docs, scale, backend)
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
-    steps = schedule(p, causal, split_last=n >= 2)
+    steps = _steps(p, n, causal, docs)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # partial gradients add up in fp32
     grads = {
         "q": torch.zeros(q.shape, dtype=acc, device=q.device),  # (B, S/P, Hq, D)
@@ -208,9 +244,8 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, back
             else:
                 bq, bdo, bo, bl = (_q_side(name, mine[name], sl) for name in q_names)
             bk, bv = received["kv"] if blk.kv != me else (k, v)
-            g_q, g_k, g_v = kernels.attn_backward(
-                bdo, bq, bk, bv, bo, bl, causal=blk.causal, softmax_scale=scale, backend=backend
-            )  # (B, rows, Hq, D), (B, S/P, Hkv, D) x 2
+            g_q, g_k, g_v = _attend_backward(bdo, bq, bk, bv, bo, bl, blk, n, docs, scale, backend)
+            # (B, rows, Hq, D), (B, S/P, Hkv, D) x 2
             if blk.q == me:
                 grads["q"][:, sl] += g_q
             else:
@@ -238,12 +273,25 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, back
     return grads["q"].to(q.dtype), grads["k"].to(k.dtype), grads["v"].to(v.dtype)
 
 
-def dist_flash_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None) -> tuple[Tensor, Tensor]:
+def dist_flash_attn_attention(
+    q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None, cu_seqlens=None
+) -> tuple[Tensor, Tensor]:
     """Exact attention over contiguous chunks with the balanced schedule; returns (out, lse) in this rank's layout.
 
     q (B, S/P, Hq, D); k, v (B, S/P, Hkv, D) -> out (B, S/P, Hq, D), lse (B, Hq, S/P). Works for every group size P.
+    cu_seqlens: global document boundaries (seqpar.runtime.attention).
     """
-    return attention(q, k, v, "dist_flash_attn", group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    return attention(
+        q,
+        k,
+        v,
+        "dist_flash_attn",
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 dist_flash_attention = dist_flash_attn_attention

@@ -107,22 +107,25 @@ def _free_port() -> int:
 
 
 class LossModule(nn.Module):
-    """The HF model plus its loss: forward(input_ids, position_ids, labels) -> this group's global mean loss.
+    """The HF model plus its loss: forward(input_ids, position_ids, labels, cu_seqlens=None) -> this group's global mean loss.
 
     One module so that the engines see a single forward (DDP prepares its reducer there, FSDP2 unshards the root's
-    embedding/norm/lm_head there) also when the chunked loss bypasses the model's own head.
+    embedding/norm/lm_head there) also when the chunked loss bypasses the model's own head. cu_seqlens: a packed batch's
+    global document boundaries (seqpar.prepare_inputs' "cu_seqlens"), passed to the model under transformers' own names,
+    which reach seqpar's attention function (seqpar.runtime.hf_documents).
     """
 
     def __init__(self, model: nn.Module, loss_impl: str, group, chunk_size: int = 4096):
         super().__init__()
         self.model, self.loss_impl, self.group, self.chunk_size = model, loss_impl, group, chunk_size
 
-    def forward(self, input_ids, position_ids, labels):
+    def forward(self, input_ids, position_ids, labels, cu_seqlens=None):
+        docs = {} if cu_seqlens is None else {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
         if self.loss_impl == "chunked":
-            hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state  # (B, s, h)
+            hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, **docs).last_hidden_state  # (B, s, h)
             head = self.model.get_output_embeddings().weight  # (V, h)
             return loss_from_hidden(hidden, head, labels, self.group, self.chunk_size)
-        logits = self.model(input_ids=input_ids, position_ids=position_ids).logits  # (B, s, V)
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, **docs).logits  # (B, s, V)
         return loss(logits.float(), labels, self.group)
 
 

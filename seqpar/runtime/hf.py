@@ -8,6 +8,13 @@ they are, on this rank's shard of the sequence (RoPE is right because the shard 
 feature: a model that bypasses the interface, sliding windows shorter than the sequence, logit soft-capping, attention
 dropout, padding masks and attention biases.
 
+Packed documents reach the attention function the way transformers passes them to its own varlen kernels (it forwards
+the model's keyword arguments to attention functions, 4.48+ and 5.x): ``cu_seq_lens_q``/``cu_seq_lens_k`` when the
+caller passes them (read as seqpar's GLOBAL boundaries over the unsharded row: seqpar.prepare_inputs returns them as
+"cu_seqlens"), else the ``position_ids`` every layer receives, restarting at 0 at each document. Those are this rank's
+shard, so the group gathers them once per forward (cached on the tensor for every layer and the recomputation) and
+derives the boundaries of the whole row; one document per row is the plain causal path.
+
 Layouts: transformers hands the attention function q (B, Hq, S, D), k/v (B, Hkv, S, D) after RoPE and expects
 (out (B, S, Hq, D), weights); seqpar.runtime.attention speaks (B, S, H, D), so only transposed views cross the boundary.
 
@@ -92,8 +99,6 @@ def _seqpar_attention(module: nn.Module, query, key, value, attention_mask, scal
         )
     if kwargs.get("s_aux") is not None:
         raise _refuse(name, "attention sinks (s_aux)", "use a model without attention sinks")
-    if any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q")):
-        raise _refuse(name, "packed sequences (cu_seq_lens)", "pass one document per row")
     if dropout and module.training:
         raise _refuse(name, f"attention dropout {dropout}", "set config.attention_dropout = 0.0")
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
@@ -113,12 +118,16 @@ def _seqpar_attention(module: nn.Module, query, key, value, attention_mask, scal
             f"set config.sliding_window = None for full attention, or train at most {window} tokens",
         )
     from seqpar.runtime.attention import attention
+    from seqpar.runtime.hf_documents import boundaries
     from seqpar.runtime.selective import kept_attention
 
+    cu = boundaries(ctx, kwargs, query.shape[0], query.shape[2])  # packed documents, or None
     # (B, S, H, D). v is usually already contiguous that way (a projection viewed and transposed); q and k after
     # RoPE are not, and ring/all-to-all buffers must be, so they are copied once here.
     q, k, v = _common_dtype(*(t.transpose(1, 2).contiguous() for t in (query, key, value)))
-    kw = dict(group=ctx.group, causal=True, softmax_scale=scaling, ulysses_degree=ctx.ulysses_degree, backend=ctx.backend)
+    kw = dict(
+        group=ctx.group, causal=True, softmax_scale=scaling, ulysses_degree=ctx.ulysses_degree, backend=ctx.backend, cu_seqlens=cu
+    )
     if ctx.keep_attention:  # the recomputation in backward gets out from the first forward (seqpar.runtime.selective)
         out, _lse = kept_attention(module, q, k, v, ctx.mode, **kw)  # out (B, S, Hq, D)
     else:

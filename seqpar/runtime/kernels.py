@@ -86,30 +86,32 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _exact_probs(q, k, causal, scale, lse=None):
-    """Scores and probabilities per KV-head group: P (B, Hkv, G, Sq, Sk) and lse (B, Hkv, G, Sq), in the compute dtype."""
+def _exact_probs(q, k, causal, scale, lse=None, mask=None):
+    """Scores and probabilities per KV-head group: P (B, Hkv, G, Sq, Sk) and lse (B, Hkv, G, Sq), in the compute dtype.
+    ``mask`` (Sq, Sk) bool, True where a query must not see a key, replaces the causal mask (documents: varlen.py)."""
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
     qg = q.view(B, Sq, Hkv, Hq // Hkv, D)  # (B, Sq, Hkv, G, D): a view, K and V are never repeated
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale  # (B, Hkv, G, Sq, Sk)
-    if causal:
+    if mask is None and causal:
         mask = torch.ones(Sq, k.shape[1], dtype=torch.bool, device=q.device).triu_(1)
+    if mask is not None:
         s = s.masked_fill(mask, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Sq)
     return torch.exp(s - lse.unsqueeze(-1)), lse
 
 
-def _exact_forward(q, k, v, causal, scale):
+def _exact_forward(q, k, v, causal, scale, mask=None):
     B, Sq, Hq, D = q.shape
     cd = _compute_dtype(q.dtype)
-    p, lse = _exact_probs(q.to(cd), k.to(cd), causal, scale)
+    p, lse = _exact_probs(q.to(cd), k.to(cd), causal, scale, mask=mask)
     out = torch.einsum("bhgqk,bkhd->bqhgd", p, v.to(cd)).reshape(B, Sq, Hq, v.shape[-1])  # (B, Sq, Hq, D)
     lse_dtype = torch.float64 if cd == torch.float64 else torch.float32
     return out.to(q.dtype), lse.reshape(B, Hq, Sq).to(lse_dtype)
 
 
-def _exact_backward(dout, q, k, v, out, lse, causal, scale):
+def _exact_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     """FlashAttention-2's backward in closed form: P = exp(S*scale - lse), dV = P^T dO, dP = dO V^T,
     Dlt = rowsum(dO*O), dS = P*(dP - Dlt), dQ = scale*dS K, dK = scale*dS^T Q. out and lse may be the merged result of
     several blocks: then P is this block's share of the global softmax, which is what ring attention needs."""
@@ -119,7 +121,7 @@ def _exact_backward(dout, q, k, v, out, lse, causal, scale):
     cd = _compute_dtype(q.dtype)
     q_, k_, v_ = q.to(cd), k.to(cd), v.to(cd)
     do = dout.to(cd).reshape(B, Sq, Hkv, G, -1)  # (B, Sq, Hkv, G, D)
-    p, _ = _exact_probs(q_, k_, causal, scale, lse=lse.to(cd).reshape(B, Hkv, G, Sq))
+    p, _ = _exact_probs(q_, k_, causal, scale, lse=lse.to(cd).reshape(B, Hkv, G, Sq), mask=mask)
     dv = torch.einsum("bhgqk,bqhgd->bkhd", p, do)  # (B, Sk, Hkv, D): summed over the G query heads of a group
     dp = torch.einsum("bqhgd,bkhd->bhgqk", do, v_)  # (B, Hkv, G, Sq, Sk)
     delta = (do * out.to(cd).reshape(B, Sq, Hkv, G, -1)).sum(-1).permute(0, 2, 3, 1)  # (B, Hkv, G, Sq)

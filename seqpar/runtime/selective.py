@@ -138,12 +138,23 @@ def kept_attention(
     softmax_scale: float | None = None,
     ulysses_degree: int | None = None,
     backend: str | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``seqpar.runtime.attention.attention`` whose (out, lse) is kept for the recomputation of ``module``'s layer.
 
-    Same inputs, checks and results as the mode's function; differentiable in q, k, v; lse carries no gradient."""
+    Same inputs, checks and results as the mode's function (packed documents too); differentiable in q, k, v; lse
+    carries no gradient."""
     kwargs = prepare(
-        mode, q, k, v, group=group, causal=causal, softmax_scale=softmax_scale, ulysses_degree=ulysses_degree, backend=backend
+        mode,
+        q,
+        k,
+        v,
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        ulysses_degree=ulysses_degree,
+        backend=backend,
+        cu_seqlens=cu_seqlens,
     )
     active = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return differentiable(functions(mode, **kwargs), _Keep(module, group, active))(q, k, v)

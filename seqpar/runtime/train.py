@@ -289,14 +289,18 @@ def train_step(r: Run, step: int) -> dict:
     total = torch.zeros((), dtype=torch.float64, device=topo.device)
     for micro in range(ga):
         ids = r.data.batch(step, micro, topo.dp_rank, grad_accum=ga, dp_degree=s.dp_degree, micro_batch=mbs)  # (B, S+1)
-        batch = prepare_inputs(ids[:, :-1], mode=s.mode, rank=topo.sp_rank, world_size=s.sp_degree, ulysses_degree=ulysses)
+        # the first micro-batch of the run checks that every rank of the sequence-parallel group loaded the same windows
+        guard = topo.sp_group if step == r.start and micro == 0 and s.sp_degree > 1 else None
+        batch = prepare_inputs(
+            ids[:, :-1], mode=s.mode, rank=topo.sp_rank, world_size=s.sp_degree, ulysses_degree=ulysses, check_group=guard
+        )
         # Targets are the window shifted by one (all seq_len of them predicted), split like the inputs.
         batch["labels"] = shard(ids[:, 1:], s.mode, topo.sp_rank, s.sp_degree, dim=1, ulysses_degree=ulysses)
         batch = {k: v.to(topo.device) for k, v in batch.items()}  # each (B, S_local)
         sync = micro == ga - 1
         accumulating = r.backward.accumulate(r.wrapped) if r.backward is not None else engine.no_sync(r.wrapped, sync)
         with accumulating, autocast:
-            loss = r.wrapped(batch["input_ids"], batch["position_ids"], batch["labels"])
+            loss = r.wrapped(batch["input_ids"], batch["position_ids"], batch["labels"], batch.get("cu_seqlens"))
         if r.backward is not None:  # DeepSpeed: the engine scales by 1/GA and steps at the boundary itself
             r.backward(loss * s.sp_degree)
         else:

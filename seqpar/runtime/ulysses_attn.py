@@ -77,22 +77,31 @@ def head_split_backward(dout, q, k, v, out, lse, group, inner: Functions) -> tup
     return seq_to_heads(dq, group), dk, dv
 
 
-def _local(causal: bool, scale: float, backend: str) -> Functions:
-    return functions("data_parallel", causal=causal, scale=scale, backend=backend)
+def _local(causal: bool, scale: float, backend: str, docs) -> Functions:
+    # packed documents: the head-split ranks hold the whole sequence, so the global boundaries apply as they are
+    kw = {} if docs is None else {"docs": docs}
+    return functions("data_parallel", causal=causal, scale=scale, backend=backend, **kw)
 
 
-def forward(q, k, v, *, group, causal: bool, scale: float, backend: str, attend=plain) -> tuple[Tensor, Tensor]:
+def forward(q, k, v, *, group, causal: bool, scale: float, backend: str, docs=None, attend=plain) -> tuple[Tensor, Tensor]:
     """Ulysses around local attention: out (B, S/P, Hq, D) in q's dtype, lse (B, Hq, S/P)."""
-    return head_split(q, k, v, group, _local(causal, scale, backend), attend)
+    return head_split(q, k, v, group, _local(causal, scale, backend, docs), attend)
 
 
-def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return head_split_backward(dout, q, k, v, out, lse, group, _local(causal, scale, backend))
+def backward(
+    dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str, docs=None
+) -> tuple[Tensor, Tensor, Tensor]:
+    return head_split_backward(dout, q, k, v, out, lse, group, _local(causal, scale, backend, docs))
 
 
-def ulysses_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None) -> tuple[Tensor, Tensor]:
+def ulysses_attn_attention(
+    q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None, cu_seqlens=None
+) -> tuple[Tensor, Tensor]:
     """Exact attention over contiguous sequence chunks by all-to-all head exchange; returns (out, lse) in this rank's layout.
 
     q (B, S/P, Hq, D); k, v (B, S/P, Hkv, D) -> out (B, S/P, Hq, D), lse (B, Hq, S/P); out differentiable.
+    cu_seqlens: global document boundaries (seqpar.runtime.attention).
     """
-    return attention(q, k, v, "ulysses_attn", group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    return attention(
+        q, k, v, "ulysses_attn", group=group, causal=causal, softmax_scale=softmax_scale, backend=backend, cu_seqlens=cu_seqlens
+    )

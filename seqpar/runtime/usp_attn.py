@@ -85,10 +85,11 @@ def subgroups(group, ulysses_degree: int):
     return _SUBGROUPS[key]
 
 
-def _inner(group, ulysses_degree: int, causal: bool, scale: float, backend: str) -> tuple[int, object, Functions]:
-    """(U, this rank's Ulysses group, the attention the heads are split around). U = 1: no head split."""
+def _inner(group, ulysses_degree: int, causal: bool, scale: float, backend: str, docs) -> tuple[int, object, Functions]:
+    """(U, this rank's Ulysses group, the attention the heads are split around). U = 1: no head split. Packed documents
+    keep their global boundaries: after the head split a ring rank holds its zigzag part of the whole sequence."""
     R, U = degrees("usp_attn", group_size(group), ulysses_degree)
-    kw = dict(causal=causal, scale=scale, backend=backend)
+    kw = dict(causal=causal, scale=scale, backend=backend, **({} if docs is None else {"docs": docs}))
     if U == 1:  # zigzag_ring_attn over the whole group, same layout
         return U, None, functions("zigzag_ring_attn", group=group, **kw)
     if R == 1:  # ulysses_attn over the whole group, same layout
@@ -98,31 +99,32 @@ def _inner(group, ulysses_degree: int, causal: bool, scale: float, backend: str)
 
 
 def forward(
-    q, k, v, *, group, causal: bool, scale: float, backend: str, ulysses_degree: int, attend=plain
+    q, k, v, *, group, causal: bool, scale: float, backend: str, ulysses_degree: int, docs=None, attend=plain
 ) -> tuple[Tensor, Tensor]:
     """Ulysses inside the group of U consecutive ranks around the zigzag ring over every U-th rank: out (B, S/W, Hq, D)
     in q's dtype, lse (B, Hq, S/W)."""
-    U, uly_group, inner = _inner(group, ulysses_degree, causal, scale, backend)
+    U, uly_group, inner = _inner(group, ulysses_degree, causal, scale, backend, docs)
     if U == 1:
         return attend(inner)(q, k, v)
     return head_split(q, k, v, uly_group, inner, attend)  # the ring runs on (B, S/R, Hq/U, D): its zigzag part, H/U heads
 
 
 def backward(
-    dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str, ulysses_degree: int
+    dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str, ulysses_degree: int, docs=None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    U, uly_group, inner = _inner(group, ulysses_degree, causal, scale, backend)
+    U, uly_group, inner = _inner(group, ulysses_degree, causal, scale, backend, docs)
     if U == 1:
         return inner.backward(dout, q, k, v, out, lse)
     return head_split_backward(dout, q, k, v, out, lse, uly_group, inner)
 
 
 def usp_attn_attention(
-    q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None, ulysses_degree: int | None = None
+    q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None, ulysses_degree: int | None = None, cu_seqlens=None
 ) -> tuple[Tensor, Tensor]:
     """Exact attention over a sequence in the usp_attn layout; returns (out, lse) in this rank's layout.
 
     q (B, S/W, Hq, D); k, v (B, S/W, Hkv, D) -> out (B, S/W, Hq, D), lse (B, Hq, S/W). ulysses_degree U must divide W.
+    cu_seqlens: global document boundaries (seqpar.runtime.attention).
     """
     return attention(
         q,
@@ -134,4 +136,5 @@ def usp_attn_attention(
         softmax_scale=softmax_scale,
         ulysses_degree=ulysses_degree,
         backend=backend,
+        cu_seqlens=cu_seqlens,
     )

@@ -10,6 +10,11 @@ causal work equal on every rank (ring-flash-attention's zigzag scheme, PyTorch C
 Each step sends the current K,V block to the next rank with ``batch_isend_irecv`` while the current block computes.
 Backward replays the ring: K,V travel again, and the dK,dV accumulated for a block travel with it one step behind, so
 after W steps every rank receives the complete gradient of its own K,V. ``causal=False`` is the plain ring (full blocks).
+
+Packed documents (``docs``): the same ring, each step's block cut into the pieces that attend (seqpar.runtime.blocks),
+and blocks that share no document skipped: block src travels only as far as the farthest rank that uses it
+(``blocks.ring_need``'s reach, a pure function of the boundaries, the same on every rank), no kernel runs where nothing
+attends, and in backward its dK,dV go straight home from that rank instead of finishing the circle.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqpar.runtime import kernels
+from seqpar.runtime import blocks, kernels
 from seqpar.runtime.attention import attention
-from seqpar.runtime.comm import RingComm, group_rank, group_size
+from seqpar.runtime.comm import RingComm, exchange, group_rank, group_size
 
 
 def _plan(step: int, rank: int, causal: bool) -> str:
@@ -31,8 +36,93 @@ def _plan(step: int, rank: int, causal: bool) -> str:
     return "kv_first_half" if step <= rank else "q_second_half"  # step <= rank  <=>  source rank r - step < r
 
 
-def forward(q, k, v, *, group, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+def _ring(group, q: Tensor, docs):
+    """(rank, W, every rank's segments, need, reach) of the packed ring."""
+    rank, W = group_rank(group), group_size(group)
+    segs = [blocks.zigzag_segments(r, W, q.shape[1] * W) for r in range(W)]
+    return (rank, W, segs, *blocks.ring_need(segs, docs))
+
+
+def _post_kv(kv, like, t: int, rank: int, W: int, reach: list[int], group):
+    """Send the block held at step t on (if a later rank uses it), receive the one held at step t + 1 (if used);
+    every block is shaped like this rank's own (like)."""
+    src, nxt = (rank - t) % W, (rank - t - 1) % W
+    sends = [(x, (rank + 1) % W) for x in kv] if t < reach[src] else []
+    recvs = [(torch.empty(x.shape, dtype=x.dtype, device=x.device), (rank - 1) % W) for x in like] if t + 1 <= reach[nxt] else []
+    return exchange(sends, recvs, group), bool(recvs)
+
+
+def _packed_forward(q, k, v, group, scale, backend, docs):
+    rank, W, segs, need, reach = _ring(group, q, docs)
+    out = lse = None
+    kv = (k, v)
+    for t in range(W):
+        src = (rank - t) % W
+        handle, receiving = _post_kv(kv, (k, v), t, rank, W, reach, group) if t + 1 < W else (None, False)
+        if need[src][rank]:  # step 0 (the diagonal) always: every query sees itself
+            bo, bl = blocks.attend(q, *kv, segs[rank], segs[src], docs, scale=scale, backend=backend)
+            out, lse = kernels.merge(out, lse, bo, bl)
+        if handle is not None:
+            got = handle.wait()
+            kv = tuple(got) if receiving else None
+    return out.to(q.dtype), lse
+
+
+def _packed_backward(dout, q, k, v, out, lse, group, scale, backend, docs):
+    rank, W, segs, need, reach = _ring(group, q, docs)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    zeros = lambda x: torch.zeros(x.shape, dtype=acc, device=x.device)  # noqa: E731
+    dq, home = zeros(q), None
+    kv, dkv = (k, v), None  # dkv: partial dK,dV of the block held now, from its earlier holders
+    pending = None  # (handle, receiving the next block's partial, receiving my own block's gradient)
+    for t in range(W):
+        src = (rank - t) % W
+        kv_handle, receiving = _post_kv(kv, (k, v), t, rank, W, reach, group) if t + 1 < W else (None, False)
+        g = (
+            blocks.attend_backward(dout, q, *kv, out, lse, segs[rank], segs[src], docs, scale=scale, backend=backend)
+            if need[src][rank]
+            else None
+        )
+        if pending is not None:
+            handle, partial, mine = pending
+            got = handle.wait()
+            if partial:
+                dkv = got[:2]
+            if mine:
+                home = got[-2:]
+        if kv is not None and dkv is None:  # step 0: my own block starts its gradient here
+            dkv = [zeros(k), zeros(v)]
+        if g is not None:
+            dq += g[0]
+            dkv[0] += g[1]
+            dkv[1] += g[2]
+        if kv_handle is not None:
+            got = kv_handle.wait()
+            kv = tuple(got) if receiving else None
+        sends, recvs = [], []
+        if dkv is not None and t == reach[src] and t == 0:
+            home = dkv  # nobody else uses my block: its gradient never left
+        elif dkv is not None:  # on to the next holder, or home from the farthest one
+            sends = [(x, (rank + 1) % W if t < reach[src] else src) for x in dkv]
+        partial = t + 1 < W and t + 1 <= reach[(rank - t - 1) % W]
+        if partial:
+            recvs += [(zeros(k), (rank - 1) % W), (zeros(v), (rank - 1) % W)]
+        mine = t > 0 and t == reach[rank]
+        if mine:
+            recvs += [(zeros(k), (rank + t) % W), (zeros(v), (rank + t) % W)]
+        pending = (exchange(sends, recvs, group), partial, mine)
+        dkv = None
+    handle, _, mine = pending
+    got = handle.wait()
+    if mine:
+        home = got[-2:]
+    return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
+
+
+def forward(q, k, v, *, group, causal: bool, scale: float, backend: str, docs=None) -> tuple[Tensor, Tensor]:
     """The ring: out (B, 2c, Hq, D) in q's dtype, lse (B, Hq, 2c) in the zigzag layout."""
+    if docs is not None:
+        return _packed_forward(q, k, v, group, scale, backend, docs)
     rank, W = group_rank(group), group_size(group)
     c = q.shape[1] // 2
     comm = RingComm(group)
@@ -55,8 +145,12 @@ def forward(q, k, v, *, group, causal: bool, scale: float, backend: str) -> tupl
     return out.to(q.dtype), lse
 
 
-def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def backward(
+    dout, q, k, v, out, lse, *, group, causal: bool, scale: float, backend: str, docs=None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The ring again, dK,dV travelling one step behind K,V: gradients in the inputs' dtypes."""
+    if docs is not None:
+        return _packed_backward(dout, q, k, v, out, lse, group, scale, backend, docs)
     rank, W = group_rank(group), group_size(group)
     c = q.shape[1] // 2
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -100,13 +194,26 @@ def backward(dout, q, k, v, out, lse, *, group, causal: bool, scale: float, back
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def zigzag_ring_attn_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None) -> tuple[Tensor, Tensor]:
+def zigzag_ring_attn_attention(
+    q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None, cu_seqlens=None
+) -> tuple[Tensor, Tensor]:
     """Exact attention over a sequence held in zigzag layout across the group's ranks.
 
     q (B, S_local, Hq, D); k, v (B, S_local, Hkv, D), S_local = S / W from ``shard(x, "zigzag_ring_attn", ...)``.
     Returns out (B, S_local, Hq, D) and lse (B, Hq, S_local), both in the same zigzag layout; out differentiable.
+    cu_seqlens: global document boundaries (seqpar.runtime.attention).
     """
-    return attention(q, k, v, "zigzag_ring_attn", group=group, causal=causal, softmax_scale=softmax_scale, backend=backend)
+    return attention(
+        q,
+        k,
+        v,
+        "zigzag_ring_attn",
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 zigzag_ring_attention = zigzag_ring_attn_attention  # the name ring-flash-attention users know
