@@ -46,6 +46,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP2: keep parameters and optimizer state in host RAM")
     p.add_argument("--report-to", default="", help="comma list: tensorboard, wandb (used only when installed)")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps when there is no progress bar")
+    p.add_argument(
+        "--allow-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a launch.env name the plan may set beyond the allow-list",
+    )
     return p
 
 
@@ -103,7 +110,7 @@ def setup(args: argparse.Namespace) -> Run:
     from seqpar.runtime.tiled_mlp import tile_mlp
 
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
-    plan = LaunchPlan.load(args.plan)
+    plan = LaunchPlan.load(args.plan, allow_env=args.allow_env)
     s, w, t = plan.strategy, plan.workload, plan.training
     steps = args.steps or t.steps
     every = t.checkpoint_every if args.checkpoint_every is None else args.checkpoint_every
