@@ -177,6 +177,15 @@ def test_seq_len_is_parsed_exactly():
     assert r.stderr.splitlines()[0] == "seq_len 9007199254740993 (9007199254740993)"
 
 
+def test_launch_output_that_is_a_file_exits_2(tmp_path):
+    plan = tmp_path / "plan.json"
+    make_plan(2, "zigzag_ring_attn", 2).write(plan)
+    (tmp_path / "out").write_text("a file")
+    r = invoke("launch", plan, "--output", tmp_path / "out", "--steps", "1")
+    assert "is a file, not a folder" in one_error_line(r)
+    assert (tmp_path / "out").read_text() == "a file"
+
+
 # --------------------------------------------------------------------------------------------- calibrate
 
 

@@ -5,6 +5,9 @@ group; each sequence-parallel rank trains on its shard of the group's windows (s
 reads its settings from the plan (mode, degrees, sharding, checkpointing, loss_impl, training section); the flags only say
 what to train on, for how long and where to write. Errors in the input are one line and exit code 2 on every rank.
 
+SIGTERM or SIGINT (what torchrun's agent forwards when ``seqpar launch`` is stopped) ends the run after the current step
+with a checkpoint and exit code 128 + the signal; the rank also dies with its launcher (seqpar.runtime.stopping).
+
 Test hooks (environment): SEQPAR_FAULT_RANK + SEQPAR_FAULT_STEP (+ SEQPAR_FAULT_PHASE=step|checkpoint) raise on one rank.
 """
 
@@ -281,6 +284,7 @@ def _tokens_per_step(r: Run) -> int:
 def run(args: argparse.Namespace) -> dict:
     """Train; returns {"losses": [...], "report": dict | None (rank 0), "output": str}. Collective over the job."""
     from seqpar.runtime import checkpoint as ckpt
+    from seqpar.runtime import stopping
     from seqpar.runtime.progress import ProgressBar
     from seqpar.runtime.report import Metrics, write_report
 
@@ -298,7 +302,9 @@ def run(args: argparse.Namespace) -> dict:
             losses.append(rec["loss"])
             metrics.log(rec)
             bar.update(rec)
-            if (r.every and (step + 1) % r.every == 0) or step + 1 == r.steps:
+            # Stop hook (seqpar.runtime.stopping): a SIGTERM/SIGINT on any rank ends the run after this step, checkpointed.
+            stop = stopping.requested()
+            if (r.every and (step + 1) % r.every == 0) or step + 1 == r.steps or stop:
                 ckpt.save(
                     r.root,
                     step + 1,
@@ -309,6 +315,8 @@ def run(args: argparse.Namespace) -> dict:
                     state={"step": step + 1, "windows_read": (step + 1) * sequences_per_step, **r.topo_state},
                     rank=rank,
                 )
+            if stop:
+                raise stopping.Stopped(step + 1, stop, str(ckpt.step_dir(r.root, step + 1)))
     finally:
         bar.close()
     report = write_report(
@@ -338,21 +346,32 @@ def _backend(device, dtype) -> str:
         return f"unknown ({e})"
 
 
-def _fail(rank: str, msg: str, out: str | None) -> None:
-    """One line on stderr naming the rank, and a file the launcher reads to name it again after torchrun's summary."""
-    line = f"seqpar: rank {rank} failed: {msg}"
-    print(line, file=sys.stderr, flush=True)
-    if out:
-        try:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / f"failed-rank{rank}.txt").write_text(f"{time.time():.6f} {line}\n")
-        except OSError:
-            pass
+# What a rank's failure says when it is only the consequence of a peer's: the peer died (its sockets closed) or stopped
+# answering (a timeout). The launcher names the rank that failed for itself before these.
+PEER_WORDS = ("closed by peer", "reset by peer", "connection closed", "broken pipe", "timed out", "timeout")
+
+
+def _record(rank: int, out: str, kind: str, message: str, peers: list[int] | None = None) -> None:
+    """``<output>/failed-rank<R>.json`` for the launcher: kind error | invalid (input, exit 2) | peer (a consequence of a
+    peer's failure) | stopped (a signal from outside the launcher)."""
+    import json
+
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        rec = {"time": time.time(), "rank": rank, "kind": kind, "message": message, "peers": peers or []}
+        (Path(out) / f"failed-rank{rank}.json").write_text(json.dumps(rec) + "\n")
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
+    from seqpar.runtime import stopping
+    from seqpar.runtime.comm import PeerTimeoutError
+
+    stopping.install()  # SIGTERM/SIGINT: stop after the current step with a checkpoint
+    stopping.die_with_parent()  # the launcher's death ends this rank the same way (torchrun put it in a session of its own)
     args = parser().parse_args(argv)
-    rank = os.environ.get("RANK", "0")
+    rank = int(os.environ.get("RANK", "0"))
     try:
         run(args)
         from seqpar.runtime.engine import shutdown
@@ -360,16 +379,26 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
     except SeqparError as e:
         print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        if Path(args.output).is_dir():  # the launcher made it: it repeats this line and exits 2 too
+            _record(rank, args.output, "invalid", str(e))
         return 2
-    except BaseException as e:
-        import traceback
+    except stopping.Stopped as e:  # the final checkpoint is written; the launcher says so
+        if stopping.received() and Path(args.output, "checkpoints").is_dir():
+            _record(rank, args.output, "stopped", f"received {signal_name(e.signum)}; {e} (checkpoint {e.checkpoint})")
+        from seqpar.runtime.engine import shutdown
 
-        traceback.print_exc()
-        _fail(
-            rank,
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            args.output if Path(args.output, "checkpoints").is_dir() else None,
-        )
+        shutdown()
+        return e.exit_code
+    except BaseException as e:
+        first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        consequence = isinstance(e, PeerTimeoutError) or any(w in first.lower() for w in PEER_WORDS)
+        if not consequence:
+            import traceback
+
+            traceback.print_exc()
+        print(f"seqpar: rank {rank} failed: {first}", file=sys.stderr, flush=True)
+        if Path(args.output, "checkpoints").is_dir():  # a folder this run set up, never one it refused
+            _record(rank, args.output, "peer" if consequence else "error", first, getattr(e, "peers", None))
         return 1
     finally:
         import torch.distributed as dist
@@ -377,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
 
 
 if __name__ == "__main__":
