@@ -5,7 +5,8 @@ What runs (torchrun, or accelerate for DeepSpeed plans; one job per stage of a s
 builder the advisor records in ``plan.launch`` too. torchrun runs in this process (seqpar.runtime.agent) with
 ``--max-restarts 0``: a failing rank ends the job, the agent stops every other rank, and the launcher names the rank that
 failed first, and how, from each rank's exit status and the line the trainer leaves in ``failed-rank<R>.json``; the
-process-group timeout (SEQPAR_PG_TIMEOUT_S) bounds how long ranks wait for a dead or stopped peer.
+process-group timeout (SEQPAR_PG_TIMEOUT_S) bounds how long ranks wait for a dead or stopped peer, and the peer's
+heartbeat (seqpar.runtime.liveness) names the one that stopped answering.
 
 Stopping: SIGTERM or Ctrl-C (SIGINT) reaches the agent, which forwards it to every rank; the ranks finish their step, write
 a checkpoint and exit; the launcher prints one line with that checkpoint and exits 128 + the signal (143, 130). The

@@ -373,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        from seqpar.runtime import liveness
+
+        liveness.start(rank, int(os.environ.get("WORLD_SIZE", "1")))  # names a silent peer if a wait times out
+    except Exception as e:  # never a reason not to train
+        print(f"seqpar: rank {rank}: no heartbeat ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    try:
         run(args)
         from seqpar.runtime.engine import shutdown
 
@@ -396,9 +402,11 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
-        print(f"seqpar: rank {rank} failed: {first}", file=sys.stderr, flush=True)
+        # the peers whose heartbeat stopped are the ones that stopped answering; else those the wait was for
+        peers = (liveness.silent_ranks() if consequence else None) or getattr(e, "peers", None)
         if Path(args.output, "checkpoints").is_dir():  # a folder this run set up, never one it refused
-            _record(rank, args.output, "peer" if consequence else "error", first, getattr(e, "peers", None))
+            _record(rank, args.output, "peer" if consequence else "error", first, peers)
+        print(f"seqpar: rank {rank} failed: {first}", file=sys.stderr, flush=True)
         return 1
     finally:
         import torch.distributed as dist
