@@ -17,7 +17,8 @@ import sys
 from datetime import datetime, timezone
 
 from seqpar.advisor.coefficients import COEFFICIENTS_PATH, load_coefficients
-from seqpar.advisor.fit import coefficients_json, evaluate, load_measurements
+from seqpar.advisor.fit import coefficients_json, evaluate
+from seqpar.advisor.measurements import load_measurements
 from seqpar.schema import write_atomic
 
 

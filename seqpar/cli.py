@@ -3,8 +3,11 @@
 Conventions for every command (others add theirs here with small edits):
 - the docstring is the help and ends with an Examples section;
 - ``--json`` puts only JSON on stdout, human text goes to stderr;
-- exit 0 ok, 1 a known failure (one line, SEQPAR_DEBUG=1 shows the traceback), 2 bad usage or invalid input (SeqparError);
-  wrap the command with ``@handle_errors`` to get this mapping.
+- exit 0 ok, 1 a known failure (`check`: risks OOM; `launch`: the job failed), 2 bad usage or invalid input (SeqparError,
+  one line, nothing written), 3 an internal error (a bug: one line, SEQPAR_DEBUG=1 shows the traceback), 130 interrupted
+  (Ctrl-C); wrap the command with ``@handle_errors`` to get this mapping;
+- text from a plan or any other file is printed literally: ``literal`` escapes control characters (an ESC[2K in a plan
+  would erase the line before it) and ``shown`` also rich markup, so a file cannot restyle or hide what the terminal shows.
 Importing this module must not import torch: runtime commands import their modules inside the command body.
 """
 
@@ -25,6 +28,7 @@ from typer.core import TyperGroup
 from seqpar.cli_options import OUTPUT, RequestFlags, advise_request, with_request_flags
 from seqpar.errors import SeqparError
 from seqpar.eval_cli import EvalOptions
+from seqpar.literal import literal, shown
 from seqpar.options import KEEP_LAST
 from seqpar.schema import LaunchPlan, first_error, format_tokens, parse_seq_len
 
@@ -49,9 +53,17 @@ def stderr() -> Console:
     return Console(file=sys.stderr, soft_wrap=True)
 
 
+EXIT_OOM_OR_FAILED, EXIT_INVALID, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 3, 130
+
+
 def note(text: str) -> None:
-    """A line for a person, on stderr (stdout stays clean for --json)."""
-    typer.echo(text, err=True)
+    """A line for a person, on stderr (stdout stays clean for --json); printed literally."""
+    typer.echo(literal(text), err=True)
+
+
+def say(text: str) -> None:
+    """A line for a person on stdout (commands without --json), printed literally."""
+    typer.echo(literal(text))
 
 
 def _pass_through() -> tuple[type[BaseException], ...]:
@@ -72,7 +84,8 @@ _PASS_THROUGH = _pass_through()
 
 
 def handle_errors(fn):
-    """Map exceptions to exit codes: SeqparError/ValidationError -> 2, any other error -> 1 (SEQPAR_DEBUG=1 re-raises)."""
+    """Map exceptions to exit codes: SeqparError/ValidationError -> 2 (invalid input), Ctrl-C -> 130, any other error
+    -> 3 (internal: never 1, which `check` and `launch` give a meaning; SEQPAR_DEBUG=1 re-raises). One line each."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -81,16 +94,23 @@ def handle_errors(fn):
         except _PASS_THROUGH:
             raise
         except SeqparError as e:
-            note(f"error: {e}")
-            raise typer.Exit(2) from None
+            note(f"error: {literal(str(e), newlines=False)}")
+            raise typer.Exit(EXIT_INVALID) from None
         except ValidationError as e:
-            note(f"error: {first_error(e)}")
-            raise typer.Exit(2) from None
+            note(f"error: {literal(first_error(e), newlines=False)}")
+            raise typer.Exit(EXIT_INVALID) from None
+        except KeyboardInterrupt:
+            note("interrupted")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except Exception as e:
             if os.environ.get("SEQPAR_DEBUG"):
                 raise
-            note(f"error: {type(e).__name__}: {e} (run with SEQPAR_DEBUG=1 to see the traceback)")
-            raise typer.Exit(1) from None
+            first = str(e).splitlines()[0] if str(e) else ""
+            note(
+                f"internal error: {type(e).__name__}: {literal(first, newlines=False)} (a bug in seqpar; "
+                f"run with SEQPAR_DEBUG=1 to see the traceback)"
+            )
+            raise typer.Exit(EXIT_INTERNAL) from None
 
     return wrapper
 
@@ -173,7 +193,7 @@ def advise(
     else:
         from seqpar.advisor.render import render_plan
 
-        render_plan(plan, stdout(), str(output or "plan.json"))
+        render_plan(shown(plan), stdout(), shown(str(output or "plan.json")))
 
 
 # --------------------------------------------------------------------------------------------- explain, schema
@@ -206,7 +226,8 @@ def explain(
         return
     from seqpar.advisor.render import render_plan
 
-    render_plan(plan, stdout(), str(plan_path))
+    plan = shown(plan)  # the plan's text printed literally, never as markup or terminal control
+    render_plan(plan, stdout(), shown(str(plan_path)))
     from seqpar.advisor.explain import explain_tables  # the cost model's breakdowns (memory, time, alternatives)
 
     for t in explain_tables(plan):
@@ -271,7 +292,7 @@ def check(
         )
     else:
         for line in check_lines(res):
-            (typer.echo if res.fits else note)(line)
+            (say if res.fits else note)(line)
     raise typer.Exit(res.exit_code)
 
 
@@ -335,7 +356,7 @@ def calibrate(
         return
     for e in res.rows:
         r, l = e["tokens_residual"], e["loo_tokens_error"]
-        typer.echo(
+        say(
             f"{e['label']:<45} tokens/s measured {e['measured_tokens_per_s'] or '-'!s:>9} predicted {e['predicted_tokens_per_s']:>10,.0f} "
             f"residual {'' if r is None else f'{r:+.1%}':>7} LOO {'' if l is None else f'{l:+.1%}':>7}"
         )
@@ -436,7 +457,7 @@ def profiles_show(
         return
     from seqpar.advisor.render import spec_table
 
-    stdout().print(spec_table(spec))
+    stdout().print(spec_table(shown(spec)))  # a local config.json's text, printed literally
 
 
 # --------------------------------------------------------------------------------------------- launch
@@ -482,13 +503,22 @@ def launch(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the exact command and generated configs; run nothing."),
     force: bool = typer.Option(False, "--force", help="Run even when the plan's cluster does not match this machine."),
+    allow_env: list[str] = typer.Option(
+        [],
+        "--allow-env",
+        metavar="NAME",
+        help="Let the plan's launch.env set NAME beyond the allow-list (SEQPAR_*, NCCL_*, TORCH_NCCL_*, CUDA_*, allocator "
+        "and thread settings); only for plans you trust: PYTHONPATH, LD_PRELOAD or PATH make the job run other code.",
+    ),
 ):
-    """Run a plan: torchrun (accelerate for DeepSpeed plans) starts the trainer on every rank; exit status = the job's.
+    """Run a plan: torchrun (accelerate for DeepSpeed plans) starts the trainer on every rank.
 
-    Checks first (exit 2, nothing written): the plan, the data, the output folder, the free space there for the
-    checkpoints and the export, and that this machine is the plan's cluster (`--force` skips that). A non-finite loss
-    stops the run before its update (exit 1, the step named; `latest` stays the last good checkpoint). Writes checkpoints, `run_report.json` (measured beside predicted), `metrics.jsonl` and
-    `train.log` into `--output`. Staged plans (`seqpar advise --recipe`) run stage by stage.
+    Checks first (exit 2, nothing written): the plan, the data, the output folder (one launch at a time), the free space
+    there for the checkpoints and the export, and that this machine is the plan's cluster (`--force` skips that). Writes
+    checkpoints, `run_report.json` (measured beside predicted), `metrics.jsonl` and `train.log` into `--output`. Staged
+    plans (`seqpar advise --recipe`) run stage by stage. A non-finite loss stops the run before its update (exit 1, the
+    step named; `latest` stays the last good checkpoint). Exit 0 done, 1 a rank failed (the last line names it and how),
+    2 invalid input, 130/143 stopped by Ctrl-C/SIGTERM after a final checkpoint (the last line names it).
 
     **Examples**
 
@@ -500,7 +530,7 @@ def launch(
     from seqpar.runtime.launch import LaunchOptions, check_machine
     from seqpar.runtime.launch import launch as run_launch
 
-    plan = LaunchPlan.load(plan_path)
+    plan = LaunchPlan.load(plan_path, allow_env=allow_env)
     if not dry_run and not force:
         from seqpar.advisor.probe import probe as run_probe
 
@@ -532,8 +562,9 @@ def launch(
         keep_last=keep_last,
         final_checkpoint=not no_final_checkpoint,
         skip_nonfinite=skip_nonfinite,
+        allow_env=list(allow_env),
     )
-    rc = run_launch(plan, plan_path, opts, dry_run=dry_run, echo=typer.echo if dry_run else note)
+    rc = run_launch(plan, plan_path, opts, dry_run=dry_run, echo=say if dry_run else note)
     if rc:
         raise typer.Exit(rc)
 

@@ -113,6 +113,20 @@ class RequestFlags:
         ),
     ] = None
 
+    def __post_init__(self) -> None:
+        """What typer's types let through and no request can mean: an empty name, an infinite or NaN amount of RAM."""
+        import math
+
+        from seqpar.errors import SeqparError
+
+        for flag, v in (("--gpu", self.gpu), ("--model", self.model), ("--cluster", self.cluster)):
+            if v is not None and not v.strip():
+                raise SeqparError(
+                    f"{flag} is empty; name one (e.g. {'--gpu h100' if flag == '--gpu' else flag + ' ...'}) or leave the flag out"
+                )
+        if self.host_ram_gib is not None and not math.isfinite(self.host_ram_gib):
+            raise SeqparError(f"--host-ram-gib {self.host_ram_gib} is not a finite amount of RAM; give GiB per node, e.g. 1024")
+
     def pins(self) -> dict:
         """The pinned choices (the fields in the Pins panel), by name: AdviseRequest's names for them."""
         hints = get_type_hints(RequestFlags, include_extras=True)

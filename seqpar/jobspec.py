@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from seqpar.errors import SeqparError
-from seqpar.schema import LaunchPlan, LaunchSpec
+from seqpar.schema import ALLOWED_ENV_TEXT, LaunchPlan, LaunchSpec, env_refusals
 
 # What a recorded multi-node command leaves to each node: its rank and the rendezvous host (the shell fills them in).
 NODE_RANK_VAR, ENDPOINT_VAR = "$NODE_RANK", "$MASTER_ADDR:29500"
@@ -42,6 +42,7 @@ class LaunchOptions:
     final_checkpoint: bool = True
     skip_nonfinite: bool = False
     extra: list[str] = field(default_factory=list)
+    allow_env: list[str] = field(default_factory=list)  # launch.env names allowed beyond the allow-list (--allow-env)
 
 
 @dataclass
@@ -102,8 +103,15 @@ def accelerate_config(plan: LaunchPlan, ds_path: Path, nnodes: int, node_rank: i
     return json.dumps(lines, indent=2) + "\n"  # accelerate reads YAML, and JSON is YAML
 
 
-def job_env(plan: LaunchPlan, cpu_count: int) -> dict[str, str]:
-    """seqpar's settings for the job's processes, then the plan's own ``launch.env`` over them."""
+def job_env(plan: LaunchPlan, cpu_count: int, allow: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """seqpar's settings for the job's processes, then the plan's own ``launch.env`` over them: only names the plan may
+    set (schema.plan_env_allowed) or ``allow`` names (SeqparError otherwise; LaunchPlan.load refuses them first)."""
+    refused = env_refusals(plan.launch.env, allow)
+    if refused:
+        raise SeqparError(
+            f"the plan's launch.env sets {', '.join(refused)}, which a plan may not set (a plan may set {ALLOWED_ENV_TEXT}); "
+            f"remove it, or pass {' '.join('--allow-env ' + k for k in refused)} if you trust the plan"
+        )
     env: dict[str, str] = {}
     if plan.cluster.accelerator == "cuda":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # fewer fragmentation OOMs at long sequence lengths
@@ -177,6 +185,8 @@ def build_job(
         train += ["--keep-last", str(opts.keep_last)]
     train += [] if opts.final_checkpoint else ["--no-final-checkpoint"]
     train += ["--skip-nonfinite"] if opts.skip_nonfinite else []
+    for name in opts.allow_env:
+        train += ["--allow-env", name]
     train += opts.extra + ["--plan", str(plan_file)]
     configs: dict[str, str] = {}
     if uses_deepspeed(plan):
@@ -188,7 +198,7 @@ def build_job(
         argv = torchrun_argv(plan, opts, rdzv_id=f"seqpar-{plan_file.stem}", python=python) + ["-m", "seqpar.runtime.train"]
     return Job(
         argv + train,
-        job_env(plan, os.cpu_count() or 1),
+        job_env(plan, os.cpu_count() or 1, opts.allow_env),
         configs,
         output,
         plan_file,

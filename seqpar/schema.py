@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+from fractions import Fraction
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -22,6 +23,7 @@ from seqpar.modes import MODES, check_heads, check_split
 from seqpar.options import CHECKPOINTING
 
 SCHEMA_VERSION = 1
+SEED_MAX = 2**32 - 1
 
 Mode = Literal[MODES]  # the names of seqpar.modes.MODES_TABLE
 Checkpointing = Literal[CHECKPOINTING]  # seqpar.options: the runtime reads the same names
@@ -32,12 +34,23 @@ Optimizer = Literal["adamw", "adamw-bf16", "none"]
 DType = Literal["bf16", "fp16", "fp32"]
 LinkKind = Literal["nvlink3", "nvlink4", "pcie4", "pcie5", "ib_hdr", "ib_ndr", "ethernet", "loopback"]
 Accelerator = Literal["cuda", "cpu"]
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No Infinity/NaN anywhere: JSON cannot write them back (a plan must round-trip) and no quantity here is unbounded.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _text(cls, v):
+        """No lone surrogates (how Python holds bytes of a file name that are not UTF-8): they cannot be written out."""
+        if isinstance(v, str) and _SURROGATE.search(v):
+            raise ValueError(f"{v!r} holds bytes that are not UTF-8 text (a lone surrogate); use a UTF-8 name or path")
+        return v
 
 
 # --------------------------------------------------------------------------------------------- parsing helpers
@@ -53,10 +66,11 @@ def parse_seq_len(text: str | int) -> int:
         m = _SEQ_RE.match(str(text))
         if not m:
             raise SeqparError(f"sequence length {text!r} is not a number; write it as 131072, 128k or 1M (k = 1024, M = 1048576)")
-        num, suffix = float(m.group(1)), m.group(2).lower()
+        # Fraction, not float: 9007199254740993 must stay itself (a float rounds it to ...992)
+        num, suffix = Fraction(m.group(1)), m.group(2).lower()
         scaled = num * {"": 1, "k": 1024, "m": 1024**2}[suffix]
-        if scaled != int(scaled):
-            raise SeqparError(f"sequence length {text!r} is not a whole number of tokens ({scaled}); use e.g. 128k")
+        if scaled.denominator != 1:
+            raise SeqparError(f"sequence length {text!r} is not a whole number of tokens ({float(scaled)}); use e.g. 128k")
         value = int(scaled)
     if value <= 0:
         raise SeqparError(f"sequence length {text!r} must be positive; use e.g. 128k")
@@ -117,7 +131,11 @@ class ClusterSpec(_Frozen):
 
 class ModelSpec(_Frozen):
     name: str = Field(description="Profile name or the path it was read from.")
-    architecture: str = Field(default="llama", description="Hugging Face model_type, e.g. 'llama', 'mistral', 'qwen2', 'qwen3'.")
+    architecture: Architecture = Field(
+        default="llama",
+        description="Hugging Face model_type: the Llama-style decoders (RMSNorm, RoPE, SwiGLU) the cost model describes and "
+        "the runtime builds (seqpar.runtime.model).",
+    )
     num_layers: int = Field(ge=1, description="Transformer blocks.")
     hidden_size: int = Field(ge=1, description="Model width h.")
     num_attention_heads: int = Field(ge=1, description="Query heads a.")
@@ -362,7 +380,12 @@ class TrainingSpec(_Frozen):
     warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(default=1.0, ge=0, description="Max gradient norm, 0 = off.")
-    seed: int = Field(default=0, description="Random seed.")
+    seed: int = Field(
+        default=0,
+        ge=0,
+        le=SEED_MAX,
+        description="Random seed, 0 to 2**32 - 1 (the range Python's, NumPy's and torch's generators all accept).",
+    )
     checkpoint_every: Optional[int] = Field(
         default=None,
         ge=0,
@@ -374,6 +397,45 @@ class TrainingSpec(_Frozen):
     )
 
 
+# --------------------------------------------------------------------------------------------- the job's environment
+
+# A plan is a file people download and share, and launch.env reaches the environment of torchrun and every rank: PYTHONPATH
+# (a sitecustomize.py), LD_PRELOAD or PATH there would run code from elsewhere. So a plan may set only what seqpar itself
+# sets and the settings of the libraries the job runs that change how, not what, code runs; any other name needs
+# `seqpar launch --allow-env NAME`.
+PLAN_ENV_NAMES = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "TOKENIZERS_PARALLELISM",
+    "GLOO_SOCKET_IFNAME",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_CPP_LOG_LEVEL",
+)
+PLAN_ENV_PREFIXES = ("SEQPAR_", "NCCL_", "TORCH_NCCL_", "CUDA_")
+# ...except names that point at a file or a library: NCCL_NET_PLUGIN / NCCL_TUNER_PLUGIN load a shared library,
+# NCCL_DEBUG_FILE and TORCH_NCCL_DEBUG_INFO_TEMP_FILE write wherever they name.
+PLAN_ENV_REFUSED_PARTS = ("PLUGIN", "FILE", "PATH", "DIR", "LIB")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def plan_env_allowed(name: str) -> bool:
+    """May a plan's launch.env set ``name`` without ``--allow-env``?"""
+    if name in PLAN_ENV_NAMES:
+        return True
+    return name.startswith(PLAN_ENV_PREFIXES) and not any(part in name for part in PLAN_ENV_REFUSED_PARTS)
+
+
+def env_refusals(env: dict[str, str], allow: Iterable[str] = ()) -> list[str]:
+    """The names in ``env`` a plan may not set (neither on the allow-list nor in ``allow``), in order."""
+    extra = set(allow)
+    return [k for k in env if not plan_env_allowed(k) and k not in extra]
+
+
+ALLOWED_ENV_TEXT = f"{', '.join(p + '*' for p in PLAN_ENV_PREFIXES)} (no *PLUGIN/FILE/PATH/DIR/LIB*), {', '.join(PLAN_ENV_NAMES)}"
+
+
 class LaunchSpec(_Frozen):
     launcher: Literal["torchrun", "accelerate", "python"] = Field(default="torchrun", description="What starts the processes.")
     command: list[str] = Field(
@@ -382,8 +444,24 @@ class LaunchSpec(_Frozen):
         "interpreter seqpar runs under; on several nodes $NODE_RANK and $MASTER_ADDR are each node's to fill in.",
     )
     env: dict[str, str] = Field(
-        default_factory=dict, description="Environment variables set for the job (they override seqpar launch's)."
+        default_factory=dict,
+        description="Environment variables set for the job (they override seqpar launch's); names outside the allow-list "
+        "(schema.plan_env_allowed: SEQPAR_*, NCCL_*, TORCH_NCCL_*, CUDA_*, allocator and thread settings) need "
+        "`seqpar launch --allow-env NAME`.",
     )
+
+    @field_validator("env")
+    @classmethod
+    def _env_syntax(cls, env: dict[str, str]) -> dict[str, str]:
+        for k, v in env.items():
+            if not _ENV_NAME.fullmatch(k):
+                raise ValueError(
+                    f"environment variable name {k!r} is not a name (letters, digits and _, not starting with a digit; "
+                    f"no '=', NUL or spaces); fix or remove it"
+                )
+            if "\0" in v:
+                raise ValueError(f"environment variable {k} holds a NUL character, which no environment can carry; remove it")
+        return env
 
 
 class Stage(_Frozen):
@@ -445,8 +523,9 @@ class LaunchPlan(_Frozen):
         return write_atomic(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> LaunchPlan:
-        """Read and validate a plan file; SeqparError with one line on any problem."""
+    def load(cls, path: str | Path, allow_env: Iterable[str] = ()) -> LaunchPlan:
+        """Read and validate a plan file; SeqparError with one line on any problem. ``allow_env``: names its launch.env
+        may set beyond the allow-list (``seqpar launch --allow-env``)."""
         p = Path(path)
         data = read_json_object(
             p,
@@ -461,9 +540,18 @@ class LaunchPlan(_Frozen):
                 f"plan file {str(p)!r} has schema_version {ver}, newer than this seqpar understands ({SCHEMA_VERSION}); upgrade seqpar"
             )
         try:
-            return cls.model_validate(data)
+            plan = cls.model_validate(data)
         except ValidationError as e:
             raise SeqparError(f"plan file {str(p)!r} is invalid: {first_error(e)}") from None
+        refused = env_refusals(plan.launch.env, allow_env)
+        if refused:
+            flags = " ".join(f"--allow-env {k}" for k in refused)
+            raise SeqparError(
+                f"plan file {str(p)!r} sets launch.env {', '.join(refused)}, which a plan may not set (it could make the job "
+                f"run code from elsewhere; a plan may set {ALLOWED_ENV_TEXT}); remove it, or if you trust the plan run "
+                f"`seqpar launch {p} {flags}`"
+            )
+        return plan
 
 
 def first_error(e: ValidationError) -> str:
@@ -481,22 +569,59 @@ def read_json_object(path: Path, what: str, kind: str, *, missing_fix: str, inva
     if not path.is_file():
         raise SeqparError(f"{what} {str(path)!r} does not exist; {missing_fix}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SeqparError(f"{what} {str(path)!r} is not valid JSON ({e}); {invalid_fix}") from None
+    except RecursionError:  # a hostile file nests thousands of levels deep
+        raise SeqparError(f"{what} {str(path)!r} nests too deeply to be a {kind}; {invalid_fix}") from None
     if not isinstance(data, dict):
         raise SeqparError(f"{what} {str(path)!r} holds a {type(data).__name__}, not a {kind} object")
+    bad = _lone_surrogate(data)
+    if bad is not None:
+        raise SeqparError(
+            f"{what} {str(path)!r}: {bad} holds a lone surrogate (\\ud800-\\udfff), which is not text; {invalid_fix}"
+        )
     return data
 
 
+def _lone_surrogate(obj, where: str = "") -> str | None:
+    """The path of the first string (key or value) in a JSON value that holds a lone UTF-16 surrogate, else None (JSON's
+    \\ud800 escapes decode to them; they cannot be printed or written as UTF-8)."""
+    if isinstance(obj, str):
+        return (where or "the value") if any("\ud800" <= ch <= "\udfff" for ch in obj) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        here = f"{where}.{k}" if where else str(k)
+        if isinstance(k, str) and _lone_surrogate(k) is not None:
+            return f"a key of {where or 'the object'}"
+        found = _lone_surrogate(v, here)
+        if found is not None:
+            return found
+    return None
+
+
 def write_atomic(path: str | Path, text: str) -> Path:
-    """Write text to path via a temporary sibling and os.replace, so readers never see half a file."""
+    """Write text to path via a temporary sibling and os.replace, so readers never see half a file. Only a new path or a
+    regular file is written: a folder, FIFO, device or socket there is refused (SeqparError), never replaced."""
     import os
+    import stat
     import tempfile
 
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        mode = p.stat().st_mode  # follows a symbolic link: a link to /dev/null is a device
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:  # e.g. a file where a folder of the path must be
+        raise SeqparError(f"cannot write {str(p)!r}: {e.strerror}; pick another path") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise SeqparError(f"{str(p)!r} is {kind}, not a file; seqpar writes only new paths or regular files: pick a file name")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except (FileExistsError, NotADirectoryError, PermissionError) as e:
+        raise SeqparError(f"cannot write {str(p)!r}: {e.strerror} ({e.filename}); pick another path") from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from seqpar.advisor.fit import load_measurements
+from seqpar.advisor.measurements import load_measurements
 from seqpar.cli import app
 
 PIN_64K = [

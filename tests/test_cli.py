@@ -1,4 +1,4 @@
-"""The CLI through typer's CliRunner: exit codes (0 ok, 1 known failure, 2 bad input), --json is only JSON, every bad input
+"""The CLI through typer's CliRunner: exit codes (0 ok, 1 known failure, 2 bad input, 3 internal error), --json is only JSON, every bad input
 (one line, exit 2, nothing written), help with examples, and no torch import on the advisor path."""
 
 from __future__ import annotations
@@ -200,12 +200,24 @@ def test_malformed_model_config_exits_2(tmp_path):
     assert r.exit_code == 2 and "lacks num_hidden_layers" in r.stderr and not (tmp_path / "plan.json").exists()
 
 
-def test_known_failure_exits_1_and_says_how_to_see_the_traceback(tmp_path):
+def test_output_under_a_file_exits_2_and_writes_nothing(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     r = run("advise", "-s", "512k", *A100X8, "--policy", "rules", "-o", blocker / "plan.json")  # a file where a folder must be
-    assert r.exit_code == 1 and "SEQPAR_DEBUG=1" in r.stderr and r.stdout == ""
+    assert r.exit_code == 2 and "cannot write" in r.stderr and r.stdout == ""
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_internal_error_exits_3_and_says_how_to_see_the_traceback(monkeypatch):
+    def broken(*a, **k):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr("seqpar.advisor.gate.check", broken)
+    r = run("check", "--seq-len", "64k", "--gpu", "h200", "--gpus", "1")
+    assert r.exit_code == 3 and r.stdout == ""
+    assert r.stderr.splitlines()[-1] == (
+        "internal error: ZeroDivisionError: division by zero (a bug in seqpar; run with SEQPAR_DEBUG=1 to see the traceback)"
+    )
 
 
 def test_schema_profiles_probe_json():

@@ -6,7 +6,8 @@ import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.coefficients import load_coefficients
-from seqpar.advisor.fit import Measurement, calibrate, evaluate, fit, load_measurements, row_from_report
+from seqpar.advisor.fit import calibrate, evaluate, fit
+from seqpar.advisor.measurements import Measurement, load_measurements, row_from_report
 from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost

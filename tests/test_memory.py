@@ -188,7 +188,7 @@ def test_host_ram_against_measured_rss_of_h200_runs():
     96 GiB of layer inputs)."""
     import json
 
-    from seqpar.advisor.fit import MEASUREMENTS_DIR, row_from_report
+    from seqpar.advisor.measurements import MEASUREMENTS_DIR, row_from_report
 
     seen = 0
     for f in sorted(MEASUREMENTS_DIR.glob("h200_*.json")):

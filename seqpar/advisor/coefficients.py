@@ -8,6 +8,7 @@ throughput.py, predict.py and fit.py all take a ``Coefficients``; this module im
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from seqpar.errors import SeqparError
-from seqpar.schema import ClusterSpec
+from seqpar.schema import ClusterSpec, read_json_object
 
 COEFFICIENTS_PATH = Path(__file__).resolve().parent.parent / "profiles" / "coefficients.json"
 
@@ -102,32 +103,99 @@ class Coefficients:
         return float(frac) * cluster.gpu.bf16_tflops
 
 
-def coefficients_from_dict(data: dict) -> Coefficients:
-    vals = data.get("values", {})
+# What a working cost model's values can be. A file outside these (a negative or zero factor, NaN, an overlap above 1) is
+# forged or broken, and would move every prediction silently: it is refused, naming the file and the field.
+# Time factors: measured / ideal time; `seqpar calibrate` clamps its fit to fit.BOUNDS (0.5-4), real GPUs land there too.
+PLAUSIBLE = {
+    "linear_time_factor": (0.1, 10.0),
+    "attn_time_factor": (0.1, 10.0),
+    "attn_block_tokens": (0.0, 1e6),
+    "matmul_width_h0": (0.0, 1e6),
+    "ring_overlap": (0.0, 1.0),
+    "grad_comm_overlap": (0.0, 1.0),
+    "comm_bandwidth_efficiency": (0.01, 1.0),
+    "offload_bandwidth_gb_s": (0.1, 1e4),
+    "cpu_adam_gparams_per_s": (0.01, 1e4),
+    "allocator_reserve_fraction": (0.0, 0.9),
+    "allocator_reserve_gib": (0.0, 1024.0),
+    "cuda_context_gib": (0.0, 64.0),
+    "nccl_buffer_gib_per_group": (0.0, 64.0),
+    "headroom_gib": (0.0, 1024.0),
+    "loss_chunk_tokens": (1, 1 << 30),
+    "host_ram_usable_fraction": (0.01, 1.0),
+    "host_process_gib": (0.0, 1024.0),
+    "kernel_tflops": (0.001, 1e5),  # a measured kernel rate, TFLOP/s
+    "default_fraction": (0.001, 1.0),  # of the datasheet peak
+    "min_cudnn_capability": (0.0, 100.0),
+}
+
+
+def _number(where: str, v, key: str, origin: str) -> float:
+    """``v`` as a float when it is a finite number within PLAUSIBLE[key]; SeqparError naming the file and field otherwise."""
+    lo, hi = PLAUSIBLE[key]
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+    if not ok:
+        raise SeqparError(
+            f"coefficients file {origin}: {where} = {v!r} is not a number within [{lo:g}, {hi:g}]; "
+            f"refit it with `seqpar calibrate -o FILE` (or unset SEQPAR_COEFFICIENTS to use the shipped ones)"
+        )
+    return float(v)
+
+
+def _table(where: str, v, origin: str) -> dict:
+    if not isinstance(v, dict):
+        raise SeqparError(
+            f"coefficients file {origin}: {where} holds a {type(v).__name__}, not an object; refit it with `seqpar calibrate -o FILE`"
+        )
+    return v
+
+
+def coefficients_from_dict(data: dict, origin: str = "'seqpar/profiles/coefficients.json'") -> Coefficients:
+    """Coefficients from a coefficients file's JSON, every number checked against PLAUSIBLE (``origin`` names the file)."""
+    vals = _table("values", data.get("values", {}), origin)
     known = set(Coefficients._VALUE_FIELDS)
     unknown = set(vals) - known
     if unknown:
-        raise SeqparError(f"coefficients file has unknown values {sorted(unknown)}; known: {sorted(known)}")
+        raise SeqparError(f"coefficients file {origin} has unknown values {sorted(unknown)}; known: {sorted(known)}")
+    checked = {k: _number(f"values.{k}", v, k, origin) for k, v in vals.items()}
+    if "loss_chunk_tokens" in checked:
+        if checked["loss_chunk_tokens"] != int(checked["loss_chunk_tokens"]):
+            raise SeqparError(f"coefficients file {origin}: values.loss_chunk_tokens must be a whole number of tokens")
+        checked["loss_chunk_tokens"] = int(checked["loss_chunk_tokens"])
+    kernels = _table("kernel_tflops", data.get("kernel_tflops", {}), origin)
+    for gpu, row in kernels.items():
+        key = "default_fraction" if gpu == "default_fraction" else "kernel_tflops"
+        for k, v in _table(f"kernel_tflops.{gpu}", row, origin).items():
+            if k != "source":
+                _number(f"kernel_tflops.{gpu}.{k}", v, key, origin)
+    factors = {k: v for k, v in _table("time_factors", data.get("time_factors", {}), origin).items() if isinstance(v, dict)}
+    for gpu, row in factors.items():
+        for k in ("linear_time_factor", "attn_time_factor"):
+            _number(f"time_factors.{gpu}.{k}", row.get(k), k, origin)
+    backend = _table("attention_backend", data.get("attention_backend", {}), origin)
     return Coefficients(
         version=str(data.get("version", "")),
-        kernel_tflops=data.get("kernel_tflops", {}),
-        min_cudnn_capability=float(data.get("attention_backend", {}).get("min_cudnn_capability", 9.0)),
+        kernel_tflops=kernels,
+        min_cudnn_capability=_number(
+            "attention_backend.min_cudnn_capability", backend.get("min_cudnn_capability", 9.0), "min_cudnn_capability", origin
+        ),
         fitted=tuple(data.get("fitted", ())),
-        time_factors={k: v for k, v in data.get("time_factors", {}).items() if isinstance(v, dict)},
-        **{k: (int(v) if k == "loss_chunk_tokens" else float(v)) for k, v in vals.items()},
+        time_factors=factors,
+        **checked,
     )
 
 
 def load_coefficients(path: Optional[str | Path] = None) -> Coefficients:
     """Those in ``path`` (a file written by `seqpar calibrate -o`), else in $SEQPAR_COEFFICIENTS, else the shipped ones (cached)."""
+    from_env = path is None and bool(os.environ.get("SEQPAR_COEFFICIENTS"))
     path = path or os.environ.get("SEQPAR_COEFFICIENTS") or None
     if path is None:
         return _shipped()
     p = Path(path)
-    try:
-        return coefficients_from_dict(json.loads(p.read_text()))
-    except (OSError, json.JSONDecodeError) as e:
-        raise SeqparError(f"coefficients file {str(p)!r} cannot be read ({e}); write one with `seqpar calibrate -o`") from None
+    origin = f"{str(p)!r}" + (" (SEQPAR_COEFFICIENTS)" if from_env else "")
+    fix = "write one with `seqpar calibrate -o FILE`" + (" or unset SEQPAR_COEFFICIENTS" if from_env else "")
+    data = read_json_object(p, "coefficients file", "coefficients", missing_fix=fix, invalid_fix=fix)
+    return coefficients_from_dict(data, origin)
 
 
 @lru_cache(maxsize=1)

@@ -1,9 +1,7 @@
 """Fit the cost model's few coefficients to measurements, and say how well it predicts them (residuals, leave-one-out).
 
-Measurements are data in the repo (seqpar/profiles/measurements/): ``*.csv`` rows (one configuration and its measured
-tokens/s, peak allocated GiB, OOM flag) and ``*.json`` run reports as ``seqpar launch`` writes them: the plan under ``plan``
-and the measured ``tokens_per_s`` / ``peak_memory_gib`` (the plan's Prediction field names) at the top level or under
-``measured``; ``oom: true`` marks a run that ran out of memory.
+Measurements (seqpar.advisor.measurements reads and checks them) are data in the repo (seqpar/profiles/measurements/)
+and the run reports ``seqpar calibrate`` is given.
 
 The fit: step time is linear in the fitted factors once the rest is held fixed,
   T = linear_time_factor * T_linear(h0) + attn_time_factor * T_attn(n0) + cpu_work / cpu_adam_rate + T_rest,
@@ -19,22 +17,18 @@ A coefficient no row informs (e.g. CPU Adam without ZeRO-3 offload rows) keeps i
 
 from __future__ import annotations
 
-import csv
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Optional
 
-from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.coefficients import COEFFICIENTS_PATH, Coefficients, load_coefficients
+from seqpar.advisor.measurements import Measurement, load_measurements
 from seqpar.advisor.predict import predict
 from seqpar.advisor.throughput import estimate_time
-from seqpar.errors import SeqparError
-from seqpar.profiles import get_model
-from seqpar.schema import ClusterSpec, LaunchPlan, Strategy, Workload, write_atomic
+from seqpar.schema import write_atomic
 
-MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "profiles" / "measurements"
 # n0 is held at its hardware-derived value (coefficients.json) unless a grid is passed: five rows cannot pin four numbers.
 N0_GRID = (0.0, 512.0, 1024.0, 2048.0, 3072.0, 4096.0, 6144.0, 8192.0)
 BOUNDS = {"linear_time_factor": (0.5, 4.0), "attn_time_factor": (0.5, 4.0), "cpu_adam_gparams_per_s": (0.2, 50.0)}
@@ -44,91 +38,11 @@ FITTED = ("linear_time_factor", "attn_time_factor")  # cpu_adam_gparams_per_s jo
 
 
 @dataclass(frozen=True)
-class Measurement:
-    label: str
-    source: str
-    workload: Workload
-    cluster: ClusterSpec
-    strategy: Strategy
-    tokens_per_s: Optional[float]
-    peak_memory_gib: Optional[float]
-    oom: bool
-
-
-@dataclass(frozen=True)
 class FitResult:
     coefficients: Coefficients
     rows: list[dict]  # label, measured, predicted, residual (relative), loo (relative error when left out)
     max_abs_residual: float
     max_abs_loo: float
-
-
-# --------------------------------------------------------------------------------------------- reading measurements
-
-
-def _row(d: dict, source: str) -> Measurement:
-    def num(k, cast=float):
-        v = (d.get(k) or "").strip() if isinstance(d.get(k), str) else d.get(k)
-        return cast(v) if v not in (None, "") else None
-
-    sp, u = num("sp_degree", int) or 1, num("ulysses_degree", int) or 1
-    world = num("gpus_per_node", int) * (num("nodes", int) or 1)
-    mode = d["mode"]
-    strategy = Strategy.over(
-        mode, sp, world, u, checkpointing=d["checkpointing"], sharding=d["sharding"], loss_impl=d["loss_impl"]
-    )
-    workload = Workload(
-        model=get_model(d["model"]),
-        seq_len=num("seq_len", int),
-        micro_batch_size=num("micro_batch_size", int) or 1,
-        dtype=d.get("dtype") or "bf16",
-        optimizer=d["optimizer"],
-    )
-    cluster = cluster_from_flags(d["gpu"], num("gpus_per_node", int), num("nodes", int) or 1)
-    oom = str(d.get("oom", "")).strip().lower() in ("1", "true", "yes")
-    label = f"{mode} {d['seq_len']} x{world} {d['gpu']}"
-    return Measurement(label, source, workload, cluster, strategy, num("tokens_per_s"), num("peak_memory_gib"), oom)
-
-
-def row_from_report(report: dict, source: str) -> Measurement:
-    """A `seqpar launch` run report -> a Measurement (its plan + the measured fields)."""
-    if "plan" not in report:
-        raise SeqparError(f"run report {source!r} has no 'plan'; pass the JSON that `seqpar launch` wrote")
-    plan = LaunchPlan.model_validate(report["plan"])
-    meas = report.get("measured", report)
-    tps, mem = meas.get("tokens_per_s"), meas.get("peak_memory_gib")
-    oom = bool(meas.get("oom", report.get("oom", False)))
-    if tps is None and mem is None and not oom:
-        raise SeqparError(f"run report {source!r} has neither tokens_per_s nor peak_memory_gib nor oom; nothing to fit")
-    s = plan.strategy
-    label = (
-        f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name} {plan.workload.model.name} "
-        f"ckpt={s.checkpointing}" + (" liger" if s.fused_ops != "none" else "") + (" tiled" if s.tiled_mlp else "")
-    )
-    return Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom)
-
-
-def load_measurements(paths: Optional[Iterable[str | Path]] = None) -> list[Measurement]:
-    """Rows from the given files, or from every file in seqpar/profiles/measurements/."""
-    files = (
-        [Path(p) for p in paths]
-        if paths is not None
-        else sorted(MEASUREMENTS_DIR.glob("*.csv")) + sorted(MEASUREMENTS_DIR.glob("*.json"))
-    )
-    out: list[Measurement] = []
-    for f in files:
-        if not f.is_file():
-            raise SeqparError(f"measurement file {str(f)!r} does not exist; pass run reports written by `seqpar launch`")
-        if f.suffix == ".csv":
-            lines = [ln for ln in f.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-            out += [_row(d, f.name) for d in csv.DictReader(lines)]
-        else:
-            try:
-                data = json.loads(f.read_text())
-            except json.JSONDecodeError as e:
-                raise SeqparError(f"run report {str(f)!r} is not valid JSON ({e})") from None
-            out += [row_from_report(r, f.name) for r in (data if isinstance(data, list) else [data])]
-    return out
 
 
 # --------------------------------------------------------------------------------------------- the fit

@@ -181,6 +181,10 @@ def model_from_config(path: str | Path) -> ModelSpec:
         )
     fields = {dst: cfg[src] for dst, src in _REQUIRED.items()}
     heads = cfg["num_attention_heads"]
+    for key in ("num_attention_heads", "hidden_size"):  # head_dim below divides one by the other
+        v = cfg[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SeqparError(f"model config {str(p)!r} is invalid: {key} {v!r} must be a positive whole number")
     arch = str(cfg.get("model_type") or "llama")
     # transformers 5 writes rope_theta inside rope_parameters; older configs keep it at the top level.
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
@@ -199,7 +203,7 @@ def model_from_config(path: str | Path) -> ModelSpec:
             source=f"{p} (config.json)",
             **fields,
         )
-    except (ValidationError, TypeError, ValueError) as e:
+    except (ValidationError, TypeError, ValueError, ArithmeticError) as e:  # ArithmeticError: int() of a JSON Infinity
         msg = first_error(e).removeprefix("(plan): ") if isinstance(e, ValidationError) else str(e)
         raise SeqparError(f"model config {str(p)!r} is invalid: {msg}") from None
 

@@ -13,15 +13,54 @@ Works on gloo with CPU tensors, NCCL with CUDA tensors, and gloo with CUDA tenso
   backward is the inverse all-to-all), usable inside autograd Functions too.
 - ``all_gather(t, group)``: every rank's t (same shape everywhere), in rank order; small tensors (position ids).
 - ``raise_everywhere(msg, group)``: all ranks raise the same error when any one of them has a problem, so none hangs.
+
+Every wait is bounded by the group's timeout (``init_process_group``/``new_group``'s, which seqpar's trainer sets from
+SEQPAR_PG_TIMEOUT_S): gloo's point-to-point waits have no timeout of their own, so a stopped peer (SIGSTOP, a hung host)
+would block its ring neighbour forever. A wait that runs out raises ``PeerTimeoutError`` naming the rank(s) it waited on.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from seqpar.errors import SeqparError
+
+
+class PeerTimeoutError(RuntimeError):
+    """A peer did not answer within the group's timeout: ``peers`` are the global ranks this rank waited on."""
+
+    def __init__(self, rank: int, peers: list[int], timeout: timedelta | None, what: str, detail: str = ""):
+        self.rank, self.peers = rank, peers
+        who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {', '.join(map(str, peers))}"
+        secs = f"{timeout.total_seconds():g} s" if timeout else "the process-group timeout"
+        super().__init__(
+            f"{who} did not answer rank {rank} within {secs} ({what}; stopped, hung or dead? SEQPAR_PG_TIMEOUT_S sets the "
+            f"wait){': ' + detail if detail else ''}"
+        )
+
+
+def group_timeout(group=None) -> timedelta | None:
+    """The timeout to pass to a gloo wait: the one the group was created with. None for NCCL, whose watchdog enforces the
+    same timeout on its own (TORCH_NCCL_ASYNC_ERROR_HANDLING), as a timeout given to its wait() would block the CPU until
+    the transfer ends and lose the compute/communication overlap; None too when it cannot be read."""
+    if not dist.is_initialized() or dist.get_backend(group) != dist.Backend.GLOO:
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
+def _timed_out(e: RuntimeError) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _staged(t: Tensor, group) -> bool:
@@ -69,11 +108,20 @@ class P2P:
             self._host_recv.append(host)
             ops.append(dist.P2POp(dist.irecv, buf if host is None else host, global_rank(group, peer), group))
         self._sent = [op.tensor for op in ops]  # keep staged send buffers alive until the transfers finish
+        self._peers = sorted({global_rank(group, p) for _, p in sends + recvs})
+        self._group = group
         self._reqs = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> list[Tensor]:
+        timeout = group_timeout(self._group) if self._reqs else None
         for r in self._reqs:
-            r.wait()
+            try:
+                r.wait(timeout) if timeout is not None else r.wait()
+            except RuntimeError as e:
+                if not _timed_out(e):
+                    raise
+                me = dist.get_rank()
+                raise PeerTimeoutError(me, self._peers, timeout, "point-to-point transfer") from None
         self._reqs, self._sent = [], []
         for buf, host in zip(self._recv_out, self._host_recv):
             if host is not None:
@@ -140,7 +188,16 @@ def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group) -> Tensor:
     staged = _staged(send, group)
     src = send.cpu() if staged else send
     recv = torch.empty_like(src)
-    dist.all_to_all_single(recv, src, group=group)
+    timeout = group_timeout(group)
+    work = dist.all_to_all_single(recv, src, group=group, async_op=True)
+    try:
+        work.wait(timeout) if timeout is not None else work.wait()
+    except RuntimeError as e:
+        if not _timed_out(e):
+            raise
+        me = dist.get_rank()
+        peers = [global_rank(group, p) for p in range(P) if global_rank(group, p) != me]
+        raise PeerTimeoutError(me, peers, timeout, "all-to-all") from None
     if staged:
         recv = recv.to(x.device)
     parts = recv.chunk(P, dim=0)  # from rank j: its chunk for us, (c, ...) with scatter_dim first

@@ -55,12 +55,13 @@ def init_distributed(plan: LaunchPlan) -> Topology:
         )
     if not cpu:  # before the NCCL communicator exists, so it binds to this rank's GPU
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # A short timeout bounds a collective left hanging by a dead or stopped peer; the sp groups get it too (new_group's
+    # own default is 30 min for gloo).
+    timeout = timedelta(seconds=float(os.environ.get("SEQPAR_PG_TIMEOUT_S", "120" if cpu else "600")))
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m seqpar.runtime.train`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        # A short timeout bounds a collective left hanging by a dead peer on another node (torchrun kills local ones).
-        timeout = timedelta(seconds=float(os.environ.get("SEQPAR_PG_TIMEOUT_S", "120" if cpu else "600")))
         dist.init_process_group("gloo" if cpu else "nccl", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     s = plan.strategy
@@ -77,7 +78,7 @@ def init_distributed(plan: LaunchPlan) -> Topology:
     # new_group is collective: every rank creates every group, in the same order.
     mine = None
     for g in range(s.dp_degree):
-        group = dist.new_group(list(range(g * s.sp_degree, (g + 1) * s.sp_degree)))
+        group = dist.new_group(list(range(g * s.sp_degree, (g + 1) * s.sp_degree)), timeout=timeout)
         if g == rank // s.sp_degree:
             mine = group
     return Topology(rank, world, local_rank, s.sp_degree, s.dp_degree, device, mine)

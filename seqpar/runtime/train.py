@@ -11,6 +11,9 @@ the newest ``--keep-last`` kept, and a final one with the save_pretrained export
 (exit 1, one line naming the step; no checkpoint of it is written, ``latest`` stays the last good one), or with
 ``--skip-nonfinite`` the step's update is skipped and the run goes on.
 
+SIGTERM or SIGINT (what torchrun's agent forwards when ``seqpar launch`` is stopped) ends the run after the current step
+with a checkpoint and exit code 128 + the signal; the rank also dies with its launcher (seqpar.runtime.stopping).
+
 Test hooks (environment): SEQPAR_FAULT_RANK + SEQPAR_FAULT_STEP + SEQPAR_FAULT_PHASE (seqpar.runtime.checkpoint.fault).
 """
 
@@ -70,6 +73,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP2: keep parameters and optimizer state in host RAM")
     p.add_argument("--report-to", default="", help="comma list: tensorboard, wandb (used only when installed)")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps when there is no progress bar")
+    p.add_argument(
+        "--allow-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a launch.env name the plan may set beyond the allow-list",
+    )
     return p
 
 
@@ -142,7 +152,7 @@ def setup(args: argparse.Namespace) -> Run:
     from seqpar.runtime.tiled_mlp import tile_mlp
 
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
-    plan = LaunchPlan.load(args.plan)
+    plan = LaunchPlan.load(args.plan, allow_env=args.allow_env)
     s, w, t = plan.strategy, plan.workload, plan.training
     steps = args.steps or t.steps
     every, every_why = interval(plan, args.checkpoint_every)
@@ -352,6 +362,7 @@ def _tokens_per_step(r: Run) -> int:
 def run(args: argparse.Namespace) -> dict:
     """Train; returns {"losses": [...], "report": dict | None (rank 0), "output": str}. Collective over the job."""
     from seqpar.runtime import checkpoint as ckpt
+    from seqpar.runtime import stopping
     from seqpar.runtime.progress import ProgressBar
     from seqpar.runtime.report import Metrics, update_report, write_report
     from seqpar.runtime.saver import Saver
@@ -397,10 +408,15 @@ def run(args: argparse.Namespace) -> dict:
             metrics.log(rec)
             bar.update(rec)
             saver.observe(done, r.start, rec["step_time_s"])
-            if done < r.steps and saver.due(done, r.steps):
+            # Stop hook (seqpar.runtime.stopping): a SIGTERM/SIGINT on any rank ends the run after this step, checkpointed.
+            stop = stopping.requested()
+            if done < r.steps and (saver.due(done, r.steps) or stop):
                 saver.save(done, r.state(done), final=False)
+            if stop and done < r.steps:
+                saver.wait()
+                raise stopping.Stopped(done, stop, str(resume.step_dir(r.root, done)))
         saver.wait()
-    except TrainingStopped:
+    except (TrainingStopped, stopping.Stopped):
         if step_times:  # what was measured survives the stop (a full disk may refuse this too)
             with contextlib.suppress(OSError):
                 report(done)
@@ -430,21 +446,38 @@ def _backend(device, dtype) -> str:
         return f"unknown ({e})"
 
 
-def _fail(rank: str, msg: str, out: str | None) -> None:
-    """One line on stderr naming the rank, and a file the launcher reads to name it again after torchrun's summary."""
-    line = f"seqpar: rank {rank} failed: {msg}"
-    print(line, file=sys.stderr, flush=True)
-    if out:
-        try:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / f"failed-rank{rank}.txt").write_text(f"{time.time():.6f} {line}\n")
-        except OSError:
-            pass
+# What a rank's failure says when it is only the consequence of a peer's: the peer died (its sockets closed) or stopped
+# answering (a timeout). The launcher names the rank that failed for itself before these.
+PEER_WORDS = ("closed by peer", "reset by peer", "connection closed", "broken pipe", "timed out", "timeout")
+
+
+def _record(rank: int, out: str, kind: str, message: str, peers: list[int] | None = None) -> None:
+    """``<output>/failed-rank<R>.json`` for the launcher: kind error | invalid (input, exit 2) | peer (a consequence of a
+    peer's failure) | stopped (a signal from outside the launcher)."""
+    import json
+
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        rec = {"time": time.time(), "rank": rank, "kind": kind, "message": message, "peers": peers or []}
+        (Path(out) / f"failed-rank{rank}.json").write_text(json.dumps(rec) + "\n")
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
+    from seqpar.runtime import stopping
+    from seqpar.runtime.comm import PeerTimeoutError
+
+    stopping.install()  # SIGTERM/SIGINT: stop after the current step with a checkpoint
+    stopping.die_with_parent()  # the launcher's death ends this rank the same way (torchrun put it in a session of its own)
     args = parser().parse_args(argv)
-    rank = os.environ.get("RANK", "0")
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        from seqpar.runtime import liveness
+
+        liveness.start(rank, int(os.environ.get("WORLD_SIZE", "1")))  # names a silent peer if a wait times out
+    except Exception as e:  # never a reason not to train
+        print(f"seqpar: rank {rank}: no heartbeat ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     try:
         run(args)
         from seqpar.runtime.engine import shutdown
@@ -452,19 +485,33 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
     except SeqparError as e:
         print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        if Path(args.output).is_dir():  # the launcher made it: it repeats this line and exits 2 too
+            _record(rank, args.output, "invalid", str(e))
         return 2
     except TrainingStopped as e:  # a named stop (non-finite loss, full disk): one line, no traceback
-        _fail(rank, str(e), args.output)
+        if Path(args.output).is_dir():
+            _record(rank, args.output, "error", str(e))
+        print(f"seqpar: rank {rank} failed: {e}", file=sys.stderr, flush=True)
         return 1
-    except BaseException as e:
-        import traceback
+    except stopping.Stopped as e:  # the final checkpoint is written; the launcher says so
+        if stopping.received() and Path(args.output, "checkpoints").is_dir():
+            _record(rank, args.output, "stopped", f"received {signal_name(e.signum)}; {e} (checkpoint {e.checkpoint})")
+        from seqpar.runtime.engine import shutdown
 
-        traceback.print_exc()
-        _fail(
-            rank,
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            args.output if Path(args.output, "checkpoints").is_dir() else None,
-        )
+        shutdown()
+        return e.exit_code
+    except BaseException as e:
+        first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        consequence = isinstance(e, PeerTimeoutError) or any(w in first.lower() for w in PEER_WORDS)
+        if not consequence:
+            import traceback
+
+            traceback.print_exc()
+        # the peers whose heartbeat stopped are the ones that stopped answering; else those the wait was for
+        peers = (liveness.silent_ranks() if consequence else None) or getattr(e, "peers", None)
+        if Path(args.output, "checkpoints").is_dir():  # a folder this run set up, never one it refused
+            _record(rank, args.output, "peer" if consequence else "error", first, peers)
+        print(f"seqpar: rank {rank} failed: {first}", file=sys.stderr, flush=True)
         return 1
     finally:
         import torch.distributed as dist
@@ -472,6 +519,12 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
 
 
 if __name__ == "__main__":
