@@ -416,7 +416,7 @@ def run(args: argparse.Namespace) -> dict:
                 saver.wait()
                 raise stopping.Stopped(done, stop, str(resume.step_dir(r.root, done)))
         saver.wait()
-    except (TrainingStopped, stopping.Stopped):
+    except TrainingStopped:
         if step_times:  # what was measured survives the stop (a full disk may refuse this too)
             with contextlib.suppress(OSError):
                 report(done)
