@@ -197,6 +197,8 @@ def main(argv=None) -> int:
         "check": check(),
         "rows": [],
     }
+    path = Path(os.environ.get("OUT", "."), "packed_attention.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     scale, dense_cache = D**-0.5, {}
     for S in (parse_len(s) for s in args.seq.split(",")):
         lengths, cold_lengths = long_tail_lengths(S, seed=S), long_tail_lengths(S, seed=S + 1)
@@ -249,9 +251,7 @@ def main(argv=None) -> int:
                 row["speedup_vs_dense"] = max(dense) / max(row["cudnn_varlen"]["warm_rank_seconds"])
                 print(f"S={S:>8} {mode:<17} dense        busiest {max(dense):.3f} s (x{row['speedup_vs_dense']:.1f})", flush=True)
             result["rows"].append(row)
-    path = Path(os.environ.get("OUT", "."), "packed_attention.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+            path.write_text(json.dumps(result, indent=2) + "\n")  # after every row: a run cut short keeps its rows
     print(f"wrote {path}")
     return 0
 

@@ -1,8 +1,8 @@
 """GPU checks of packed documents (skipped without CUDA; needs no pydantic), bf16 on the real kernels.
 
-- The diagonal kernels (seqpar.runtime.varlen: a cuDNN causal call per document of >= LONG_DOC tokens, one FA2 varlen
-  call for the shorter ones) through data_parallel attention: out, lse, dq, dk, dv against float32 per-document attention,
-  MHA and GQA, two rows with the same and with different boundaries.
+- The diagonal kernels (seqpar.runtime.varlen: one FA2 varlen call, the default; and the opt-in split, a cuDNN causal
+  call per document of >= LONG_DOC tokens and FA2 varlen for the shorter ones) through data_parallel attention: out, lse,
+  dq, dk, dv against float32 per-document attention, MHA and GQA, two rows with the same and with different boundaries.
 - zigzag_ring_attn and dist_flash_attn over 2 gloo ranks sharing one GPU (merged out/lse, backward with the global
   out/lse, rectangles off the diagonal) against the same reference.
 - A packed bf16 Llama over 2 ranks (zigzag_ring_attn) against each document run alone through plain transformers.
@@ -73,12 +73,15 @@ def _ok(errs: dict) -> bool:
     return errs["lse"] < 1e-4 and max(errs[n] for n in ("out", "dq", "dk", "dv")) < 1e-2
 
 
+@pytest.mark.parametrize("long_doc", [None, 1024], ids=["varlen", "cudnn-long"])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["MHA", "GQA"])
 @pytest.mark.parametrize("rows", ["same", "different"])
-def test_packed_diagonal_kernels_match_per_document_attention(heads, rows):
+def test_packed_diagonal_kernels_match_per_document_attention(heads, rows, long_doc, monkeypatch):
     from seqpar.runtime import attention, varlen
 
-    assert any(n >= varlen.LONG_DOC for n in LENGTHS) and any(n < varlen.LONG_DOC for n in LENGTHS)  # both kernels
+    if long_doc is not None:  # the opt-in path: long documents on their own causal calls, the short ones in varlen
+        monkeypatch.setattr(varlen, "LONG_DOC", long_doc)
+        assert any(n >= varlen.LONG_DOC for n in LENGTHS) and any(n < varlen.LONG_DOC for n in LENGTHS)  # both kernels
     per_row = [LENGTHS, LENGTHS] if rows == "same" else [LENGTHS, OTHER]
     cu = torch.tensor(_bounds(LENGTHS)) if rows == "same" else torch.tensor([_bounds(LENGTHS), _bounds(OTHER) + [8192] * 4])
     q, k, v, dout = _inputs(*heads)

@@ -7,12 +7,16 @@ an external out and lse (the merged result of every block, which ring attention 
 
 Kernels (chosen by the backend seqpar.runtime.kernels.select_backend picked; one document is the plain causal kernel):
 - ``exact``: one masked call (same document and j <= i) in float32/float64, on any device.
-- CUDA: each document of at least ``LONG_DOC`` tokens gets its own causal call of the selected kernel (cuDNN on Hopper),
-  and all shorter ones go together into one FA2 varlen call, ``aten._flash_attention_forward/_backward`` with cumulative
+- CUDA: the documents go together into one FA2 varlen call, ``aten._flash_attention_forward/_backward`` with cumulative
   lengths (PyTorch's FA2, no flash-attn build needed; it reads GQA K,V directly and takes an external out and lse).
-  Measured on one H200 (torch 2.11, bench/packed_kernels.py, bench/results/h200_packed_kernels.json), fwd+bwd useful
-  TFLOP/s of one block of the long-tail mix at 16K/64K/128K: per-document cuDNN 488/422/456, FA2 varlen 294/294/304,
-  both exact; hundreds of tiny cuDNN calls would be launch-bound, hence varlen below ~1K tokens.
+  Documents of at least ``LONG_DOC`` tokens can instead get their own causal call of the selected kernel (cuDNN on
+  Hopper): faster once warm, but cuDNN builds an execution plan for every new length, and training windows bring new
+  lengths every step. Measured on one H200 (torch 2.11, bench/packed_attention.py, bench/results/h200_packed_attention.json;
+  long-tail mix, W = 8 simulated, busiest rank, fwd+bwd of one layer): warm cuDNN + varlen 0.017/0.096/0.159 s vs FA2
+  varlen only 0.019/0.136/0.229 s (zigzag at 128K/512K/1M), but on a window of new lengths cuDNN + varlen took
+  0.55/2.3/3.6 s (Ulysses at 1M: 27.7 s) while varlen only took 0.03/0.11/0.20 s. So varlen only is the default
+  (``LONG_DOC`` unreachable); set ``LONG_DOC`` (e.g. 1024, the warm crossover of bench/packed_kernels.py) where the same
+  lengths repeat, as in evaluation on fixed windows.
 Layout: q (B, n, Hq, D); k, v (B, n, Hkv, D); out like q; lse (B, Hq, n) float32 (float64 for float64 inputs).
 """
 
@@ -25,7 +29,7 @@ from torch import Tensor
 
 from seqpar.runtime import kernels
 
-LONG_DOC = 1024  # tokens: a document this long runs alone on the causal kernel (the H200 crossover, see the docstring)
+LONG_DOC = 1 << 62  # tokens: a document this long runs alone on the causal kernel (never by default: see the docstring)
 
 
 @functools.lru_cache(maxsize=8)  # every layer asks for the same blocks' masks
