@@ -58,7 +58,7 @@ def save(root: Path, step: int, *, wrapped, hf_model, optimizer, scheduler, stat
     _barrier()
     ds = _deepspeed(wrapped)
     if ds is not None:  # DeepSpeed keeps its own sharded optimizer state: its checkpoint format, written by every rank
-        wrapped.save_checkpoint(str(tmp / "deepspeed"), tag="state")
+        ds.save(wrapped, tmp / "deepspeed")
         model_sd, optim_sd = ds.full_weights(wrapped), None
     else:
         model_sd = get_model_state_dict(wrapped, options=FULL)  # collective under FSDP2; keys relative to the loss module
@@ -68,7 +68,7 @@ def save(root: Path, step: int, *, wrapped, hf_model, optimizer, scheduler, stat
         hf_model.save_pretrained(tmp / "model", state_dict=weights)
         if ds is None:
             torch.save(optim_sd, tmp / "optimizer.pt")
-            torch.save(scheduler.state_dict() if scheduler is not None else None, tmp / "scheduler.pt")
+        torch.save(scheduler.state_dict() if scheduler is not None else None, tmp / "scheduler.pt")
     torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
     _fault("checkpoint", step, rank)
     _barrier()
@@ -122,8 +122,9 @@ def read_state(folder: Path) -> dict:
 
 def load_training_state(folder: Path, *, wrapped, optimizer, scheduler, rank: int) -> None:
     """Optimizer, scheduler and this rank's RNG states (the model weights were loaded before wrapping)."""
-    if _deepspeed(wrapped) is not None:
-        wrapped.load_checkpoint(str(folder / "deepspeed"), tag="state")  # model, optimizer and scheduler
+    ds = _deepspeed(wrapped)
+    if ds is not None:
+        ds.load(wrapped, folder / "deepspeed")  # model, fp32 master, optimizer (the scheduler: scheduler.pt below)
     elif optimizer is not None:
         osd = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
         set_optimizer_state_dict(wrapped, optimizer, osd, options=StateDictOptions(full_state_dict=True))

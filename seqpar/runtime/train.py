@@ -93,6 +93,7 @@ def setup(args: argparse.Namespace) -> Run:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
+    from seqpar.jobspec import require_deepspeed, uses_deepspeed
     from seqpar.runtime import checkpoint as ckpt
     from seqpar.runtime import engine
     from seqpar.runtime.data import open_data
@@ -112,9 +113,8 @@ def setup(args: argparse.Namespace) -> Run:
     )
     out = Path(args.output)
     check_output(out, args.resume)
-    deepspeed = engine.uses_deepspeed(plan)
-    if deepspeed:
-        engine.require_deepspeed(s.sharding)
+    deepspeed = uses_deepspeed(plan)
+    require_deepspeed(plan)
 
     topo = engine.init_distributed(plan)
     if topo.rank == 0:
@@ -164,7 +164,7 @@ def setup(args: argparse.Namespace) -> Run:
     if resume_from is not None:
         ckpt.load_training_state(resume_from, wrapped=wrapped, optimizer=optimizer, scheduler=scheduler, rank=topo.rank)
 
-    engine_name = ENGINES[s.sharding] if deepspeed or not s.sharding.startswith("zero") else f"fsdp2 ({s.sharding} on CPU ranks)"
+    engine_name = ENGINES[s.sharding]
     backend = _backend(topo.device, param_dtype if autocast_dtype is None else autocast_dtype)
     log.info(
         "plan %s: %s sp=%d dp=%d engine=%s checkpointing=%s loss=%s; %s; %s; %s; attention backend %s; %d steps from %d%s",
@@ -237,14 +237,17 @@ def train_step(r: Run, step: int) -> dict:
             (loss * (s.sp_degree / ga)).backward()  # see engine.py: sum over sp, mean over dp and micro-batches
         total += loss.detach().double()
     grad_norm = None
-    if r.backward is None and r.optimizer is not None:
+    if r.backward is not None:  # DeepSpeed stepped (and clipped) at the boundary; the LR schedule is ours, as below
+        grad_norm = r.backward.grad_norm() if r.plan.training.grad_clip > 0 else None
+        r.scheduler.step()
+    elif r.optimizer is not None:
         if r.plan.training.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(r.wrapped.parameters(), r.plan.training.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP2
         r.optimizer.step()
         r.scheduler.step()
         r.optimizer.zero_grad(set_to_none=True)
-    elif r.backward is None:
+    else:
         r.wrapped.zero_grad(set_to_none=True)
     # Every rank of a group holds the same global loss: the world mean is the mean over data-parallel groups.
     dist.all_reduce(total)
