@@ -189,6 +189,8 @@ def test_seqpar_launch_runs_zero3_on_deepspeed_under_accelerate_and_resumes(tmp_
     assert [(m["loss"], m["grad_norm"], m["lr"]) for m in got[:5]] == [(m["loss"], m["grad_norm"], m["lr"]) for m in first]
     report = json.loads((out / "run_report.json").read_text())
     assert report["engine"] == "deepspeed-zero3"
+    host = report["measured"]["host_memory_gib"]  # the plan's host_memory_gib is per node: both ranks' peak RSS
+    assert host == pytest.approx(sum(r["peak_rss_gib"] for r in report["per_rank"])) and host > 0.2
     assert json.loads((out / "deepspeed.json").read_text())["bf16"]["enabled"] is False  # CPU ranks compute in fp32
 
 
