@@ -3,9 +3,10 @@
 One builder for both sides, torch-free (it reads the schema only): the advisor records its result in ``plan.launch``, so a
 plan names the very command its launch runs, and ``seqpar.runtime.launch`` checks and runs it. The job is
 ``python -m torch.distributed.run`` (torchrun) with the c10d rendezvous: ``--standalone`` on one node, or
-``--rdzv-endpoint HOST:PORT`` shared by every node; ``--max-restarts 0`` so a failing rank ends the job. ZeRO plans on
-CUDA run under ``accelerate launch`` with a generated DeepSpeed config (EasyContext's engine: ZeRO-3, parameters and
-optimizer on CPU); CPU ranks run zero* as FSDP2 under torchrun.
+``--rdzv-endpoint HOST:PORT`` shared by every node; ``--max-restarts 0`` so a failing rank ends the job. zero* plans run
+under ``accelerate launch`` with a generated DeepSpeed config (EasyContext's engine: ZeRO-3, parameters and optimizer on
+CPU), on CUDA and on CPU ranks alike (DeepSpeed's CPU accelerator over gloo): accelerate's "standard" multi-node launcher is
+torchrun with the same c10d rendezvous, so both engines need the same endpoint on several nodes.
 
 Staged plans (``plan.stages``, progressive recipes) are one job per stage, into ``<output>/stage-<i>``; each stage starts
 its weights from the previous stage's final checkpoint (``--init-from``), with a fresh optimizer, as EasyContext does.
@@ -43,6 +44,7 @@ class LaunchOptions:
     skip_nonfinite: bool = False
     extra: list[str] = field(default_factory=list)
     allow_env: list[str] = field(default_factory=list)  # launch.env names allowed beyond the allow-list (--allow-env)
+    entry: str = "seqpar.runtime.train"  # the module every rank runs (seqpar verify: seqpar.runtime.verify)
 
 
 @dataclass
@@ -52,7 +54,7 @@ class Job:
     configs: dict[str, str]  # file name (in the output folder) -> text, e.g. the DeepSpeed config
     output: Path
     plan_file: Path
-    launcher: str = "torchrun"  # or "accelerate" (DeepSpeed plans on CUDA)
+    launcher: str = "torchrun"  # or "accelerate" (zero* plans: DeepSpeed)
 
 
 def default_output(plan_path: str | Path) -> Path:
@@ -60,8 +62,20 @@ def default_output(plan_path: str | Path) -> Path:
 
 
 def uses_deepspeed(plan: LaunchPlan) -> bool:
-    """zero* sharding on CUDA runs DeepSpeed through accelerate; CPU ranks run it as FSDP2."""
-    return plan.strategy.sharding.startswith("zero") and plan.cluster.accelerator == "cuda"
+    """zero* sharding runs DeepSpeed through accelerate, on CUDA and CPU ranks; nothing else stands in for it."""
+    return plan.strategy.sharding.startswith("zero")
+
+
+def require_deepspeed(plan: LaunchPlan) -> None:
+    """Refuse a zero* plan where deepspeed is not installed (one line; checked by launch and again by every rank)."""
+    import importlib.util
+
+    if uses_deepspeed(plan) and importlib.util.find_spec("deepspeed") is None:
+        raise SeqparError(
+            f"sharding {plan.strategy.sharding!r} runs on DeepSpeed ZeRO through accelerate, and deepspeed is not installed; "
+            "`DS_BUILD_OPS=0 pip install --no-build-isolation 'seqpar[deepspeed]'` (after torch), or advise with "
+            "--sharding fsdp (`seqpar launch --dry-run` shows the DeepSpeed config)"
+        )
 
 
 # --------------------------------------------------------------------------------------------- configs
@@ -70,6 +84,7 @@ def uses_deepspeed(plan: LaunchPlan) -> bool:
 def deepspeed_config(plan: LaunchPlan) -> dict:
     """The DeepSpeed config for a zero2/zero3/zero3_offload plan (EasyContext's engine: ZeRO-3, params+optimizer on CPU)."""
     s, w, t = plan.strategy, plan.workload, plan.training
+    cuda = plan.cluster.accelerator == "cuda"  # CPU ranks compute in fp32 (seqpar.runtime.engine.compute_dtype)
     zero: dict = {"stage": 2 if s.sharding == "zero2" else 3, "overlap_comm": True, "contiguous_gradients": True}
     if s.sharding == "zero3_offload":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -80,27 +95,45 @@ def deepspeed_config(plan: LaunchPlan) -> dict:
         "train_micro_batch_size_per_gpu": w.micro_batch_size,
         "gradient_accumulation_steps": s.gradient_accumulation_steps,
         "gradient_clipping": t.grad_clip,
-        "bf16": {"enabled": w.dtype == "bf16"},
-        "fp16": {"enabled": w.dtype == "fp16"},
+        "bf16": {"enabled": cuda and w.dtype == "bf16"},
+        "fp16": {"enabled": cuda and w.dtype == "fp16"},
         "zero_optimization": zero,
         "steps_per_print": 10**9,  # seqpar logs its own metrics
     }
 
 
 def accelerate_config(plan: LaunchPlan, ds_path: Path, nnodes: int, node_rank: int | str, endpoint: str | None) -> str:
-    host, _, port = (endpoint or "127.0.0.1:29500").partition(":")
-    lines = {
+    """accelerate's config for a DeepSpeed job. Several nodes: the "standard" multi-node launcher (torchrun with the c10d
+    rendezvous at ``endpoint``, as the FSDP and DDP jobs; accelerate's default would be pdsh over ssh with a hostfile).
+    One node: port 0, which accelerate replaces by a free port (torchrun's --standalone does the same)."""
+    cfg = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "DEEPSPEED",
-        "deepspeed_config": {"deepspeed_config_file": str(ds_path)},
+        "deepspeed_config": {"deepspeed_config_file": str(ds_path), "deepspeed_multinode_launcher": "standard"},
         "num_machines": nnodes,
         "num_processes": nnodes * plan.cluster.gpus_per_node,
         "machine_rank": node_rank,
-        "main_process_ip": host,
-        "main_process_port": int(port or 29500),
         "rdzv_backend": "c10d" if nnodes > 1 else "static",
     }
-    return json.dumps(lines, indent=2) + "\n"  # accelerate reads YAML, and JSON is YAML
+    if nnodes > 1:
+        host, _, port = _endpoint(endpoint, nnodes).rpartition(":")
+        cfg.update(main_process_ip=host, main_process_port=int(port), same_network=False)
+    else:
+        cfg["main_process_port"] = 0
+    return json.dumps(cfg, indent=2) + "\n"  # accelerate reads YAML, and JSON is YAML
+
+
+def _endpoint(endpoint: str | None, nnodes: int) -> str:
+    """The rendezvous HOST:PORT every node of a multi-node job must share (refused when missing, for every engine)."""
+    if nnodes > 1 and not endpoint:
+        raise SeqparError(
+            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node (e.g. node0:29500); "
+            "seqpar does not guess a host"
+        )
+    host, _, port = (endpoint or "").rpartition(":")
+    if endpoint and not (host and port.isdigit()):
+        raise SeqparError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT; pass e.g. node0:29500")
+    return endpoint or ""
 
 
 def job_env(plan: LaunchPlan, cpu_count: int, allow: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
@@ -141,11 +174,10 @@ def torchrun_argv(plan: LaunchPlan, opts: LaunchOptions, *, rdzv_id: str, python
         "--max-restarts",
         "0",
     ]
-    if opts.rdzv_endpoint:
-        argv += ["--node-rank", str(opts.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint]
+    endpoint = _endpoint(opts.rdzv_endpoint, nnodes)  # refused when several nodes have none (every engine alike)
+    if endpoint:
+        argv += ["--node-rank", str(opts.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
         return argv + ["--rdzv-id", rdzv_id]
-    if nnodes > 1:
-        raise SeqparError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
     return argv + ["--standalone"]  # c10d rendezvous on a free local port
 
 
@@ -168,6 +200,7 @@ def build_job(
 ) -> Job:
     """The job that runs ``plan`` (read from ``plan_file``) with ``python`` as the interpreter."""
     nnodes = opts.nnodes or plan.cluster.nodes
+    _endpoint(opts.rdzv_endpoint, nnodes)
     train = ["--data", opts.data, "--output", str(output)]
     if opts.steps:
         train += ["--steps", str(opts.steps)]
@@ -193,9 +226,9 @@ def build_job(
         ds_path, acc_path = output / "deepspeed.json", output / "accelerate.yaml"
         configs[ds_path.name] = json.dumps(deepspeed_config(plan), indent=2) + "\n"
         configs[acc_path.name] = accelerate_config(plan, ds_path, nnodes, opts.node_rank, opts.rdzv_endpoint)
-        argv = [python, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), "-m", "seqpar.runtime.train"]
+        argv = [python, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), "-m", opts.entry]
     else:
-        argv = torchrun_argv(plan, opts, rdzv_id=f"seqpar-{plan_file.stem}", python=python) + ["-m", "seqpar.runtime.train"]
+        argv = torchrun_argv(plan, opts, rdzv_id=f"seqpar-{plan_file.stem}", python=python) + ["-m", opts.entry]
     return Job(
         argv + train,
         job_env(plan, os.cpu_count() or 1, opts.allow_env),
@@ -259,6 +292,7 @@ __all__ = [
     "job_env",
     "jobs_for",
     "launch_spec",
+    "require_deepspeed",
     "stage_plan",
     "torchrun_argv",
     "uses_deepspeed",

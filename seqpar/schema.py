@@ -291,8 +291,8 @@ def option_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy
     """Why the strategy's options (sharding, fused ops, tiled MLP) cannot train this workload on this cluster: the
     engines behind them (seqpar.runtime.engine and deepspeed.py, fused.py, tiled_mlp.py) refuse the combination."""
     s, c, w, out = strategy, cluster, workload, []
-    cuda, zero = c.accelerator == "cuda", s.sharding.startswith("zero")  # CPU ranks run zero* as FSDP2 (no DeepSpeed)
-    if cuda and zero and w.optimizer != "adamw":
+    cuda, zero = c.accelerator == "cuda", s.sharding.startswith("zero")  # zero* runs DeepSpeed on CUDA and CPU ranks
+    if zero and w.optimizer != "adamw":
         out.append(
             f"sharding {s.sharding} runs DeepSpeed's AdamW with an fp32 master copy, so optimizer {w.optimizer} cannot "
             f"run there; use sharding fsdp (or ddp), or optimizer adamw"

@@ -186,7 +186,10 @@ def row_from_report(report: dict, source: str) -> Measurement:
     s = plan.strategy
     label = (
         f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name} {plan.workload.model.name} "
-        f"ckpt={s.checkpointing}" + (" liger" if s.fused_ops != "none" else "") + (" tiled" if s.tiled_mlp else "")
+        f"ckpt={s.checkpointing}"
+        + (" liger" if s.fused_ops != "none" else "")
+        + (" tiled" if s.tiled_mlp else "")
+        + (f" {s.sharding}" if s.sharding != "ddp" else "")
     )
     return _plausible(Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom), where)
 

@@ -37,6 +37,8 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   dq / dk / dv fp32 accumulators plus dk, dv in flight; Ulysses: the all-to-all send/receive copies of q, k, v, o at full
   length and 1/P heads (KV heads replicated up to P); dist flash: the Q, K, V block it computes for a peer and the O / lse
   it returns.
+* DeepSpeed ZeRO's own buffers (preallocated gradient partitions, ZeRO-3's bucket and the gathered parameters it keeps
+  for reuse, its optimizer step's fp32 pieces): seqpar.advisor.deepspeed_memory.
 * Outside PyTorch's allocator (reserved only): the caching allocator's slack, the CUDA context, NCCL buffers.
 Every term can be checked against ``torch.cuda.max_memory_allocated`` by switching the others off (e.g. optimizer none).
 """
@@ -46,6 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from seqpar.advisor import deepspeed_memory
 from seqpar.advisor.coefficients import Coefficients
 from seqpar.flops import matmul_params
 from seqpar.modes import FACTS, degrees, head_degree
@@ -252,14 +255,16 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     accum = s.gradient_accumulation_steps
     states = model_states(m, s.sharding, w.optimizer, dtype, world, prec)
     grads_full = states["gradients"]
-    opt = {"weights": states["weights"], "optimizer_states": states["optimizer_states"]}
+    ds = deepspeed_memory.terms(m, s.sharding, w.optimizer, prec.grad, world)  # DeepSpeed's own buffers (zero* only)
+    opt = {"weights": states["weights"], "optimizer_states": states["optimizer_states"], "deepspeed_bucket": ds.bucket}
     gathered = states.get("gathered_params", 0.0)
     kept = kept_bytes_per_token(m, dtype, s, r) * t
     offload_inflight = 2 * r * h * t if s.checkpointing == "offload" else 0.0
     # autocast caches a bf16 copy of every fp32 matmul weight until the forward's autocast region exits (before backward)
     cache = 2 * matmul_params(m) if prec.autocast_cache else 0.0
     fwd_buf, bwd_buf = mode_buffers(m, dtype, s, t)
-    carried_grads = grads_full if accum > 1 else 0.0  # gradient accumulation keeps them between micro-batches
+    # gradient accumulation keeps them between micro-batches; DeepSpeed allocates the partition's buffer once
+    carried_grads = grads_full if accum > 1 or ds.grads_preallocated else 0.0
 
     tile = mlp_tile_tokens(t, h) if s.tiled_mlp else 0.0
     # forward, at the end of the last layer: every layer's kept tensors plus the working set of one layer
@@ -283,7 +288,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     # the loss's forward runs inside the autocast region (weight cache live, 10 of the 12 bytes), its backward after it
     base_loss = {
         **opt,
-        "gathered_params": (m.vocab_size * h * p if gathered else 0.0),
+        "gathered_params": max(m.vocab_size * h * p if gathered else 0.0, ds.kept_gathered),
         "checkpointed_activations": L * kept + offload_inflight,
     }
     loss_bwd = {**base_loss, "gradients": max(carried_grads, head_grad), **loss_terms}
@@ -312,7 +317,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         cand = {
             **opt,
             "gradients": g,
-            "gathered_params": gathered,
+            "gathered_params": gathered + ds.kept_gathered,
             "checkpointed_activations": (j + 1) * kept + offload_inflight,
             "layer_recompute": recompute,
             "gradient_flow": grad_flow,
@@ -330,6 +335,9 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     }
     if s.sharding == "zero3_offload":
         optimizer["optimizer_temporaries"] = 0.0  # the update runs on the CPU
+    elif ds.step_fp32:  # DeepSpeed's flat fp32 pieces (seqpar.advisor.deepspeed_memory)
+        optimizer["optimizer_temporaries"] = ds.step_fp32
+        optimizer["gradients"] = 0.0 if ds.step_frees_grads else grads_full
 
     phases = {"forward": forward, "loss": loss, "backward": backward, "optimizer": optimizer}
     totals = {k: sum(v.values()) for k, v in phases.items()}

@@ -54,8 +54,8 @@ from seqpar.schema import write_atomic
 def write(tmp: Path, *, wrapped, optimizer, rank: int) -> None:
     """Collective: every rank writes its shards of the model and optimizer (or DeepSpeed its checkpoint) and its RNG."""
     ds = _deepspeed(wrapped)
-    if ds is not None:  # DeepSpeed keeps its own sharded model/optimizer/scheduler format
-        wrapped.save_checkpoint(str(tmp / "deepspeed"), tag="state")
+    if ds is not None:  # DeepSpeed keeps its own sharded model/optimizer format, written by every rank
+        ds.save(wrapped, tmp / "deepspeed")
     else:
         dcp.save(tensors(wrapped, optimizer), storage_writer=writer(tmp))
     write_rng(tmp, rank)
@@ -150,8 +150,10 @@ def load(folder: Path, state: dict, *, wrapped, optimizer, scheduler, rank: int,
     """Collective: model and optimizer from ``folder`` into the wrapped model (resharded to this run's layout), the LR
     schedule at the checkpoint's step, and this rank's RNG. Returns notes for the log."""
     notes = []
-    if _deepspeed(wrapped) is not None:
-        wrapped.load_checkpoint(str(folder / "deepspeed"), tag="state")  # model, optimizer and scheduler
+    ds = _deepspeed(wrapped)
+    if ds is not None:
+        ds.load(wrapped, folder / "deepspeed")  # model, fp32 master partitions, optimizer moments
+        set_schedule(scheduler, scheduler.optimizer if scheduler is not None else None, state["step"])  # the trainer's
     else:
         sd = tensors(wrapped, optimizer)
         try:

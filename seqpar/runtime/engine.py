@@ -140,9 +140,7 @@ def wrap(module: LossModule, plan: LaunchPlan, topo: Topology, *, cpu_offload: b
 
         ids = [topo.local_rank] if topo.device.type == "cuda" else None
         return DDP(module, device_ids=ids)
-    if sharding == "fsdp" or (sharding.startswith("zero") and topo.device.type == "cpu"):
-        # On CPU ranks DeepSpeed has nothing to run on; ZeRO-3 is FSDP's full sharding and ZeRO-2 its SHARD_GRAD_OP
-        # (parameters kept after forward), so FSDP2 runs the same algorithm. Offload is moot when parameters live in RAM.
+    if sharding == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -150,33 +148,11 @@ def wrap(module: LossModule, plan: LaunchPlan, topo: Topology, *, cpu_offload: b
         mixed = plan.workload.dtype == "bf16" and plan.workload.optimizer == "adamw" and topo.device.type == "cuda"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
         off = CPUOffloadPolicy() if cpu_offload and topo.device.type == "cuda" else OffloadPolicy()
-        reshard = sharding != "zero2"
         for layer in module.model.base_model.layers:  # one all-gather per decoder layer
-            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
-        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off)
+        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=off)
         return module
-    raise SeqparError(
-        f"sharding {sharding!r} runs through DeepSpeed; the trainer handles it with accelerate (see deepspeed_engine)"
-    )
-
-
-def uses_deepspeed(plan: LaunchPlan) -> bool:
-    """ZeRO plans run on DeepSpeed on GPUs; on CPU ranks they run as FSDP2 (see wrap)."""
-    return plan.strategy.sharding.startswith("zero") and plan.cluster.accelerator == "cuda"
-
-
-def deepspeed_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("deepspeed") is not None
-
-
-def require_deepspeed(sharding: str) -> None:
-    if not deepspeed_available():
-        raise SeqparError(
-            f"sharding {sharding!r} runs on DeepSpeed ZeRO through accelerate, and deepspeed is not installed; "
-            f"`pip install 'seqpar[deepspeed]'`, or advise with --sharding fsdp (`seqpar launch --dry-run` shows the DeepSpeed config)"
-        )
+    raise SeqparError(f"sharding {sharding!r} runs on DeepSpeed; the trainer builds it with seqpar.runtime.deepspeed.prepare")
 
 
 def no_sync(wrapped: nn.Module, sync: bool):

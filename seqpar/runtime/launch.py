@@ -27,7 +27,7 @@ import subprocess
 from pathlib import Path
 
 from seqpar.errors import SeqparError
-from seqpar.jobspec import Job, LaunchOptions, default_output, jobs_for, uses_deepspeed
+from seqpar.jobspec import Job, LaunchOptions, default_output, jobs_for, require_deepspeed
 from seqpar.schema import ClusterSpec, LaunchPlan
 
 __all__ = ["LaunchOptions", "check_machine", "failure_message", "launch", "lock_output", "preflight", "run_job"]
@@ -99,14 +99,7 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             if problem:
                 raise SeqparError(problem)
             reserved += need
-        if uses_deepspeed(p) and not dry_run:
-            import importlib.util
-
-            if importlib.util.find_spec("deepspeed") is None:
-                raise SeqparError(
-                    f"sharding {p.strategy.sharding!r} runs on DeepSpeed through accelerate, and deepspeed is not installed; "
-                    f"`pip install 'seqpar[deepspeed]'` or advise with --sharding fsdp (--dry-run shows the DeepSpeed config)"
-                )
+            require_deepspeed(p)
     if opts.model_path and not (Path(opts.model_path) / "config.json").is_file():
         raise SeqparError(f"--model-path {opts.model_path!r} holds no config.json; pass a local Hugging Face model folder")
 

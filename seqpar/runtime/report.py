@@ -140,10 +140,15 @@ def write_report(
     peak_flops = plan.cluster.gpu.bf16_tflops * 1e12 * plan.cluster.world_size
     flops = sequences_per_step * model_flops_per_sequence(plan.workload.model, plan.workload.seq_len)
     mfu = flops / step_s / peak_flops if step_s > 0 else 0.0
+    per_node = plan.cluster.gpus_per_node  # ranks are numbered node by node
+    nodes = [per_rank[i : i + per_node] for i in range(0, len(per_rank), per_node)]
     measured = {
         "tokens_per_s": tps,
         "peak_memory_gib": max(r["peak_allocated_gib"] for r in per_rank),
         "reserved_memory_gib": max(r["peak_reserved_gib"] for r in per_rank),
+        # the plan's host_memory_gib is per node: the peak RSS of the node's ranks, summed (an upper bound: the peaks
+        # need not coincide), on the busiest node; offloaded states and pinned buffers live there
+        "host_memory_gib": max(sum(r["peak_rss_gib"] for r in node) for node in nodes),
         "step_time_s": step_s,
         "mfu": mfu,
     }

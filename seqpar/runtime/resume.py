@@ -7,7 +7,7 @@ groups of facts go into trainer_state.json:
 
 * ``run``: what decides the data and the model. Resuming with any of them changed would train another model on other
   data than the checkpoint's, so each is refused with one line naming the field: the seed, the data source and its
-  size, seq_len, the windows per optimizer step (micro_batch_size x gradient_accumulation_steps x dp_degree: the
+  size (and, for DeepSpeed's format, the world size), seq_len, the windows per optimizer step (micro_batch_size x gradient_accumulation_steps x dp_degree: the
   windows of step k are the k-th block of that many, data.py's order), the model's shape, the RoPE base, the dtype,
   the optimizer, the checkpoint format (DeepSpeed's or torch's), and every parameter's shape.
 * ``layout``: how it is split (world size, degrees, mode, micro-batch, accumulation, sharding). Any change is applied
@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 from seqpar.errors import SeqparError
+from seqpar.jobspec import uses_deepspeed
 from seqpar.schema import LaunchPlan
 
 # ModelSpec fields that shape the network (name and source only say where the figures came from)
@@ -63,6 +64,12 @@ def run_facts(plan: LaunchPlan, *, data: str, data_windows: int, parameters: dic
         "workload.optimizer": w.optimizer,
         "checkpoint format": fmt,
         "parameters": parameters,
+        # DeepSpeed's ZeRO checkpoint holds one partition per rank and is not resharded here
+        **(
+            {"world_size (DeepSpeed checkpoints keep one partition per rank)": plan.strategy.world_size}
+            if fmt == "deepspeed"
+            else {}
+        ),
     }
 
 
@@ -129,8 +136,8 @@ def launch_check(plan: LaunchPlan, output: Path, data: str, steps: int | None) -
     if folder is None:
         return []
     saved = read_state(folder)
-    run = run_facts(plan, data=data, data_windows=0, parameters={}, fmt="")
-    for key in ("parameters", "data windows", "checkpoint format"):
+    run = run_facts(plan, data=data, data_windows=0, parameters={}, fmt="deepspeed" if uses_deepspeed(plan) else "dcp")
+    for key in ("parameters", "data windows"):
         del run[key]
     now = {"run": run, "layout": layout_facts(plan), "training": training_facts(plan, steps or plan.training.steps)}
     return compare(saved, now, folder)

@@ -141,6 +141,7 @@ def setup(args: argparse.Namespace) -> Run:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
+    from seqpar.jobspec import require_deepspeed, uses_deepspeed
     from seqpar.runtime import checkpoint as ckpt
     from seqpar.runtime import engine
     from seqpar.runtime import model as models
@@ -161,9 +162,8 @@ def setup(args: argparse.Namespace) -> Run:
     )
     out = Path(args.output)
     check_output(out, args.resume)
-    deepspeed = engine.uses_deepspeed(plan)
-    if deepspeed:
-        engine.require_deepspeed(s.sharding)
+    deepspeed = uses_deepspeed(plan)
+    require_deepspeed(plan)
 
     topo = engine.init_distributed(plan)
     if topo.rank == 0:
@@ -206,7 +206,7 @@ def setup(args: argparse.Namespace) -> Run:
 
         wrapped, optimizer, scheduler, backward = prepare(module, plan, steps)
     else:
-        sharded = s.sharding != "ddp"  # FSDP2 (zero* on CPU ranks too, engine.wrap) shards the meta parameters
+        sharded = s.sharding != "ddp"  # FSDP2 (engine.wrap) shards the meta parameters
         wrapped = models.wrap_from_rank0(
             module,
             lambda m: engine.wrap(m, plan, topo, cpu_offload=args.fsdp_cpu_offload),
@@ -235,7 +235,7 @@ def setup(args: argparse.Namespace) -> Run:
             "; changed: " + ", ".join(changes + notes) if changes or notes else "",
         )
 
-    engine_name = ENGINES[s.sharding] if deepspeed or not s.sharding.startswith("zero") else f"fsdp2 ({s.sharding} on CPU ranks)"
+    engine_name = ENGINES[s.sharding]
     backend = _backend(topo.device, param_dtype if autocast_dtype is None else autocast_dtype)
     log.info(
         "plan %s: %s sp=%d dp=%d engine=%s checkpointing=%s loss=%s; %s; %s; %s; attention backend %s; %d steps from %d%s; "
@@ -319,9 +319,12 @@ def train_step(r: Run, step: int) -> dict:
     # Every rank of a group holds the same global loss: the world mean is the mean over data-parallel groups.
     dist.all_reduce(total)
     step_loss = float(total) / (topo.world_size * ga)
-    grad_norm = (
-        nonfinite.grad_norm(r.wrapped, r.plan.training.grad_clip) if r.backward is None and r.optimizer is not None else None
-    )
+    if r.backward is not None:  # DeepSpeed stepped (and clipped) at the boundary: its pre-clip global norm
+        grad_norm = r.backward.grad_norm() if r.plan.training.grad_clip > 0 else None
+    elif r.optimizer is not None:
+        grad_norm = nonfinite.grad_norm(r.wrapped, r.plan.training.grad_clip)
+    else:
+        grad_norm = None
     bad = nonfinite.problems(step_loss, grad_norm)
     if bad and not r.skip_nonfinite:
         raise TrainingStopped(nonfinite.message(step + 1, bad, r.root, applied=r.backward is not None))
@@ -332,7 +335,9 @@ def train_step(r: Run, step: int) -> dict:
             warnings.simplefilter("ignore", UserWarning)
             r.scheduler.step()  # the schedule stays a function of the step, skipped or not
         r.optimizer.zero_grad(set_to_none=True)
-    elif r.backward is None:
+    elif r.backward is not None:
+        r.scheduler.step()  # DeepSpeed's optimizer stepped; the LR schedule is ours (saved with the checkpoint)
+    else:
         r.wrapped.zero_grad(set_to_none=True)
     if topo.device.type == "cuda":
         torch.cuda.synchronize(topo.device)
