@@ -471,7 +471,22 @@ def launch(
         None, "--steps", min=1, help="Optimizer steps (default: the plan's; per stage for staged plans)."
     ),
     data: str = typer.Option(
-        "synthetic", "--data", help="synthetic, a .jsonl text file, a .bin/.npy token file, or a datasets folder."
+        "synthetic",
+        "--data",
+        help='synthetic, a .jsonl of {"text"} or {"messages"} rows, a .bin/.npy token file, or a datasets folder.',
+    ),
+    no_doc_boundaries: bool = typer.Option(
+        False, "--no-doc-boundaries", help="Concatenate documents into windows that attend across them (the older stream)."
+    ),
+    long_documents: str = typer.Option(
+        "split", "--long-documents", help="A document longer than seq_len: split (into window-sized pieces), truncate, error."
+    ),
+    data_cache: Optional[str] = typer.Option(
+        None, "--data-cache", help="Folder of the tokenized-data cache (default ~/.cache/seqpar/data)."
+    ),
+    data_procs: Optional[int] = typer.Option(None, "--data-procs", min=1, help="Tokenizer processes (default: the cores)."),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", help="Local tokenizer folder for text data (default: --model-path's)."
     ),
     model_path: Optional[str] = typer.Option(
         None, "--model-path", help="Local Hugging Face model folder (default: the plan's model, random weights)."
@@ -519,19 +534,26 @@ def launch(
     checkpoints, `run_report.json` (measured beside predicted), `metrics.jsonl` and `train.log` into `--output`. Staged
     plans (`seqpar advise --recipe`) run stage by stage. A non-finite loss stops the run before its update (exit 1, the
     step named; `latest` stays the last good checkpoint). Exit 0 done, 1 a rank failed (the last line names it and how),
-    2 invalid input, 130/143 stopped by Ctrl-C/SIGTERM after a final checkpoint (the last line names it).
+    2 invalid input, 130/143 stopped by Ctrl-C/SIGTERM after a final checkpoint (the last line names it). Data: documents
+    are packed whole with their boundaries (no attention across them), chats scored on the assistant's tokens only,
+    tokenized once into a cache before the ranks start (README, "Data").
 
     **Examples**
 
         seqpar advise --model tiny --cluster cpu:2 --seq-len 256 -o plan.json && seqpar launch plan.json --steps 5 --data synthetic
         seqpar launch plan.json --data tokens.npy --output runs/a --resume
+        seqpar launch plan.json --data chats.jsonl --model-path ./Qwen2.5-0.5B-Instruct
         seqpar launch plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
         seqpar launch plan.json --dry-run
         seqpar launch plan.json --verify --data tokens.npy
     """
+    from seqpar.runtime.data import POLICIES, DataOptions
     from seqpar.runtime.launch import LaunchOptions
     from seqpar.runtime.launch import launch as run_launch
 
+    if long_documents not in POLICIES:
+        raise SeqparError(f"--long-documents {long_documents!r} is not one of {', '.join(POLICIES)}; e.g. --long-documents split")
+    data_flags = DataOptions(not no_doc_boundaries, long_documents, data_cache, data_procs, tokenizer).flags()
     plan = LaunchPlan.load(plan_path, allow_env=allow_env)
     if not dry_run and not force:
         _check_machine(plan, plan_path, nnodes)
@@ -549,6 +571,7 @@ def launch(
         keep_last=keep_last,
         final_checkpoint=not no_final_checkpoint,
         skip_nonfinite=skip_nonfinite,
+        extra=data_flags,  # the trainer's data flags; the launcher's data check reads them too
         allow_env=list(allow_env),
     )
     if verify_first and not dry_run:

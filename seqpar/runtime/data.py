@@ -1,36 +1,102 @@
-"""Training data for the trainer: token sources packed into ``seq_len + 1`` windows, and who reads which window.
+"""Training data for the trainer: documents packed into windows with their boundaries, and who reads which window.
 
-Sources: a ``datasets`` folder written by ``save_to_disk`` (needs the ``datasets`` package), JSONL text tokenized with a local
-tokenizer, raw token files (``.bin`` of uint16 when the vocabulary fits in 16 bits, uint32 otherwise, nanoGPT's format;
-``.npy`` of uint16/uint32/int), or ``synthetic`` (seeded random tokens, for benchmarks and tests).
+Sources (seqpar.runtime.data_source): a ``.jsonl`` of ``{"text": ...}`` or ``{"messages": [...]}`` rows, a `datasets`
+``save_to_disk`` folder, token files (``.bin``/``.npy``) or ``synthetic`` (seeded random tokens, for benchmarks and
+tests). Text and chats are tokenized once per (data, tokenizer) into a cache shared by every rank and stage
+(seqpar.runtime.data_tokenize, data_cache).
 
-Documents are concatenated (text documents end with the tokenizer's EOS) and cut into non-overlapping windows of
-``seq_len + 1`` tokens: inputs are ``window[:-1]`` and targets ``window[1:]``, EasyContext's shift on the whole sequence.
-Window order is fixed by the step alone, so a resumed run reads exactly what the uninterrupted one would have read:
+By default documents keep their boundaries (``PackedData``, seqpar.runtime.data_pack): packed whole into windows of
+``seq_len`` tokens, position ids restarting at 0 at each document, each document's first label -100, and chats scored
+on the assistant's tokens only; the trainer passes labels and position ids to seqpar.prepare_inputs, so in every mode
+a query attends only to its own document and the loss is the token-weighted loss of the documents run alone.
+``--no-doc-boundaries`` keeps the older stream (``TokenData``): documents concatenated (text ends with EOS), cut into
+``seq_len + 1``-token windows (inputs ``window[:-1]``, targets ``window[1:]``), attending across documents.
 
-    window(step, micro, dp_rank, b) = ((step * grad_accum + micro) * dp_degree + dp_rank) * micro_batch + b   (mod #windows)
+Both read windows in a seeded order that is a function of the step alone (data_pack.window_index), so a resumed run
+reads exactly what the uninterrupted one would have:
+
+    window(step, micro, dp_rank, b) = order[((step * grad_accum + micro) * dp_degree + dp_rank) * micro_batch + b]
 
 Every sequence-parallel rank of a group reads the same windows (they keep their shard through ``prepare_inputs``);
 different data-parallel groups read different ones. This module imports numpy only (torch lazily), so the launcher can
-check data before starting any process.
+check (and tokenize) the data before starting any process.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import argparse
+from dataclasses import dataclass
 
 import numpy as np
 
 from seqpar.errors import SeqparError
+from seqpar.runtime import data_pack
+from seqpar.runtime.data_pack import POLICIES, first_window, window_index
+
+STREAM = "stream (--no-doc-boundaries), windows shuffled"
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """How ``--data`` becomes windows: the trainer's flags, which ``seqpar launch`` passes through."""
+
+    doc_boundaries: bool = True  # False: --no-doc-boundaries, the EOS-separated stream
+    long_documents: str = "split"  # a document longer than the window: split | truncate | error
+    cache: str | None = None  # --data-cache: the tokenized-data cache root (default data_cache.default_root())
+    procs: int | None = None  # --data-procs: tokenizer processes (default: the cores, fewer for small data)
+    tokenizer: str | None = None  # --tokenizer: a local tokenizer folder for text (default: --model-path's)
+
+    def flags(self) -> list[str]:
+        out = [] if self.doc_boundaries else ["--no-doc-boundaries"]
+        out += ["--tokenizer", self.tokenizer] if self.tokenizer else []
+        out += [] if self.long_documents == "split" else ["--long-documents", self.long_documents]
+        out += ["--data-cache", self.cache] if self.cache else []
+        return out + (["--data-procs", str(self.procs)] if self.procs else [])
+
+    @property
+    def packing(self) -> str:
+        """What a checkpoint records (resume refuses a change: it changes the windows)."""
+        return f"documents, long ones: {self.long_documents}" if self.doc_boundaries else STREAM
+
+
+def packing_fact(spec: str, opts: DataOptions) -> str:
+    """How ``spec`` becomes windows, as a checkpoint records it ('' for synthetic data, which has no documents)."""
+    return "" if spec == "synthetic" else opts.packing
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", default=None, help="local tokenizer folder for text data (default: --model-path)")
+    p.add_argument(
+        "--no-doc-boundaries",
+        dest="doc_boundaries",
+        action="store_false",
+        help="concatenate documents (EOS-separated) into seq_len + 1 windows that attend across them (the older behaviour)",
+    )
+    p.add_argument("--long-documents", choices=POLICIES, default="split", help="a document longer than seq_len")
+    p.add_argument("--data-cache", default=None, help="folder of the tokenized-data cache (default ~/.cache/seqpar/data)")
+    p.add_argument("--data-procs", type=int, default=None, help="tokenizer processes (default: the cores)")
+
+
+def options(args: argparse.Namespace) -> DataOptions:
+    return DataOptions(args.doc_boundaries, args.long_documents, args.data_cache, args.data_procs, args.tokenizer)
+
+
+def parse_flags(argv: list[str]) -> DataOptions:
+    """The DataOptions among trainer flags (seqpar launch's LaunchOptions.extra)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    return options(p.parse_known_args(argv)[0])
 
 
 class TokenData:
     """A token stream cut into windows; ``batch(...)`` returns (micro_batch, seq_len + 1) int64 tensors."""
 
-    def __init__(self, name: str, seq_len: int, vocab_size: int, tokens: np.ndarray | None = None, seed: int = 0):
-        self.name, self.seq_len, self.vocab_size, self.seed = name, seq_len, vocab_size, seed
+    packed = False
+
+    def __init__(self, name: str, seq_len: int, vocab_size: int, tokens=None, seed: int = 0, shuffle: bool = False):
+        self.name, self.seq_len, self.vocab_size, self.seed, self.shuffle = name, seq_len, vocab_size, seed, shuffle
         self.tokens = tokens  # 1-D token ids; None = synthetic
+        self.note = f"data {name!r}"
         window = seq_len + 1
         if tokens is None:
             self.num_windows = 2**31 - 1
@@ -62,95 +128,106 @@ class TokenData:
         """The (micro_batch, seq_len + 1) int64 tensor this data-parallel rank trains on at (step, micro)."""
         import torch
 
-        first = ((step * grad_accum + micro) * dp_degree + dp_rank) * micro_batch
-        rows = [self.window(first + b) for b in range(micro_batch)]
-        return torch.from_numpy(np.stack(rows))  # (B, S + 1)
+        k = first_window(step, micro, dp_rank, grad_accum=grad_accum, dp_degree=dp_degree, micro_batch=micro_batch)
+        order = [window_index(k + b, self.num_windows, self.seed, self.shuffle) for b in range(micro_batch)]
+        return torch.from_numpy(np.stack([self.window(i) for i in order]))  # (B, S + 1)
 
 
-def open_data(spec: str, *, seq_len: int, vocab_size: int, seed: int = 0, tokenizer_path: str | None = None) -> TokenData:
-    """Open ``spec`` ('synthetic', a .bin/.npy/.jsonl file or a datasets folder); SeqparError with one line if it cannot."""
+class PackedData:
+    """Documents packed into windows of seq_len tokens; ``batch(...)`` returns {"input_ids", "labels",
+    "position_ids"}, each (micro_batch, seq_len) int64, for seqpar.prepare_inputs."""
+
+    packed = True
+
+    def __init__(self, corpus, seq_len: int, seed: int = 0, long_documents: str = "split"):
+        self.corpus, self.seq_len, self.seed, self.name = corpus, seq_len, seed, corpus.name
+        p = data_pack.pack(corpus, seq_len, long_documents)
+        self.start, self.length, self.ptr, self.kept = p["start"], p["length"], p["ptr"], p["kept"]
+        self.dropped, self.num_windows = int(p["dropped"]), len(self.kept)
+        total = len(self.ptr) - 1
+        if self.num_windows == 0:
+            raise SeqparError(
+                f"data {self.name!r}: none of its {total} windows scores a token (every label -100: chats without an "
+                "assistant turn, or documents of one token); add documents with something to learn"
+            )
+        fill = float(self.length.sum()) / (total * seq_len)
+        longer = int((corpus.lengths > seq_len).sum())
+        self.note = (
+            f"{corpus.note}; packed into {total:,} windows of {seq_len} tokens ({fill:.1%} document tokens, the rest "
+            f"filler), {self.dropped:,} dropped (labels all -100), {longer:,} documents longer than the window "
+            f"({long_documents})"
+        )
+
+    def window(self, index: int) -> dict[str, np.ndarray]:
+        """Window ``index`` of the kept ones: input_ids, labels, position_ids, each (seq_len,) int64."""
+        from seqpar.runtime.loss import IGNORE_INDEX  # torch's ignore index (loss.py imports torch: not at module level)
+
+        w = int(self.kept[index])
+        S, c = self.seq_len, self.corpus
+        ids = np.full(S, c.pad_id, dtype=np.int64)
+        labels = np.full(S, IGNORE_INDEX, dtype=np.int64)
+        pos = np.zeros(S, dtype=np.int64)
+        at = 0
+        for s, n in zip(self.start[self.ptr[w] : self.ptr[w + 1]].tolist(), self.length[self.ptr[w] : self.ptr[w + 1]].tolist()):
+            ids[at : at + n] = c.tokens[s : s + n]
+            lab = ids[at : at + n].copy()
+            if c.scored is not None:
+                lab[np.asarray(c.scored[s : s + n]) == 0] = IGNORE_INDEX
+            lab[0] = IGNORE_INDEX  # nothing in its document comes before a document's first token
+            labels[at : at + n] = lab
+            pos[at : at + n] = np.arange(n)
+            at += n
+        pos[at:] = np.arange(S - at)  # the filler: a document of its own, never scored
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+    def batch(self, step: int, micro: int, dp_rank: int, *, grad_accum: int, dp_degree: int, micro_batch: int):
+        import torch
+
+        k = first_window(step, micro, dp_rank, grad_accum=grad_accum, dp_degree=dp_degree, micro_batch=micro_batch)
+        rows = [self.window(window_index(k + b, self.num_windows, self.seed)) for b in range(micro_batch)]
+        return {key: torch.from_numpy(np.stack([r[key] for r in rows])) for key in rows[0]}  # each (B, S)
+
+
+def open_data(
+    spec: str,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    tokenizer_path: str | None = None,
+    cache: str | None = None,
+    shuffle: bool = False,
+) -> TokenData:
+    """``spec`` as one token stream ('synthetic', a .bin/.npy/.jsonl file or a datasets folder; what seqpar eval
+    reads): its documents concatenated, text ones ending with EOS. SeqparError with one line if it cannot be read."""
     if spec == "synthetic":
         return TokenData("synthetic", seq_len, vocab_size, None, seed)
-    p = Path(spec)
-    if not p.exists():
+    from seqpar.runtime.data_source import read_corpus
+
+    corpus = read_corpus(spec, vocab_size=vocab_size, tokenizer_path=tokenizer_path, cache_dir=cache)
+    data = TokenData(spec, seq_len, vocab_size, corpus.tokens, seed, shuffle)
+    data.corpus, data.note = corpus, corpus.note
+    return data
+
+
+def open_training_data(
+    spec: str, opts: DataOptions, *, seq_len: int, vocab_size: int, seed: int = 0, tokenizer_path: str | None = None
+) -> TokenData | PackedData:
+    """What the trainer reads: ``PackedData`` (documents with boundaries), or with --no-doc-boundaries (or synthetic
+    data) the shuffled ``TokenData`` stream. Tokenizes into the cache when the entry is missing (one process builds it,
+    the others wait for it: seqpar.runtime.data_cache)."""
+    if spec == "synthetic":
+        return TokenData("synthetic", seq_len, vocab_size, None, seed)
+    from seqpar.runtime.data_source import read_corpus
+
+    corpus = read_corpus(spec, vocab_size=vocab_size, tokenizer_path=tokenizer_path, cache_dir=opts.cache, procs=opts.procs)
+    if opts.doc_boundaries:
+        return PackedData(corpus, seq_len, seed, opts.long_documents)
+    if corpus.scored is not None:
         raise SeqparError(
-            f"data path {spec!r} does not exist; pass --data synthetic, a .jsonl/.bin/.npy file or a datasets folder"
+            f"data {spec!r} holds chats, scored on the assistant's tokens only, and --no-doc-boundaries trains on every "
+            "token of a stream; drop --no-doc-boundaries"
         )
-    if p.is_dir():
-        return TokenData(spec, seq_len, vocab_size, _from_datasets(p, tokenizer_path), seed)
-    suffix = p.suffix.lower()
-    if suffix == ".bin":
-        dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
-        if p.stat().st_size % np.dtype(dtype).itemsize:
-            raise SeqparError(
-                f"data file {spec!r} is not a whole number of {np.dtype(dtype).name} tokens; write it with numpy .tofile"
-            )
-        return TokenData(spec, seq_len, vocab_size, np.memmap(p, dtype=dtype, mode="r"), seed)
-    if suffix == ".npy":
-        arr = np.load(p, mmap_mode="r")
-        if arr.dtype.kind not in "ui":
-            raise SeqparError(f"data file {spec!r} holds {arr.dtype} values; token files must be uint16/uint32 (or int)")
-        return TokenData(spec, seq_len, vocab_size, arr.reshape(-1), seed)
-    if suffix in (".jsonl", ".json"):
-        return TokenData(spec, seq_len, vocab_size, _from_jsonl(p, tokenizer_path), seed)
-    raise SeqparError(f"data file {spec!r} has an unknown type {suffix!r}; use .jsonl (text), .bin/.npy (token ids) or synthetic")
-
-
-def _tokenizer(path: str | None, what: str):
-    if not path:
-        raise SeqparError(
-            f"{what} holds text, which needs a tokenizer; pass --model-path (or --tokenizer) with a local tokenizer folder"
-        )
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise SeqparError(
-            f"cannot load a tokenizer from {path!r} ({str(e).splitlines()[0]}); pass a local folder with tokenizer files"
-        ) from None
-
-
-def _encode(texts, tok) -> np.ndarray:
-    eos = tok.eos_token_id
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tok(text, add_special_tokens=False)["input_ids"])
-        if eos is not None:
-            ids.append(eos)  # document boundary inside a packed window
-    return np.asarray(ids, dtype=np.int64)
-
-
-def _from_jsonl(p: Path, tokenizer_path: str | None) -> np.ndarray:
-    texts = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SeqparError(f"data file {str(p)!r} line {n} is not JSON ({e}); write one object per line") from None
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise SeqparError(f'data file {str(p)!r} line {n} has no string field \'text\'; write {{"text": "..."}} per line')
-        texts.append(row["text"])
-    return _encode(texts, _tokenizer(tokenizer_path, f"data file {str(p)!r}"))
-
-
-def _from_datasets(p: Path, tokenizer_path: str | None) -> np.ndarray:
-    if not ((p / "dataset_info.json").exists() or (p / "state.json").exists() or (p / "dataset_dict.json").exists()):
-        raise SeqparError(f"data folder {str(p)!r} is not a `datasets` save_to_disk folder (no dataset_info.json/state.json)")
-    try:
-        import datasets
-    except ImportError:
-        raise SeqparError(
-            f"data folder {str(p)!r} is a `datasets` folder, and reading it needs the datasets package, which is not installed; "
-            f"`pip install datasets`, or export it to .jsonl/.npy"
-        ) from None
-    ds = datasets.load_from_disk(str(p))
-    if isinstance(ds, datasets.DatasetDict):
-        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    if "input_ids" in ds.column_names:
-        return np.concatenate([np.asarray(r, dtype=np.int64) for r in ds["input_ids"]])
-    if "text" in ds.column_names:
-        return _encode(ds["text"], _tokenizer(tokenizer_path, f"data folder {str(p)!r}"))
-    raise SeqparError(f"data folder {str(p)!r} has neither an 'input_ids' nor a 'text' column (it has {ds.column_names})")
+    data = TokenData(spec, seq_len, vocab_size, corpus.tokens, seed, shuffle=True)
+    data.corpus, data.note = corpus, f"{corpus.note}; one stream (--no-doc-boundaries), {data.num_windows:,} windows"
+    return data

@@ -62,10 +62,11 @@ def check_machine(
     return diffs
 
 
-def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: Path | None = None) -> None:
+def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: Path | None = None) -> list[str]:
     """Everything that can be checked before a process starts; SeqparError (exit 2, nothing written) otherwise.
-    ``out``: the output folder (default: the first job's)."""
-    from seqpar.runtime.data import open_data  # numpy only; text data loads the tokenizer to count tokens
+    ``out``: the output folder (default: the first job's). Returns what the data holds, one line per stage; text data
+    is tokenized here, into the cache every rank then reads (seqpar.runtime.data_cache)."""
+    from seqpar.runtime import data as datasrc
     from seqpar.runtime.resume import launch_check
     from seqpar.runtime.storage import launch_problem
 
@@ -79,21 +80,25 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             f"output {str(out)!r} is in use by another seqpar launch (pid {holder}); wait for it, stop it (kill {holder}), "
             f"or pick another --output"
         )
+    data_opts, notes = datasrc.parse_flags(opts.extra), []
     for job, sp in jobs:
         p = sp or plan
-        open_data(
+        data = datasrc.open_training_data(
             opts.data,
+            data_opts,
             seq_len=p.workload.seq_len,
             vocab_size=p.workload.model.vocab_size,
             seed=p.training.seed,
-            tokenizer_path=opts.model_path,
+            tokenizer_path=data_opts.tokenizer or opts.model_path,
         )
+        notes.append(data.note)
         if not opts.resume and not dry_run:
             ck = job.output / "checkpoints"
             if ck.is_dir() and any(x.name.startswith("step-") for x in ck.iterdir()):
                 raise SeqparError(f"output {str(job.output)!r} already holds checkpoints; pass --resume or pick another --output")
         if opts.resume and not dry_run:
-            launch_check(p, job.output, opts.data, opts.steps)  # a torn, foreign or incompatible checkpoint: one line
+            # a torn, foreign or incompatible checkpoint: one line
+            launch_check(p, job.output, opts.data, opts.steps, datasrc.packing_fact(opts.data, data_opts))
         if not dry_run:
             problem, need = launch_problem(p, job.output, opts, reserved)
             if problem:
@@ -102,6 +107,7 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             require_deepspeed(p)
     if opts.model_path and not (Path(opts.model_path) / "config.json").is_file():
         raise SeqparError(f"--model-path {opts.model_path!r} holds no config.json; pass a local Hugging Face model folder")
+    return notes
 
 
 def _stage_done(job: Job, steps: int) -> bool:
@@ -118,7 +124,10 @@ def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_
     plan_path = Path(plan_path)
     jobs = jobs_for(plan, plan_path, opts)
     out = Path(opts.output) if opts.output else default_output(plan_path)
-    preflight(plan, jobs, opts, dry_run, out)
+    notes = preflight(plan, jobs, opts, dry_run, out)
+    if not dry_run and opts.data != "synthetic":
+        for line in dict.fromkeys(notes):  # once per distinct packing (recipe stages differ in seq_len)
+            echo(f"seqpar launch: {line}")
     lock = None if dry_run else lock_output(out)
     try:
         for n, (job, sp) in enumerate(jobs):

@@ -6,10 +6,11 @@ position as a number of windows read, so it is free of the mode, the degrees, th
 groups of facts go into trainer_state.json:
 
 * ``run``: what decides the data and the model. Resuming with any of them changed would train another model on other
-  data than the checkpoint's, so each is refused with one line naming the field: the seed, the data source and its
-  size (and, for DeepSpeed's format, the world size), seq_len, the windows per optimizer step (micro_batch_size x gradient_accumulation_steps x dp_degree: the
-  windows of step k are the k-th block of that many, data.py's order), the model's shape, the RoPE base, the dtype,
-  the optimizer, the checkpoint format (DeepSpeed's or torch's), and every parameter's shape.
+  data than the checkpoint's, so each is refused with one line naming the field: the seed, the data source, its size
+  and how it is packed into windows, seq_len, the windows per optimizer step (micro_batch_size x
+  gradient_accumulation_steps x dp_degree: the windows of step k are the k-th block of that many, data.py's order),
+  the model's shape, the RoPE base, the dtype, the optimizer, the checkpoint format (DeepSpeed's or torch's; for
+  DeepSpeed's, the world size too), and every parameter's shape.
 * ``layout``: how it is split (world size, degrees, mode, micro-batch, accumulation, sharding). Any change is applied
   (the checkpoint is resharded on load) and reported: with the same windows per step a step reads the same windows and
   computes the same loss, up to the order of floating-point sums.
@@ -49,13 +50,15 @@ def windows_per_step(plan: LaunchPlan) -> int:
     return plan.workload.micro_batch_size * s.gradient_accumulation_steps * s.dp_degree
 
 
-def run_facts(plan: LaunchPlan, *, data: str, data_windows: int, parameters: dict, fmt: str) -> dict:
-    """The ``run`` group: ``parameters`` maps each parameter name to its global shape; ``fmt`` is 'dcp' or 'deepspeed'."""
+def run_facts(plan: LaunchPlan, *, data: str, data_windows: int, parameters: dict, fmt: str, packing: str = "") -> dict:
+    """The ``run`` group: ``parameters`` maps each parameter name to its global shape; ``fmt`` is 'dcp' or 'deepspeed';
+    ``packing``: how the data becomes windows (seqpar.runtime.data.packing_fact)."""
     w, t = plan.workload, plan.training
     return {
         "training.seed": t.seed,
         "--data": data,
         "data windows": data_windows,
+        "data packing": packing,
         "workload.seq_len": w.seq_len,
         WINDOWS_PER_STEP: windows_per_step(plan),
         **{f"workload.model.{k}": getattr(w.model, k) for k in _MODEL_FIELDS},
@@ -99,11 +102,18 @@ def training_facts(plan: LaunchPlan, steps: int) -> dict:
     }
 
 
-def facts(plan: LaunchPlan, steps: int, *, data: str, data_windows: int, model, deepspeed: bool) -> dict:
+def facts(plan: LaunchPlan, steps: int, *, data: str, data_windows: int, packing: str, model, deepspeed: bool) -> dict:
     """The three groups for trainer_state.json; ``model`` is the transformers model (meta-device ones too: shapes only)."""
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
     return {
-        "run": run_facts(plan, data=data, data_windows=data_windows, parameters=shapes, fmt="deepspeed" if deepspeed else "dcp"),
+        "run": run_facts(
+            plan,
+            data=data,
+            data_windows=data_windows,
+            packing=packing,
+            parameters=shapes,
+            fmt="deepspeed" if deepspeed else "dcp",
+        ),
         "layout": layout_facts(plan),
         "training": training_facts(plan, steps),
     }
@@ -112,7 +122,7 @@ def facts(plan: LaunchPlan, steps: int, *, data: str, data_windows: int, model, 
 def compare(saved: dict, now: dict, folder: Path) -> list[str]:
     """Refuse a changed ``run`` fact (SeqparError naming it); return the applied changes of layout and training."""
     for key, want in now["run"].items():
-        got = saved["run"].get(key)
+        got = saved["run"].get(key, _packing_before(saved["run"]) if key == "data packing" else None)
         if key == "parameters":
             _compare_parameters(got or {}, want, folder)
         elif got != want:
@@ -129,14 +139,21 @@ def compare(saved: dict, now: dict, folder: Path) -> list[str]:
     return changes
 
 
-def launch_check(plan: LaunchPlan, output: Path, data: str, steps: int | None) -> list[str]:
+def _packing_before(run: dict) -> str:
+    """A checkpoint written before the packing was recorded read its data as one stream, windows in file order (no
+    run now reads that order: resuming one on file data is refused; synthetic data has no packing)."""
+    return "" if run.get("--data") == "synthetic" else "stream, windows in file order (seqpar before packed documents)"
+
+
+def launch_check(plan: LaunchPlan, output: Path, data: str, steps: int | None, packing: str = "") -> list[str]:
     """``seqpar launch --resume``: the newest checkpoint in ``output`` checked (read_state) and compared with ``plan``
     (compare), less what only the ranks know (parameter shapes, the data's size); returns the changes to apply."""
     folder = latest(output / "checkpoints")
     if folder is None:
         return []
     saved = read_state(folder)
-    run = run_facts(plan, data=data, data_windows=0, parameters={}, fmt="deepspeed" if uses_deepspeed(plan) else "dcp")
+    fmt = "deepspeed" if uses_deepspeed(plan) else "dcp"
+    run = run_facts(plan, data=data, data_windows=0, packing=packing, parameters={}, fmt=fmt)
     for key in ("parameters", "data windows"):
         del run[key]
     now = {"run": run, "layout": layout_facts(plan), "training": training_facts(plan, steps or plan.training.steps)}

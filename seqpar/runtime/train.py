@@ -33,6 +33,7 @@ from typing import Any
 from seqpar.errors import SeqparError, TrainingStopped
 from seqpar.options import KEEP_LAST
 from seqpar.runtime import resume
+from seqpar.runtime.data import add_arguments as add_data_arguments
 from seqpar.runtime.storage import AUTO
 from seqpar.schema import LaunchPlan
 
@@ -51,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the plan's training.steps)")
     p.add_argument("--data", default="synthetic", help="synthetic | file.jsonl | tokens.bin | tokens.npy | datasets folder")
     p.add_argument("--model-path", default=None, help="local Hugging Face model folder (default: plan's model, random weights)")
-    p.add_argument("--tokenizer", default=None, help="local tokenizer folder for text data (default: --model-path)")
+    add_data_arguments(p)  # --tokenizer, --no-doc-boundaries, --long-documents, --data-cache, --data-procs
     p.add_argument("--output", default="runs/seqpar", help="folder for checkpoints, run report, metrics and log")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--init-from", default=None, help="save_pretrained folder to start the weights from (recipe stages)")
@@ -143,9 +144,9 @@ def setup(args: argparse.Namespace) -> Run:
 
     from seqpar.jobspec import require_deepspeed, uses_deepspeed
     from seqpar.runtime import checkpoint as ckpt
+    from seqpar.runtime import data as datasrc
     from seqpar.runtime import engine
     from seqpar.runtime import model as models
-    from seqpar.runtime.data import open_data
     from seqpar.runtime.fused import apply_fused_ops
     from seqpar.runtime.hf import apply
     from seqpar.runtime.progress import setup_logging
@@ -157,8 +158,16 @@ def setup(args: argparse.Namespace) -> Run:
     s, w, t = plan.strategy, plan.workload, plan.training
     steps = args.steps or t.steps
     every, every_why = interval(plan, args.checkpoint_every)
-    data = open_data(
-        args.data, seq_len=w.seq_len, vocab_size=w.model.vocab_size, seed=t.seed, tokenizer_path=args.tokenizer or args.model_path
+    # Before the process group: a missing cache entry is built by one rank while the others wait on its lock (the
+    # launcher built it already, so normally every rank just reads it).
+    data_opts = datasrc.options(args)
+    data = datasrc.open_training_data(
+        args.data,
+        data_opts,
+        seq_len=w.seq_len,
+        vocab_size=w.model.vocab_size,
+        seed=t.seed,
+        tokenizer_path=args.tokenizer or args.model_path,
     )
     out = Path(args.output)
     check_output(out, args.resume)
@@ -176,6 +185,7 @@ def setup(args: argparse.Namespace) -> Run:
     start = saved["step"] if saved else 0
     if args.resume and resume_from is None:
         log.info("--resume: no checkpoint in %s yet, starting at step 0", out / "checkpoints")
+    log.info("%s", data.note)
 
     # ----- model: rank 0 builds it with its weights, the others on the meta device (seqpar.runtime.model)
     init = ckpt.init_weights(args.init_from)
@@ -191,7 +201,15 @@ def setup(args: argparse.Namespace) -> Run:
         dtype=param_dtype,
         meta=meta,
     )
-    facts = resume.facts(plan, steps, data=args.data, data_windows=data.num_windows, model=model, deepspeed=deepspeed)
+    facts = resume.facts(
+        plan,
+        steps,
+        data=args.data,
+        data_windows=data.num_windows,
+        packing=datasrc.packing_fact(args.data, data_opts),
+        model=model,
+        deepspeed=deepspeed,
+    )
     changes = resume.compare(saved, facts, resume_from) if saved else []
     apply(model, s.mode, group=topo.sp_group, ulysses_degree=_ulysses_degree(plan), checkpointing=s.checkpointing)
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
@@ -277,6 +295,34 @@ def setup(args: argparse.Namespace) -> Run:
     )
 
 
+def model_inputs(r: Run, got, guard=None) -> dict:
+    """This rank's share of one micro-batch from the data (``r.data.batch``): input ids, position ids, labels and, for
+    documents, their boundaries, split as the plan's mode splits the sequence. ``guard``: the group whose ranks must hold
+    the same batch (checked)."""
+    from seqpar.runtime.inputs import prepare_inputs
+    from seqpar.runtime.layout import shard
+
+    s, topo, ulysses = r.plan.strategy, r.topo, _ulysses_degree(r.plan)
+    if r.data.packed:  # documents: (B, S) ids, labels (-100 unscored) and position ids restarting per document
+        batch = prepare_inputs(
+            got["input_ids"],
+            mode=s.mode,
+            rank=topo.sp_rank,
+            world_size=s.sp_degree,
+            labels=got["labels"],
+            position_ids=got["position_ids"],
+            ulysses_degree=ulysses,
+            balance=True,  # exact (documents are independent): evens the ranks' attention work
+            check_group=guard,
+        )
+    else:  # the stream: a (B, S + 1) window, targets = the window shifted by one (all seq_len of them predicted)
+        batch = prepare_inputs(
+            got[:, :-1], mode=s.mode, rank=topo.sp_rank, world_size=s.sp_degree, ulysses_degree=ulysses, check_group=guard
+        )
+        batch["labels"] = shard(got[:, 1:], s.mode, topo.sp_rank, s.sp_degree, dim=1, ulysses_degree=ulysses)
+    return batch
+
+
 def train_step(r: Run, step: int) -> dict:
     """One optimizer step: gradient_accumulation_steps micro-batches, then the update. Returns the step's metrics
     record (loss = the world mean). A non-finite loss or gradient norm skips the update (--skip-nonfinite) or stops the
@@ -286,26 +332,20 @@ def train_step(r: Run, step: int) -> dict:
     import torch.distributed as dist
 
     from seqpar.runtime import engine, nonfinite
-    from seqpar.runtime.inputs import prepare_inputs
-    from seqpar.runtime.layout import shard
     from seqpar.runtime.report import memory_now
 
     s, w, topo = r.plan.strategy, r.plan.workload, r.topo
-    ga, mbs, ulysses = s.gradient_accumulation_steps, w.micro_batch_size, _ulysses_degree(r.plan)
+    ga, mbs = s.gradient_accumulation_steps, w.micro_batch_size
     autocast = (
         torch.autocast(topo.device.type, dtype=r.autocast_dtype) if r.autocast_dtype is not None else contextlib.nullcontext()
     )
     t0 = time.perf_counter()
     total = torch.zeros((), dtype=torch.float64, device=topo.device)
     for micro in range(ga):
-        ids = r.data.batch(step, micro, topo.dp_rank, grad_accum=ga, dp_degree=s.dp_degree, micro_batch=mbs)  # (B, S+1)
         # the first micro-batch of the run checks that every rank of the sequence-parallel group loaded the same windows
         guard = topo.sp_group if step == r.start and micro == 0 and s.sp_degree > 1 else None
-        batch = prepare_inputs(
-            ids[:, :-1], mode=s.mode, rank=topo.sp_rank, world_size=s.sp_degree, ulysses_degree=ulysses, check_group=guard
-        )
-        # Targets are the window shifted by one (all seq_len of them predicted), split like the inputs.
-        batch["labels"] = shard(ids[:, 1:], s.mode, topo.sp_rank, s.sp_degree, dim=1, ulysses_degree=ulysses)
+        got = r.data.batch(step, micro, topo.dp_rank, grad_accum=ga, dp_degree=s.dp_degree, micro_batch=mbs)
+        batch = model_inputs(r, got, guard)
         batch = {k: v.to(topo.device) for k, v in batch.items()}  # each (B, S_local)
         sync = micro == ga - 1
         accumulating = r.backward.accumulate(r.wrapped) if r.backward is not None else engine.no_sync(r.wrapped, sync)

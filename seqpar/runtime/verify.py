@@ -76,9 +76,7 @@ def _step(plan: LaunchPlan, groups: int, sp_of_groups: int, folder: Path, data: 
     import torch
     import torch.distributed as dist
 
-    from seqpar.runtime.inputs import prepare_inputs
-    from seqpar.runtime.layout import shard
-    from seqpar.runtime.train import _ulysses_degree, parser, setup
+    from seqpar.runtime.train import model_inputs, parser, setup
 
     topo_rank = dist.get_rank()
     if topo_rank == 0:
@@ -87,15 +85,13 @@ def _step(plan: LaunchPlan, groups: int, sp_of_groups: int, folder: Path, data: 
     dist.barrier()
     argv = ["--plan", str(folder / "plan.json"), "--output", str(folder), "--data", data, "--checkpoint-every", "0"]
     r = setup(parser().parse_args(argv + (["--model-path", model_path] if model_path else [])))
-    s, topo, u = plan.strategy, r.topo, _ulysses_degree(plan)
+    s, topo = plan.strategy, r.topo
     # The window of the plan's data-parallel group this rank serves (the reference's rank r serves group r // sp).
-    ids = r.data.batch(0, 0, topo.rank // sp_of_groups, grad_accum=1, dp_degree=groups, micro_batch=1)  # (1, S+1)
-    batch = prepare_inputs(ids[:, :-1], mode=s.mode, rank=topo.sp_rank, world_size=s.sp_degree, ulysses_degree=u)
-    batch["labels"] = shard(ids[:, 1:], s.mode, topo.sp_rank, s.sp_degree, dim=1, ulysses_degree=u)
-    batch = {k: v.to(topo.device) for k, v in batch.items()}  # each (1, S_local)
+    got = r.data.batch(0, 0, topo.rank // sp_of_groups, grad_accum=1, dp_degree=groups, micro_batch=1)
+    batch = {k: v.to(topo.device) for k, v in model_inputs(r, got).items()}  # each (1, S_local), as the trainer splits it
     amp = r.autocast_dtype
     with torch.autocast(topo.device.type, dtype=amp) if amp is not None else torch.autocast(topo.device.type, enabled=False):
-        loss = r.wrapped(batch["input_ids"], batch["position_ids"], batch["labels"])
+        loss = r.wrapped(batch["input_ids"], batch["position_ids"], batch["labels"], batch.get("cu_seqlens"))
     scaled = loss * s.sp_degree  # the trainer's scale (engine.py): sum over sp, mean over dp
     if r.backward is not None:
         r.wrapped.backward(scaled)  # DeepSpeed's backward alone: its step would consume the gradients
