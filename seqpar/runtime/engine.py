@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.errors import SeqparError
+from seqpar.extras import install_line
 from seqpar.runtime.loss import loss, loss_from_hidden
 from seqpar.schema import LaunchPlan
 
@@ -175,7 +176,7 @@ def require_deepspeed(sharding: str) -> None:
     if not deepspeed_available():
         raise SeqparError(
             f"sharding {sharding!r} runs on DeepSpeed ZeRO through accelerate, and deepspeed is not installed; "
-            f"`pip install 'seqpar[deepspeed]'`, or advise with --sharding fsdp (`seqpar launch --dry-run` shows the DeepSpeed config)"
+            f"{install_line('deepspeed')}, or advise with --sharding fsdp (`seqpar launch --dry-run` shows the DeepSpeed config)"
         )
 
 

@@ -27,10 +27,20 @@ import subprocess
 from pathlib import Path
 
 from seqpar.errors import SeqparError
+from seqpar.extras import require
 from seqpar.jobspec import Job, LaunchOptions, default_output, jobs_for, uses_deepspeed
 from seqpar.schema import ClusterSpec, LaunchPlan
 
-__all__ = ["LaunchOptions", "check_machine", "failure_message", "launch", "lock_output", "preflight", "run_job"]
+__all__ = [
+    "LaunchOptions",
+    "check_machine",
+    "failure_message",
+    "launch",
+    "lock_output",
+    "preflight",
+    "require_dependencies",
+    "run_job",
+]
 
 LOCK_NAME = ".seqpar-launch.lock"
 
@@ -86,7 +96,7 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             seq_len=p.workload.seq_len,
             vocab_size=p.workload.model.vocab_size,
             seed=p.training.seed,
-            tokenizer_path=opts.model_path,
+            tokenizer_path=opts.tokenizer or opts.model_path,
         )
         if not opts.resume and not dry_run:
             ck = job.output / "checkpoints"
@@ -99,16 +109,22 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             if problem:
                 raise SeqparError(problem)
             reserved += need
-        if uses_deepspeed(p) and not dry_run:
-            import importlib.util
-
-            if importlib.util.find_spec("deepspeed") is None:
-                raise SeqparError(
-                    f"sharding {p.strategy.sharding!r} runs on DeepSpeed through accelerate, and deepspeed is not installed; "
-                    f"`pip install 'seqpar[deepspeed]'` or advise with --sharding fsdp (--dry-run shows the DeepSpeed config)"
-                )
+        if not dry_run:  # what the ranks will import: one line naming the extra (exit 1), not a rank's traceback
+            require_dependencies(p)
     if opts.model_path and not (Path(opts.model_path) / "config.json").is_file():
         raise SeqparError(f"--model-path {opts.model_path!r} holds no config.json; pass a local Hugging Face model folder")
+
+
+def require_dependencies(plan: LaunchPlan) -> None:
+    """MissingExtra (seqpar.extras) naming the extra to install when the job would fail to import what the plan needs."""
+    needs = [("torch", "seqpar launch"), ("transformers", "seqpar launch")]
+    if uses_deepspeed(plan):
+        why = f"sharding {plan.strategy.sharding!r} (DeepSpeed through accelerate; or advise with --sharding fsdp)"
+        needs += [("accelerate", why), ("deepspeed", why)]
+    if plan.strategy.fused_ops == "liger":
+        needs.append(("liger_kernel", "fused_ops liger"))
+    for module, why in needs:
+        require(module, why)
 
 
 def _stage_done(job: Job, steps: int) -> bool:
@@ -119,14 +135,16 @@ def _stage_done(job: Job, steps: int) -> bool:
     return state.is_file() and json.loads(state.read_text()).get("step") == steps
 
 
-def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_run: bool = False, echo=print) -> int:
+def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_run: bool = False, echo=print, header=()) -> int:
     """Check, then print (dry run) or run the job(s); returns 0, 1 when a rank failed, or 128 + the signal that stopped
-    the launch."""
+    the launch. ``header``: lines to echo once the checks pass, before anything runs (the CLI's predicted bill)."""
     plan_path = Path(plan_path)
     jobs = jobs_for(plan, plan_path, opts)
     out = Path(opts.output) if opts.output else default_output(plan_path)
     preflight(plan, jobs, opts, dry_run, out)
     lock = None if dry_run else lock_output(out)
+    for line in header:
+        echo(line)
     try:
         for n, (job, sp) in enumerate(jobs):
             title = (
