@@ -2,7 +2,8 @@
 
 `import seqpar` is light (no torch): the advisor and the schema need nothing more. The training-loop API
 (`seqpar.apply`, `seqpar.prepare_inputs`, `seqpar.loss` and the EasyContext-compatible functions) lives in
-`seqpar.runtime` and is imported on first use.
+`seqpar.runtime` and is imported on first use; `dir(seqpar)` and `__all__` list it. Without torch installed, using it
+raises one line naming the extra to install (seqpar.extras).
 """
 
 __version__ = "0.1.0"
@@ -16,10 +17,25 @@ _RUNTIME_API = {  # name -> the runtime module that defines it
     "apply_seq_parallel_monkey_patch": "seqpar.runtime.easycontext",
 }
 
+__all__ = ["__version__", *_RUNTIME_API]
+
 
 def __getattr__(name: str):
     if name in _RUNTIME_API:
         import importlib
 
-        return getattr(importlib.import_module(_RUNTIME_API[name]), name)
+        try:
+            module = importlib.import_module(_RUNTIME_API[name])
+        except ModuleNotFoundError as e:
+            from seqpar.extras import MissingExtra, from_error
+
+            line = from_error(e)
+            if line is None:
+                raise
+            raise MissingExtra(f"seqpar.{name}: {line}") from None
+        return getattr(module, name)
     raise AttributeError(f"module 'seqpar' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_RUNTIME_API))

@@ -1,9 +1,11 @@
 """The `seqpar` command line: assembles commands; the work lives in seqpar.advisor (and seqpar.runtime for launching).
 
 Conventions for every command (others add theirs here with small edits):
-- the docstring is the help and ends with an Examples section;
+- the docstring is the help and ends with an Examples section: a fenced block, one command per line of at most 76
+  characters, so `--help` shows each on one line at 80 columns (commands use ReadableCommand for the same reason);
 - ``--json`` puts only JSON on stdout, human text goes to stderr;
-- exit 0 ok, 1 a known failure (`check`: risks OOM; `launch`: the job failed), 2 bad usage or invalid input (SeqparError,
+- exit 0 ok, 1 a known failure (`check`: risks OOM; `advise`: nothing fits; `launch`: the job failed, or the plan is
+  predicted not to fit; any: a missing optional dependency, seqpar.extras), 2 bad usage or invalid input (SeqparError,
   one line, nothing written), 3 an internal error (a bug: one line, SEQPAR_DEBUG=1 shows the traceback), 130 interrupted
   (Ctrl-C); wrap the command with ``@handle_errors`` to get this mapping;
 - text from a plan or any other file is printed literally: ``literal`` escapes control characters (an ESC[2K in a plan
@@ -23,11 +25,20 @@ from typing import Literal, Optional
 import typer
 from pydantic import ValidationError
 from rich.console import Console
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
-from seqpar.cli_options import OUTPUT, RequestFlags, advise_request, with_request_flags
+from seqpar.cli_options import (
+    OUTPUT,
+    RequestFlags,
+    TrainingFlags,
+    advise_request,
+    parse_checkpoint_every,
+    with_request_flags,
+    with_training_flags,
+)
 from seqpar.errors import SeqparError
 from seqpar.eval_cli import EvalOptions
+from seqpar.extras import MissingExtra, from_error
 from seqpar.literal import literal, shown
 from seqpar.options import KEEP_LAST
 from seqpar.schema import LaunchPlan, first_error, format_tokens, parse_seq_len
@@ -41,6 +52,26 @@ app = typer.Typer(
     rich_markup_mode="markdown",
 )
 ADVICE = "Advice"
+
+
+class ReadableCommand(TyperCommand):
+    """A command whose --help reads at 80 columns: an option with many choices shows a short name (MODE) in the type
+    column, which rich would otherwise fold mid-word, and lists its choices in its help text instead."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            desc = getattr(p, "type_descriptor", None)  # typer >= 0.2x; older typer keeps click's Choice in p.type
+            choices = (
+                (desc.choices if desc.is_choice else None)
+                if desc is not None
+                else getattr(getattr(p, "type", None), "choices", None)
+            )
+            if choices and p.metavar is None and len(" ".join(map(str, choices))) > 16:
+                p.metavar = p.opts[-1].lstrip("-").upper().replace("-", "_")
+                p.help = f"{p.help or ''} One of: {', '.join(map(str, choices))}.".strip()
+
+
 profiles_app = typer.Typer(help="GPU, link and model profiles seqpar knows.", no_args_is_help=True, rich_markup_mode="markdown")
 app.add_typer(profiles_app, name="profiles")
 
@@ -84,8 +115,9 @@ _PASS_THROUGH = _pass_through()
 
 
 def handle_errors(fn):
-    """Map exceptions to exit codes: SeqparError/ValidationError -> 2 (invalid input), Ctrl-C -> 130, any other error
-    -> 3 (internal: never 1, which `check` and `launch` give a meaning; SEQPAR_DEBUG=1 re-raises). One line each."""
+    """Map exceptions to exit codes: SeqparError/ValidationError -> 2 (invalid input), a missing optional dependency
+    (seqpar.extras) -> 1 with the extra to install, Ctrl-C -> 130, any other error -> 3 (internal: never 1, which `check`
+    and `launch` give a meaning; SEQPAR_DEBUG=1 re-raises). One line each."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -96,6 +128,9 @@ def handle_errors(fn):
         except SeqparError as e:
             note(f"error: {literal(str(e), newlines=False)}")
             raise typer.Exit(EXIT_INVALID) from None
+        except MissingExtra as e:  # the install lacks an optional dependency: a known failure, not bad input
+            note(f"error: {literal(str(e), newlines=False)}")
+            raise typer.Exit(EXIT_OOM_OR_FAILED) from None
         except ValidationError as e:
             note(f"error: {literal(first_error(e), newlines=False)}")
             raise typer.Exit(EXIT_INVALID) from None
@@ -105,6 +140,10 @@ def handle_errors(fn):
         except Exception as e:
             if os.environ.get("SEQPAR_DEBUG"):
                 raise
+            missing = from_error(e) if isinstance(e, ModuleNotFoundError) else None
+            if missing is not None:  # an optional dependency (seqpar.extras) imported deep in a command
+                note(f"error: {missing}")
+                raise typer.Exit(EXIT_OOM_OR_FAILED) from None
             first = str(e).splitlines()[0] if str(e) else ""
             note(
                 f"internal error: {type(e).__name__}: {literal(first, newlines=False)} (a bug in seqpar; "
@@ -122,11 +161,13 @@ def print_json(obj) -> None:
 # --------------------------------------------------------------------------------------------- advise
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @handle_errors
 @with_request_flags
+@with_training_flags
 def advise(
     flags: RequestFlags,
+    training: TrainingFlags,
     policy: Optional[Literal["rules", "cost"]] = typer.Option(
         None, "--policy", rich_help_panel=ADVICE, help="rules: the guide's tree; cost: the cost-model search (default)."
     ),
@@ -150,18 +191,25 @@ def advise(
     """Advise a launch plan: which sequence-parallel mode, degrees, checkpointing and sharding, with the reasons.
 
     The cluster comes from the flags, else from the probe (NVML), else the default (8x A100-80G SXM, EasyContext's hardware);
-    stderr says which.
+    stderr says which. The plan carries the training settings (Training options) and its predicted bill: wall time and
+    GPU-hours of the whole run. Exit 0 with a plan that fits, 1 when no strategy fits (the plan is still written with -o,
+    for `seqpar explain`), 2 invalid input.
 
     **Examples**
 
-        seqpar advise --seq-len 512k
-        seqpar advise --seq-len 1M --model llama-3-8b --gpu h100 --gpus 8 --nodes 2 -o plan.json
-        seqpar advise --seq-len 256 --model tiny --cluster cpu:2 -o plan.json
-        seqpar advise --seq-len 128k --mode zigzag_ring_attn --policy rules --json
-        seqpar advise --max-seq-len --gpu h200 --gpus 8 --optimizer adamw
-        seqpar advise --seq-len 64k --gpu h200 --gpus 1 --optimizer none --tiled-mlp --fused-ops liger -o plan.json
+    ```
+    seqpar advise --seq-len 512k
+    seqpar advise -s 1M -m llama-3-8b --gpu h100 --gpus 8 --nodes 2 -o plan.json
+    seqpar advise -s 1k -m tiny --cluster cpu:2 --mode zigzag_ring_attn
+    seqpar advise -s 128k --mode zigzag_ring_attn --policy rules --json
+    seqpar advise -s 512k --steps 2000 --lr 1e-5 --warmup 100 --rope-theta 2.5e8
+    seqpar advise --recipe 1M -m llama-2-7b -o plan.json
+    seqpar advise --max-seq-len --gpu h200 --gpus 8
+    seqpar advise -s 64k --gpu h200 --gpus 1 --tiled-mlp --fused-ops liger
+    ```
     """
     from seqpar.advisor.advise import advise as run_advice
+    from seqpar.advisor.training import apply_training, rope_warning
 
     if max_seq_len:
         return _max_seq_len_command(flags, json_out)
@@ -174,6 +222,7 @@ def advise(
         raise SeqparError("--seq-len is required (e.g. --seq-len 128k), unless you ask for --max-seq-len")
     n = parse_seq_len(seq_len)
     note(f"seq_len {n} ({format_tokens(n)})")
+    overrides = training.overrides()  # bad values refused before the search runs
     req, cluster_note = advise_request(flags, n, policy or "cost", note)
     if recipe is not None:
         from seqpar.advisor.recipe import advise_recipe
@@ -181,6 +230,7 @@ def advise(
         plan = advise_recipe(req, recipe, cluster_note)
     else:
         plan = run_advice(req, cluster_note)
+    plan = apply_training(plan, overrides, recipe)
     if output is not None:
         from seqpar.jobspec import launch_spec
 
@@ -193,34 +243,66 @@ def advise(
     else:
         from seqpar.advisor.render import render_plan
 
-        render_plan(shown(plan), stdout(), shown(str(output or "plan.json")))
+        render_plan(shown(plan), stdout(), shown(str(output)) if output is not None else None)
+    warning = rope_warning(plan)
+    if warning:
+        note(f"warning: {warning}")
+    unfit = _does_not_fit(plan)
+    if unfit:
+        kept = f"the plan was written to {output} (seqpar explain {output} shows the memory)" if output else "nothing written"
+        note(f"error: no strategy fits: {unfit}; {kept}")
+        raise typer.Exit(EXIT_OOM_OR_FAILED)
+
+
+def _does_not_fit(plan: LaunchPlan) -> str | None:
+    """Why the plan's predicted memory does not fit (the plan or one of its stages), or None (also without a prediction)."""
+    parts = [("", plan.prediction)] + [(f"stage {i}: ", st.prediction) for i, st in enumerate(plan.stages)]
+    for where, p in parts:
+        if p is not None and p.oom_risk:
+            why = next((r.removeprefix("nothing fits: ") for r in plan.rationale.reasons if r.startswith("nothing fits")), None)
+            why = None if where else why
+            return why or (
+                f"{where}predicted {p.reserved_memory_gib:.1f} GiB reserved (peak allocated {p.peak_memory_gib:.1f} GiB) "
+                f"+ headroom exceeds {p.capacity_gib:.1f} GiB per GPU, or host RAM is short; see seqpar advise --max-seq-len"
+            )
+    return None
 
 
 # --------------------------------------------------------------------------------------------- explain, schema
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @handle_errors
 def explain(
     plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`."),
     json_out: bool = typer.Option(False, "--json", help="Print the validated plan as JSON on stdout."),
     plot: Optional[Path] = typer.Option(
-        None, "--plot", help="Write a PNG: predicted peak memory vs seq_len per mode, with the GPU's capacity."
+        None,
+        "--plot",
+        help="Write two PNGs: predicted peak memory vs seq_len per mode with the GPU's capacity (PATH), and the plan's "
+        "memory by phase as stacked bars (PATH's name + -phases). Needs matplotlib (seqpar[plot]).",
     ),
 ):
-    """Validate a plan and explain it: workload, cluster, strategy, prediction, the rules followed and why.
+    """Validate a plan and explain it: workload, cluster, strategy, prediction, training, bill, the rules and why.
+
+    The Training section states the schedule, the checkpoint interval (about hourly by default, from the predicted step
+    time) and the RoPE base (a warning when the plan trains past the model's positions without raising it); the
+    predicted bill is the wall time and GPU-hours of the whole run (each stage of a recipe, and the recipe).
 
     **Examples**
 
-        seqpar explain plan.json
-        seqpar explain plan.json --json
-        seqpar explain plan.json --plot memory.png
+    ```
+    seqpar explain plan.json
+    seqpar explain plan.json --json
+    seqpar explain plan.json --plot memory.png
+    ```
     """
     plan = LaunchPlan.load(plan_path)
     if plot is not None:
-        from seqpar.advisor.explain import plot_memory
+        from seqpar.advisor.plots import explain_plots
 
-        note(f"wrote {plot_memory(plan, plot)}")
+        for path in explain_plots(plan, plot):
+            note(f"wrote {path}")
     if json_out:
         print_json(plan.to_json().rstrip("\n"))
         return
@@ -237,7 +319,7 @@ def explain(
 # --------------------------------------------------------------------------------------------- check, max context, calibrate
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @handle_errors
 @with_request_flags
 def check(
@@ -254,10 +336,12 @@ def check(
 
     **Examples**
 
-        seqpar check plan.json
-        seqpar check plan.json --gpu a100-40g --gpus 8
-        seqpar check --seq-len 64k --gpu h200 --gpus 1 --mode data_parallel --checkpointing full --sharding ddp --loss-impl hf
-        seqpar check --seq-len 128k --gpu h200 --gpus 1 --optimizer none --checkpointing offload --tiled-mlp --fused-ops liger
+    ```
+    seqpar check plan.json
+    seqpar check plan.json --gpu a100-40g --gpus 8
+    seqpar check -s 64k --gpu h200 --gpus 1 --mode data_parallel --sharding ddp
+    seqpar check -s 128k --gpu h200 --gpus 1 --checkpointing offload --tiled-mlp
+    ```
     """
     from seqpar.advisor.cluster import resolve_cluster
     from seqpar.advisor.explain import check_lines
@@ -318,11 +402,14 @@ def _max_seq_len_command(flags: RequestFlags, json_out: bool) -> None:
         stdout().print(max_seq_len_table(res, req.cluster.gpu.memory_gib))
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @handle_errors
 def calibrate(
     reports: list[Path] = typer.Argument(
-        ..., metavar="REPORT.json...", help="Run reports written by `seqpar launch` (or measurement CSVs)."
+        ...,
+        metavar="REPORT...",
+        help="Run reports written by `seqpar launch` (run_report.json), their run folders (--output of seqpar launch; "
+        "a recipe's stage-*/ too), or measurement CSVs.",
     ),
     output: Optional[Path] = typer.Option(
         None, "--output", "-o", help="Write the refitted coefficients here (load them with SEQPAR_COEFFICIENTS)."
@@ -330,19 +417,34 @@ def calibrate(
     json_out: bool = typer.Option(
         False, "--json", help="Print the fit (coefficients, residuals, leave-one-out) as JSON on stdout."
     ),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Write a PNG: every run's measured tokens/s and peak memory against the refitted prediction."
+    ),
 ):
     """Refit the cost model's coefficients to measured runs (plus the shipped measurements); report residuals and leave-one-out.
 
+    `seqpar launch` writes `run_report.json` into its --output folder (default runs/PLAN); give the reports or the folders.
+
     **Examples**
 
-        seqpar calibrate runs/*/report.json -o coefficients.json
-        seqpar calibrate report.json --json
+    ```
+    seqpar calibrate runs/*/run_report.json -o coefficients.json
+    seqpar calibrate runs/plan --json
+    seqpar calibrate runs/a runs/b --plot fit.png
+    ```
     """
     from seqpar.advisor.fit import calibrate as run_calibrate
+    from seqpar.advisor.fit import run_reports
+    from seqpar.advisor.measurements import load_measurements
 
-    res = run_calibrate(reports, output)
+    res = run_calibrate(run_reports(reports), output)
     if output is not None:
         note(f"wrote {output}")
+    if plot is not None:
+        from seqpar.advisor.plots import measured_vs_predicted_figure, save
+
+        shipped = len(load_measurements())  # calibrate fits the shipped rows first, then the given ones
+        note(f"wrote {save(measured_vs_predicted_figure(res.rows[:shipped], res.rows[shipped:]), plot)}")
     if json_out:
         print_json(
             {
@@ -363,14 +465,16 @@ def calibrate(
     typer.echo(f"max |residual| {res.max_abs_residual:.1%}, max |LOO| {res.max_abs_loo:.1%}")
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @handle_errors
 def schema():
     """Print the JSON schema of a launch plan (the format `seqpar advise -o` writes and `seqpar launch` reads).
 
     **Examples**
 
-        seqpar schema > plan.schema.json
+    ```
+    seqpar schema > plan.schema.json
+    ```
     """
     print_json(LaunchPlan.model_json_schema())
 
@@ -378,7 +482,7 @@ def schema():
 # --------------------------------------------------------------------------------------------- probe, profiles
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @handle_errors
 def probe(json_out: bool = typer.Option(False, "--json", help="Print the probe result as JSON on stdout.")):
     """Describe this machine through NVML: GPUs, memory, NVLinks, topology, PCIe, nodes, host RAM, InfiniBand.
@@ -387,8 +491,10 @@ def probe(json_out: bool = typer.Option(False, "--json", help="Print the probe r
 
     **Examples**
 
-        seqpar probe
-        seqpar probe --json
+    ```
+    seqpar probe
+    seqpar probe --json
+    ```
     """
     from seqpar.advisor.probe import probe as run_probe
 
@@ -412,15 +518,17 @@ def probe(json_out: bool = typer.Option(False, "--json", help="Print the probe r
     )
 
 
-@profiles_app.command("list")
+@profiles_app.command("list", cls=ReadableCommand)
 @handle_errors
 def profiles_list(json_out: bool = typer.Option(False, "--json", help="Print every profile as JSON on stdout.")):
     """List the GPU, link and model profiles.
 
     **Examples**
 
-        seqpar profiles list
-        seqpar profiles list --json
+    ```
+    seqpar profiles list
+    seqpar profiles list --json
+    ```
     """
     from seqpar.profiles import list_gpus, list_links, list_models
 
@@ -435,7 +543,7 @@ def profiles_list(json_out: bool = typer.Option(False, "--json", help="Print eve
         con.print(t)
 
 
-@profiles_app.command("show")
+@profiles_app.command("show", cls=ReadableCommand)
 @handle_errors
 def profiles_show(
     name: str = typer.Argument(..., help="GPU, link or model name, an alias, or a local config.json."),
@@ -445,9 +553,11 @@ def profiles_show(
 
     **Examples**
 
-        seqpar profiles show h100
-        seqpar profiles show llama-3-8b --json
-        seqpar profiles show ./my-model/config.json
+    ```
+    seqpar profiles show h100
+    seqpar profiles show llama-3-8b --json
+    seqpar profiles show ./my-model/config.json
+    ```
     """
     from seqpar.profiles import find_profile
 
@@ -463,7 +573,7 @@ def profiles_show(
 # --------------------------------------------------------------------------------------------- launch
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @handle_errors
 def launch(
     plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`."),
@@ -508,7 +618,18 @@ def launch(
         help="Steps between checkpoints: 0 = only the final one, auto = about hourly (default: the plan's).",
     ),
     keep_last: Optional[int] = typer.Option(
-        None, "--keep-last", min=0, help=f"Checkpoints kept, newest first; 0 = all (default {KEEP_LAST})."
+        None,
+        "--keep-last",
+        min=0,
+        help=f"Checkpoints kept, newest first; 0 = all (default: the plan's training.keep_last, else {KEEP_LAST}).",
+    ),
+    log_every: Optional[int] = typer.Option(
+        None, "--log-every", min=1, help="A log line every N steps when there is no progress bar (default 10)."
+    ),
+    fsdp_cpu_offload: bool = typer.Option(
+        False,
+        "--fsdp-cpu-offload",
+        help="FSDP2 plans on GPUs: keep parameters and optimizer state in host RAM (slower; not in the plan's prediction).",
     ),
     no_final_checkpoint: bool = typer.Option(
         False, "--no-final-checkpoint", help="No checkpoint or export after the last step (benchmarks)."
@@ -517,7 +638,9 @@ def launch(
         False, "--skip-nonfinite", help="Skip the update of a step with a non-finite loss instead of stopping."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the exact command and generated configs; run nothing."),
-    force: bool = typer.Option(False, "--force", help="Run even when the plan's cluster does not match this machine."),
+    force: bool = typer.Option(
+        False, "--force", help="Run even when the plan's cluster does not match this machine, or its prediction says OOM."
+    ),
     allow_env: list[str] = typer.Option(
         [],
         "--allow-env",
@@ -530,23 +653,30 @@ def launch(
     """Run a plan: torchrun (accelerate for DeepSpeed plans) starts the trainer on every rank.
 
     Checks first (exit 2, nothing written): the plan, the data, the output folder (one launch at a time), the free space
-    there for the checkpoints and the export, and that this machine is the plan's cluster (`--force` skips that). Writes
-    checkpoints, `run_report.json` (measured beside predicted), `metrics.jsonl` and `train.log` into `--output`. Staged
-    plans (`seqpar advise --recipe`) run stage by stage. A non-finite loss stops the run before its update (exit 1, the
-    step named; `latest` stays the last good checkpoint). Exit 0 done, 1 a rank failed (the last line names it and how),
-    2 invalid input, 130/143 stopped by Ctrl-C/SIGTERM after a final checkpoint (the last line names it). Data: documents
-    are packed whole with their boundaries (no attention across them), chats scored on the assistant's tokens only,
-    tokenized once into a cache before the ranks start (README, "Data").
+    there for the checkpoints and the export, and that this machine is the plan's cluster (`--force` skips that); a plan
+    predicted not to fit (exit 1, `--force` runs it) and a missing dependency (exit 1, the extra to install) are refused
+    too. Then the predicted bill (wall time, GPU-hours), the run, and at its end measured vs predicted tokens/s and peak
+    memory and where the exported model is. Writes checkpoints (about hourly by default), `run_report.json`,
+    `metrics.jsonl` and `train.log` into `--output`. Staged plans (`seqpar advise --recipe`) run stage by stage. A
+    non-finite loss stops the run before its update (exit 1, the step named; `latest` stays the last good checkpoint).
+    Exit 0 done, 1 a rank failed (the last line names it and how), 2 invalid input, 130/143 stopped by Ctrl-C/SIGTERM
+    after a final checkpoint (the last line names it). `--dry-run` needs no torch. Data: documents are packed whole
+    with their boundaries (no attention across them), chats scored on the assistant's tokens only, tokenized once into a
+    cache before the ranks start (README, "Data").
 
     **Examples**
 
-        seqpar advise --model tiny --cluster cpu:2 --seq-len 256 -o plan.json && seqpar launch plan.json --steps 5 --data synthetic
-        seqpar launch plan.json --data tokens.npy --output runs/a --resume
-        seqpar launch plan.json --data chats.jsonl --model-path ./Qwen2.5-0.5B-Instruct
-        seqpar launch plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
-        seqpar launch plan.json --dry-run
-        seqpar launch plan.json --verify --data tokens.npy
+    ```
+    seqpar launch plan.json --steps 5 --data synthetic
+    seqpar launch plan.json --data docs.jsonl --tokenizer ./tokenizer
+    seqpar launch plan.json --data chats.jsonl --model-path ./qwen
+    seqpar launch plan.json --data tokens.npy --output runs/a --resume
+    seqpar launch plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
+    seqpar launch plan.json --verify --data tokens.npy
+    seqpar launch plan.json --dry-run
+    ```
     """
+    from seqpar.launch_cli import bill_header, oom_verdict, refuse_fsdp_offload, run_summary
     from seqpar.runtime.data import POLICIES, DataOptions
     from seqpar.runtime.launch import LaunchOptions
     from seqpar.runtime.launch import launch as run_launch
@@ -555,6 +685,14 @@ def launch(
         raise SeqparError(f"--long-documents {long_documents!r} is not one of {', '.join(POLICIES)}; e.g. --long-documents split")
     data_flags = DataOptions(not no_doc_boundaries, long_documents, data_cache, data_procs, tokenizer).flags()
     plan = LaunchPlan.load(plan_path, allow_env=allow_env)
+    if fsdp_cpu_offload:
+        refuse_fsdp_offload(plan)
+    verdict = oom_verdict(plan)
+    if verdict and dry_run:
+        note(f"warning: {verdict}")
+    elif verdict and not force:
+        note(f"error: {verdict}")
+        raise typer.Exit(EXIT_OOM_OR_FAILED)
     if not dry_run and not force:
         _check_machine(plan, plan_path, nnodes)
     opts = LaunchOptions(
@@ -567,26 +705,26 @@ def launch(
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
         report_to=report_to,
-        checkpoint_every=_checkpoint_every(checkpoint_every),
+        checkpoint_every=parse_checkpoint_every(checkpoint_every) if checkpoint_every is not None else None,
         keep_last=keep_last,
         final_checkpoint=not no_final_checkpoint,
         skip_nonfinite=skip_nonfinite,
-        extra=data_flags,  # the trainer's data flags; the launcher's data check reads them too
+        extra=data_flags  # the trainer's data flags; the launcher's data check reads them too
+        + (["--log-every", str(log_every)] if log_every else [])
+        + (["--fsdp-cpu-offload"] if fsdp_cpu_offload else []),
         allow_env=list(allow_env),
     )
     if verify_first and not dry_run:
         _verify(plan, plan_path, opts, None, json_out=False)
-    rc = run_launch(plan, plan_path, opts, dry_run=dry_run, echo=say if dry_run else note)
+    header = bill_header(plan, steps)
+    if dry_run:
+        header = [f"# {line}" for line in header]
+    rc = run_launch(plan, plan_path, opts, dry_run=dry_run, echo=say if dry_run else note, header=header)
     if rc:
         raise typer.Exit(rc)
-
-
-def _checkpoint_every(text: str | None) -> int | str | None:
-    if text is None or text == "auto":
-        return text
-    if not text.isdigit():
-        raise SeqparError(f"--checkpoint-every {text!r} is not a number of steps >= 0 or 'auto'; e.g. --checkpoint-every 500")
-    return int(text)
+    if not dry_run:
+        for line in run_summary(plan, plan_path, opts):
+            note(line)
 
 
 # --------------------------------------------------------------------------------------------- eval
@@ -640,7 +778,7 @@ def _lengths(values: Optional[list[str]]) -> list[int] | None:
     return [parse_seq_len(x) for v in values or [] for x in v.split(",") if x.strip()] or None
 
 
-@eval_app.command("perplexity")
+@eval_app.command("perplexity", cls=ReadableCommand)
 @handle_errors
 def eval_perplexity(
     plan_path: Path = PLAN_ARG,
@@ -667,16 +805,18 @@ def eval_perplexity(
 
     **Examples**
 
-        seqpar eval plan.json --data heldout.npy --seq-len 32k,64k,128k
-        seqpar eval plan.json --model-path runs/plan/checkpoints/step-001000/model --data test.jsonl --json
-        seqpar eval plan.json --max-seq-len
-        seqpar advise --model tiny --cluster cpu:2 --seq-len 256 -o plan.json && seqpar eval plan.json --windows 2
+    ```
+    seqpar eval plan.json --data heldout.npy --seq-len 32k,64k,128k
+    seqpar eval plan.json --model-path runs/plan --data test.jsonl --json
+    seqpar eval plan.json --max-seq-len
+    seqpar eval plan.json --windows 2
+    ```
     """
     o = EvalOptions(model_path, data, output, json_out, plot, max_seq_len, force)
     _eval("perplexity", plan_path, _lengths(seq_len), ["--windows", str(windows), "--buckets", str(buckets)], o)
 
 
-@eval_app.command("needle")
+@eval_app.command("needle", cls=ReadableCommand)
 @handle_errors
 def eval_needle(
     plan_path: Path = PLAN_ARG,
@@ -706,8 +846,10 @@ def eval_needle(
 
     **Examples**
 
-        seqpar eval needle plan.json --model-path ./my-model --lengths 8k,16k,32k,64k
-        seqpar eval needle plan.json --lengths 1k,2k --depths 0,0.5,1 --samples 4 --json
+    ```
+    seqpar eval needle plan.json --model-path ./my-model --lengths 8k,16k,32k
+    seqpar eval needle plan.json --lengths 1k,2k --depths 0,0.5,1 --samples 4
+    ```
     """
     try:
         dl = [float(x) for x in depths.split(",") if x.strip()]
@@ -740,7 +882,7 @@ def _check_machine(plan: LaunchPlan, plan_path: Path, nnodes: Optional[int]) -> 
         )
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 @handle_errors
 def verify(
     plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`."),
@@ -763,8 +905,10 @@ def verify(
 
     **Examples**
 
-        seqpar verify plan.json
-        seqpar verify plan.json --seq-len 32k --model-path ./llama --json
+    ```
+    seqpar verify plan.json
+    seqpar verify plan.json --seq-len 32k --model-path ./llama --json
+    ```
     """
     from seqpar.runtime.launch import LaunchOptions
 

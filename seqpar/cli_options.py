@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Optional, get_args, get_type_hints
 
 import typer
 
-from seqpar.schema import Checkpointing, FusedOps, LossImpl, Mode, Optimizer, Sharding
+from seqpar.options import KEEP_LAST
+from seqpar.schema import Checkpointing, FusedOps, LossImpl, Mode, Optimizer, Sharding, TrainingSpec
 
 if TYPE_CHECKING:
     from seqpar.advisor.request import AdviseRequest
@@ -180,4 +181,135 @@ def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note
     return req, cluster_note
 
 
-__all__ = ["CLUSTER", "OUTPUT", "PINS", "RequestFlags", "WORKLOAD", "advise_request", "with_request_flags"]
+# --------------------------------------------------------------------------------------------- training settings (advise)
+
+TRAINING = "Training (default: the plan's defaults)"
+_T = TrainingSpec.model_fields  # the defaults the help states are the schema's
+LrSchedule = _T["lr_schedule"].annotation
+
+
+@dataclass(frozen=True)
+class TrainingFlags:
+    """`seqpar advise`'s training settings: what plan.training holds (steps, schedule, RoPE base, checkpoints)."""
+
+    steps: Annotated[
+        Optional[int],
+        typer.Option("--steps", min=1, rich_help_panel=TRAINING, help=f"Optimizer steps (default {_T['steps'].default})."),
+    ] = None
+    lr: Annotated[
+        Optional[float],
+        typer.Option("--lr", rich_help_panel=TRAINING, help=f"Peak learning rate (default {_T['learning_rate'].default:g})."),
+    ] = None
+    warmup: Annotated[
+        Optional[int],
+        typer.Option("--warmup", min=0, rich_help_panel=TRAINING, help="Linear warmup steps (default 0)."),
+    ] = None
+    lr_schedule: Annotated[
+        Optional[LrSchedule],
+        typer.Option("--lr-schedule", rich_help_panel=TRAINING, help="After warmup: constant (default) or cosine."),
+    ] = None
+    weight_decay: Annotated[
+        Optional[float],
+        typer.Option("--weight-decay", min=0, rich_help_panel=TRAINING, help="AdamW weight decay (default 0)."),
+    ] = None
+    rope_theta: Annotated[
+        Optional[float],
+        typer.Option(
+            "--rope-theta",
+            rich_help_panel=TRAINING,
+            help="RoPE base to train with (default: the model's); raise it to train past max_position_embeddings.",
+        ),
+    ] = None
+    checkpoint_every: Annotated[
+        Optional[str],
+        typer.Option(
+            "--checkpoint-every",
+            metavar="N|auto",
+            rich_help_panel=TRAINING,
+            help="Steps between checkpoints; 0 = only the final one; auto (default) = about hourly from the predicted step time.",
+        ),
+    ] = None
+    keep_last: Annotated[
+        Optional[int],
+        typer.Option(
+            "--keep-last", min=0, rich_help_panel=TRAINING, help=f"Checkpoints kept, newest first; 0 = all (default {KEEP_LAST})."
+        ),
+    ] = None
+
+    def overrides(self) -> dict:
+        """The given settings under TrainingSpec's names; SeqparError naming the flag for a value no run can use."""
+        import math
+
+        from seqpar.errors import SeqparError
+
+        for flag, v, low in (
+            ("--lr", self.lr, "> 0"),
+            ("--weight-decay", self.weight_decay, ">= 0"),
+            ("--rope-theta", self.rope_theta, "> 0"),
+        ):
+            if v is not None and (not math.isfinite(v) or v < 0 or (v == 0 and low == "> 0")):
+                raise SeqparError(
+                    f"{flag} {v} must be a finite number {low}; e.g. {flag} {'2e-5' if flag == '--lr' else '0.1' if flag == '--weight-decay' else '1e6'}"
+                )
+        every = parse_checkpoint_every(self.checkpoint_every) if self.checkpoint_every is not None else None
+        given = {
+            "steps": self.steps,
+            "learning_rate": self.lr,
+            "warmup_steps": self.warmup,
+            "lr_schedule": self.lr_schedule,
+            "weight_decay": self.weight_decay,
+            "rope_theta": self.rope_theta,
+            "keep_last": self.keep_last,
+        }
+        out = {k: v for k, v in given.items() if v is not None}
+        if self.checkpoint_every is not None:
+            out["checkpoint_every"] = None if every == "auto" else every
+        return out
+
+
+def parse_checkpoint_every(text: str) -> int | str:
+    """--checkpoint-every N|auto (advise and launch): a number of steps >= 0, or "auto"."""
+    from seqpar.errors import SeqparError
+
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise SeqparError(f"--checkpoint-every {text!r} is not a number of steps >= 0 or 'auto'; e.g. --checkpoint-every 500")
+    return int(text)
+
+
+def with_training_flags(command):
+    """Add TrainingFlags' options to ``command`` (before its own); the command receives them as ``training``."""
+    fields = dataclasses.fields(TrainingFlags)
+    hints = get_type_hints(TrainingFlags, include_extras=True)
+    shared = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name]) for f in fields
+    ]
+    own = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(command).parameters.values()
+        if p.name != "training"
+    ]
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        training = TrainingFlags(**{f.name: kwargs.pop(f.name) for f in fields})
+        return command(*args, training=training, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature(shared + own)  # typer reads it; the Training panel comes before the command's
+    return wrapper
+
+
+__all__ = [
+    "CLUSTER",
+    "OUTPUT",
+    "PINS",
+    "RequestFlags",
+    "TRAINING",
+    "TrainingFlags",
+    "WORKLOAD",
+    "advise_request",
+    "parse_checkpoint_every",
+    "with_request_flags",
+    "with_training_flags",
+]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from seqpar.errors import SeqparError
+from seqpar.extras import MissingExtra
 from seqpar.schema import LaunchPlan, check_strategy_shape, format_tokens, write_atomic
 
 PLOTS = {"perplexity": "loss_by_position.png", "needle": "needle_heatmap.png"}
@@ -137,7 +138,7 @@ def output_dir(plan_path: Path, o: EvalOptions) -> Path:
 
 def show(task: str, report: dict, o: EvalOptions, console, note: Callable[[str], None]) -> Path | None:
     """The table on ``console``, measured-vs-predicted lines and the plot (its path; None without matplotlib unless
-    --plot asked for it, then SeqparError)."""
+    --plot asked for it, then MissingExtra)."""
     from seqpar import eval_report as er
 
     console.print(er.perplexity_table(report) if task == "perplexity" else er.needle_table(report))
@@ -147,10 +148,10 @@ def show(task: str, report: dict, o: EvalOptions, console, note: Callable[[str],
     plot = o.plot or out / PLOTS[task]
     try:
         (er.plot_loss_by_position if task == "perplexity" else er.plot_needle_heatmap)(report, plot)
-    except SeqparError:
+    except MissingExtra as e:
         if o.plot:
             raise
-        note("no plot: matplotlib is not installed (`pip install 'seqpar[plot]'`)")
+        note(f"no plot: {e}")
         return None
     note(f"wrote the report and {plot} into {out}" if not o.plot else f"wrote the report into {out}, the plot to {plot}")
     return Path(plot)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from rich.table import Table
 
-from seqpar.errors import SeqparError
 from seqpar.schema import format_tokens
 
 NEEDLE_COLOURS = ("#F0496E", "#EBB839", "#0CD79F")  # EasyContext's heatmap colours: fail, partial, pass
@@ -98,12 +97,11 @@ def measured_lines(report: dict) -> list[str]:
 
 
 def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise SeqparError(
-            "plots need matplotlib, which is not installed; `pip install 'seqpar[plot]'` or leave out --plot"
-        ) from None
+    from seqpar.extras import require
+
+    require("matplotlib", "plots (--plot)")  # MissingExtra: one line with the install command, exit 1
+    import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 

@@ -32,6 +32,7 @@ class LaunchOptions:
     steps: int | None = None
     data: str = "synthetic"
     model_path: str | None = None
+    tokenizer: str | None = None  # tokenizer folder for text data (default: model_path)
     output: str | None = None
     resume: bool = False
     nnodes: int | None = None
@@ -178,7 +179,18 @@ def torchrun_argv(plan: LaunchPlan, opts: LaunchOptions, *, rdzv_id: str, python
     if endpoint:
         argv += ["--node-rank", str(opts.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
         return argv + ["--rdzv-id", rdzv_id]
+    require_endpoint(nnodes, opts.rdzv_endpoint)
     return argv + ["--standalone"]  # c10d rendezvous on a free local port
+
+
+def require_endpoint(nnodes: int, endpoint: str | None) -> None:
+    """Several nodes meet at one HOST:PORT that every node names; none is guessed (127.0.0.1 would leave each node waiting
+    for itself), whatever the launcher (torchrun, or accelerate for DeepSpeed plans)."""
+    if nnodes > 1 and not endpoint:
+        raise SeqparError(
+            f"a job on {nnodes} nodes needs --rdzv-endpoint HOST:PORT, the same on every node (e.g. --rdzv-endpoint "
+            f"node0:29500, node0 being the host of node rank 0); nothing is assumed for it"
+        )
 
 
 def eval_job(plan: LaunchPlan, plan_file: Path, args: list[str], *, output: Path, python: str = sys.executable) -> Job:
@@ -206,6 +218,8 @@ def build_job(
         train += ["--steps", str(opts.steps)]
     if opts.model_path:
         train += ["--model-path", opts.model_path]
+    if opts.tokenizer:
+        train += ["--tokenizer", opts.tokenizer]
     if opts.resume:
         train.append("--resume")
     if init_from:
@@ -223,6 +237,7 @@ def build_job(
     train += opts.extra + ["--plan", str(plan_file)]
     configs: dict[str, str] = {}
     if uses_deepspeed(plan):
+        require_endpoint(nnodes, opts.rdzv_endpoint)
         ds_path, acc_path = output / "deepspeed.json", output / "accelerate.yaml"
         configs[ds_path.name] = json.dumps(deepspeed_config(plan), indent=2) + "\n"
         configs[acc_path.name] = accelerate_config(plan, ds_path, nnodes, opts.node_rank, opts.rdzv_endpoint)
@@ -293,6 +308,7 @@ __all__ = [
     "jobs_for",
     "launch_spec",
     "require_deepspeed",
+    "require_endpoint",
     "stage_plan",
     "torchrun_argv",
     "uses_deepspeed",

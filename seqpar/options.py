@@ -1,7 +1,9 @@
-"""Names of plan options that the schema and the runtime both read, stated once and dependency-free.
+"""Names and defaults of plan options that the schema, the advisor and the runtime all read, stated once and dependency-free.
 
 The schema builds its ``Literal`` types from these tuples; the runtime maps each name to what applies it
-(``seqpar.runtime.activation_checkpoint.POLICIES`` for checkpointing). Modes have their own table (seqpar.modes).
+(``seqpar.runtime.activation_checkpoint.POLICIES`` for checkpointing). Modes have their own table (seqpar.modes). The
+training checkpoints' defaults (how many are kept, the interval) are here too: the trainer applies them and
+``seqpar explain`` states them, from the same functions.
 """
 
 from __future__ import annotations
@@ -12,4 +14,31 @@ CHECKPOINTING: tuple[str, ...] = ("none", "full", "offload", "selective")
 # leaves one to resume from. The CLI's help and the trainer read it.
 KEEP_LAST = 2
 
-__all__ = ["CHECKPOINTING", "KEEP_LAST"]
+# The default checkpoint interval (training.checkpoint_every None): about an hour of training between checkpoints, so a
+# failure loses at most about an hour; from the predicted step time (seqpar explain shows it), else the measured one.
+HOURLY_S = 3600.0
+
+
+def hourly(step_time_s: float) -> int:
+    """Steps between checkpoints for about an hour at ``step_time_s`` per step (at least 1)."""
+    return max(1, round(HOURLY_S / step_time_s)) if step_time_s > 0 else 1
+
+
+def interval(every: int | str | None, step_time_s: float | None) -> tuple[int | None, str]:
+    """(steps between checkpoints, why) for ``training.checkpoint_every`` (or --checkpoint-every) ``every``: an int K
+    (0 = only at the end), or None / "auto" = about hourly at ``step_time_s`` (the predicted step time); None steps
+    when there is none yet (the trainer then decides from the first measured steps)."""
+    if isinstance(every, int):
+        return every, ("only at the end (checkpoint_every 0)" if every == 0 else f"every {every} steps")
+    if step_time_s:
+        n = hourly(step_time_s)
+        return n, f"every {n} steps: about hourly at the predicted {step_time_s:.3g} s per step"
+    return None, "about hourly, from the measured step time (the plan has no predicted step time)"
+
+
+def kept(override: int | None, planned: int | None) -> int:
+    """Checkpoints kept: --keep-last when given, else the plan's training.keep_last, else KEEP_LAST (0 = all)."""
+    return override if override is not None else planned if planned is not None else KEEP_LAST
+
+
+__all__ = ["CHECKPOINTING", "HOURLY_S", "KEEP_LAST", "hourly", "interval", "kept"]

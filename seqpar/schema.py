@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from seqpar.errors import SeqparError
 from seqpar.modes import MODES, check_heads, check_split
-from seqpar.options import CHECKPOINTING
+from seqpar.options import CHECKPOINTING, KEEP_LAST
 
 SCHEMA_VERSION = 1
 SEED_MAX = 2**32 - 1
@@ -395,6 +395,12 @@ class TrainingSpec(_Frozen):
     rope_theta: Optional[float] = Field(
         default=None, gt=0, description="Override of the model's RoPE base (EasyContext raises it per stage)."
     )
+    keep_last: Optional[int] = Field(
+        default=None,
+        ge=0,
+        description=f"Checkpoints kept, newest first; 0 = all; None = seqpar's default ({KEEP_LAST}). "
+        "seqpar launch --keep-last overrides it.",
+    )
 
 
 # --------------------------------------------------------------------------------------------- the job's environment
@@ -623,6 +629,9 @@ def write_atomic(path: str | Path, text: str) -> Path:
     except (FileExistsError, NotADirectoryError, PermissionError) as e:
         raise SeqparError(f"cannot write {str(p)!r}: {e.strerror} ({e.filename}); pick another path") from None
     try:
+        # mkstemp makes the file 0600; a plan on a shared file system must be as readable as any file the user writes:
+        # the mode of the file replaced, else 0666 less the umask.
+        os.fchmod(fd, stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -632,3 +641,19 @@ def write_atomic(path: str | Path, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return p
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask sets as it reads: a thread creating
+    a file meanwhile would get the wrong mode)."""
+    import os
+
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -1,13 +1,12 @@
-"""The cost model's side of `seqpar explain` / `check` / `advise --max-seq-len`: breakdown tables, the OOM verdict, the plot.
+"""The cost model's side of `seqpar explain` / `check` / `advise --max-seq-len`: breakdown tables and the OOM verdict.
 
-render.py renders the plan itself; these add the memory breakdown at the peak phase with every phase's total, the step time
-split, the alternatives with their predictions and why each lost, the check verdict, and the memory-vs-seq_len plot
-(matplotlib is imported only when a plot is asked for).
+render.py renders the plan itself (with its training settings and predicted bill); these add the memory breakdown at the
+peak phase with every phase's total, the step time split, the alternatives with their predictions and why each lost, and
+the check verdict. The pictures are plots.py's.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 from rich.console import RenderableType
@@ -17,8 +16,7 @@ from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.gate import CheckResult
 from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.search import describe
-from seqpar.modes import MODES, split_multiple
-from seqpar.schema import LaunchPlan, Strategy, format_tokens
+from seqpar.schema import LaunchPlan, format_tokens
 from seqpar.units import GIB
 
 
@@ -86,56 +84,3 @@ def max_seq_len_table(result: dict, capacity_gib: float) -> Table:
     for mode, (n, s) in result.items():
         t.add_row(mode, f"{n} ({format_tokens(n)})" if n else "none fits", describe(s) if s else "-")
     return t
-
-
-def plot_memory(plan: LaunchPlan, path: str | Path, coeffs: Optional[Coefficients] = None, points: int = 24) -> Path:
-    """Predicted peak allocated memory against seq_len for each mode (its largest sp degree, the plan's other choices)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    c = coeffs or load_coefficients()
-    w, cl, s = plan.workload, plan.cluster, plan.strategy
-    world = cl.world_size
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    top = max(w.seq_len * 4, 8192)
-    for mode in MODES:
-        if mode == "data_parallel":
-            st = s.model_copy(update={"mode": mode, "sp_degree": 1, "dp_degree": world, "ulysses_degree": 1, "ring_degree": 1})
-        elif world < 2:
-            continue
-        elif mode == "usp_attn":
-            u = next((u for u in range(world // 2, 1, -1) if world % u == 0 and world // u >= 2), None)
-            if u is None:
-                continue
-            st = s.model_copy(
-                update={"mode": mode, "sp_degree": world, "dp_degree": 1, "ulysses_degree": u, "ring_degree": world // u}
-            )
-        else:
-            st = s.model_copy(update={"mode": mode, "sp_degree": world, "dp_degree": 1, "ulysses_degree": 1, "ring_degree": 1})
-        st = Strategy.model_validate(st.model_dump())
-        mult = split_multiple(st.mode, st.sp_degree, st.ulysses_degree)
-        xs, ys = [], []
-        for i in range(points):
-            n = int(1024 * (top / 1024) ** (i / (points - 1)))
-            n = max(mult, n - n % mult)
-            xs.append(n)
-            ys.append(estimate_memory(w.model_copy(update={"seq_len": n}), cl, st, c).peak_bytes / GIB)
-        ax.plot(xs, ys, marker=".", label=f"{mode} (sp {st.sp_degree})")
-    ax.axhline(cl.gpu.memory_gib, color="red", linestyle="--", label=f"{cl.gpu.name} capacity {cl.gpu.memory_gib:.0f} GiB")
-    ax.axvline(w.seq_len, color="gray", linestyle=":", label=f"plan: {format_tokens(w.seq_len)}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("seq_len (tokens)")
-    ax.set_ylabel("predicted peak allocated per GPU (GiB)")
-    ax.set_title(
-        f"{w.model.name}, {world}x {cl.gpu.name}, ckpt={s.checkpointing}, {s.sharding}, loss={s.loss_impl}"
-        + (", tiled MLP" if s.tiled_mlp else "")
-        + (f", {s.fused_ops} kernels" if s.fused_ops != "none" else "")
-    )
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

@@ -27,6 +27,7 @@ from seqpar.advisor.coefficients import COEFFICIENTS_PATH, Coefficients, load_co
 from seqpar.advisor.measurements import Measurement, load_measurements
 from seqpar.advisor.predict import predict
 from seqpar.advisor.throughput import estimate_time
+from seqpar.errors import SeqparError
 from seqpar.schema import write_atomic
 
 # n0 is held at its hardware-derived value (coefficients.json) unless a grid is passed: five rows cannot pin four numbers.
@@ -198,6 +199,24 @@ def coefficients_json(c: Coefficients, result: Optional[FitResult] = None, sourc
             "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in e.items()} for e in result.rows],
         }
     return data
+
+
+def run_reports(paths: Iterable[str | Path]) -> list[Path]:
+    """The files ``seqpar calibrate`` reads: a file as given; a folder (seqpar launch's --output) as its run_report.json,
+    or its stages' (stage-*/run_report.json, a recipe's run). SeqparError for a folder that holds neither."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            out.append(p)
+            continue
+        found = [p / "run_report.json"] if (p / "run_report.json").is_file() else sorted(p.glob("stage-*/run_report.json"))
+        if not found:
+            raise SeqparError(
+                f"folder {str(p)!r} holds no run_report.json (seqpar launch writes one into its --output folder when a run "
+                f"ends); pass a run's folder or its run_report.json"
+            )
+        out += found
+    return out
 
 
 def calibrate(report_paths: Iterable[str | Path], out: Optional[str | Path] = None, include_shipped: bool = True) -> FitResult:

@@ -46,7 +46,7 @@ Every term can be checked against ``torch.cuda.max_memory_allocated`` by switchi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from seqpar.advisor import deepspeed_memory
 from seqpar.advisor.coefficients import Coefficients
@@ -70,6 +70,7 @@ class MemoryEstimate:
     host_capacity_bytes: float
     fits: bool
     reason: str  # empty when it fits
+    phase_terms: dict[str, dict[str, float]] = field(default_factory=dict)  # every phase's terms (explain's stacked bars)
 
 
 @dataclass(frozen=True)
@@ -359,7 +360,9 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         )
     elif host > host_cap:
         reason = f"host RAM: {host / GIB:.0f} GiB per node needed > {host_cap / GIB:.0f} GiB usable"
-    return MemoryEstimate(peak, peak_phase, breakdown, totals, reserved, capacity, host, host_cap, not reason, reason)
+    return MemoryEstimate(
+        peak, peak_phase, breakdown, totals, reserved, capacity, host, host_cap, not reason, reason, phase_terms=phases
+    )
 
 
 def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> float:

@@ -1,7 +1,9 @@
 """Rich renderings for people: a launch plan (``seqpar explain``, ``seqpar advise``), a probe result, the profile tables.
 
 Each ``*_tables`` function returns renderables so callers (and the cost-model's richer explain) can add their own sections;
-``render_plan`` prints them in order. JSON output never goes through here: the CLI dumps the pydantic models directly.
+``render_plan`` prints them in order: the plan's sections, its Training settings (training.py) and predicted bill
+(bill.py), the reasons and the launch line. Profile listings keep whole names at 80 columns and round their figures.
+JSON output never goes through here: the CLI dumps the pydantic models directly.
 """
 
 from __future__ import annotations
@@ -9,9 +11,13 @@ from __future__ import annotations
 import shlex
 from typing import Iterable
 
+from rich import box
 from rich.console import Console, RenderableType
 from rich.table import Table
 
+from seqpar.advisor.bill import NOT_COUNTED, bill_lines, plan_bill
+from seqpar.advisor.search import describe
+from seqpar.advisor.training import training_rows
 from seqpar.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, format_tokens
 
 
@@ -22,6 +28,11 @@ def _kv(title: str, rows: Iterable[tuple[str, object]]) -> Table:
     for k, v in rows:
         t.add_row(k, str(v))
     return t
+
+
+def params_text(n: int) -> str:
+    """6738415616 -> '6.74B', 106560 -> '107K'."""
+    return f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n / 1e3:.3g}K"
 
 
 def cluster_line(c: ClusterSpec) -> str:
@@ -38,8 +49,8 @@ def plan_summary(plan: LaunchPlan) -> str:
     return f"{s.mode}, {degrees}, seq_len {w.seq_len} ({format_tokens(w.seq_len)}), {w.model.name}, {cluster_line(plan.cluster)}"
 
 
-def plan_tables(plan: LaunchPlan, plan_path: str = "plan.json") -> list[RenderableType]:
-    """The plan's sections; ``plan_path``: where the plan is (or would be) written, for the launch line."""
+def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[RenderableType]:
+    """The plan's sections; ``plan_path``: where the plan is, for the launch line (None: it was not written)."""
     w, c, s, r = plan.workload, plan.cluster, plan.strategy, plan.rationale
     out: list[RenderableType] = [
         _kv(
@@ -47,7 +58,7 @@ def plan_tables(plan: LaunchPlan, plan_path: str = "plan.json") -> list[Renderab
             [
                 (
                     "model",
-                    f"{w.model.name} ({w.model.num_params / 1e9:.2f}B params, {w.model.num_layers} layers, "
+                    f"{w.model.name} ({params_text(w.model.num_params)} params, {w.model.num_layers} layers, "
                     f"{w.model.num_attention_heads} heads / {w.model.num_key_value_heads} KV heads)",
                 ),
                 ("seq_len", f"{w.seq_len} ({format_tokens(w.seq_len)})"),
@@ -99,6 +110,10 @@ def plan_tables(plan: LaunchPlan, plan_path: str = "plan.json") -> list[Renderab
                 ],
             )
         )
+    out.append(_kv("Training", training_rows(plan)))
+    bill = plan_bill(plan)
+    if bill is not None:
+        out.append(_kv("Predicted bill", [("", line) for line in bill_lines(bill)] + [("", f"[dim]{NOT_COUNTED}[/]")]))
     why = Table(title=f"Why ({r.policy})", show_header=False, title_justify="left", box=None, pad_edge=False)
     why.add_column()
     for i, step in enumerate(r.rule_path, 1):
@@ -106,15 +121,16 @@ def plan_tables(plan: LaunchPlan, plan_path: str = "plan.json") -> list[Renderab
     for reason in r.reasons:
         why.add_row(f"- {reason}")
     for alt in r.alternatives:
-        why.add_row(f"[dim]not[/] {alt.strategy.mode} sp {alt.strategy.sp_degree}: {alt.rejected_because}")
+        why.add_row(f"[dim]not[/] {describe(alt.strategy)}: {alt.rejected_because}")
     out.append(why)
     launch = " ".join(shlex.quote(a) if not a.startswith("$") else a for a in plan.launch.command)
     runs = f"{plan.launch.launcher} on each node" + (f" (stage 0 of {len(plan.stages)})" if plan.stages else "")
+    run = f"seqpar launch {plan_path}" if plan_path else "not written: add -o plan.json to write it, then seqpar launch plan.json"
     out.append(
         _kv(
             "Launch",
             [
-                ("run", f"seqpar launch {plan_path}"),
+                ("run", run),
                 (runs, launch or "-"),
                 ("env", " ".join(f"{k}={v}" for k, v in plan.launch.env.items()) or "-"),
             ],
@@ -123,7 +139,7 @@ def plan_tables(plan: LaunchPlan, plan_path: str = "plan.json") -> list[Renderab
     return out
 
 
-def render_plan(plan: LaunchPlan, console: Console, plan_path: str = "plan.json") -> None:
+def render_plan(plan: LaunchPlan, console: Console, plan_path: str | None = "plan.json") -> None:
     console.print(f"[bold]{plan_summary(plan)}[/]")
     for t in plan_tables(plan, plan_path):
         console.print(t)
@@ -172,35 +188,45 @@ def probe_tables(res) -> list[RenderableType]:
     return out
 
 
+def _listing(title: str, *cols: str) -> Table:
+    """A profile listing that keeps whole names at 80 columns and in a pipe: no vertical rules, names never wrapped or
+    cut (the other columns give way), figures right-aligned."""
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for i, col in enumerate(cols):
+        t.add_column(col, no_wrap=i < 2, justify="left" if i < 2 else "right", overflow="fold")
+    return t
+
+
 def profile_tables(gpus: list[GpuSpec], links: list[LinkSpec], models: list[ModelSpec]) -> list[RenderableType]:
-    tg = Table(title="GPUs", title_justify="left")
-    for col in ("name", "NVML name", "memory GiB", "bf16 TFLOP/s", "HBM GB/s"):
-        tg.add_column(col)
+    tg = _listing("GPUs", "name", "NVML name", "memory GiB", "bf16 TFLOP/s", "HBM GB/s")
     for g in gpus:
         tg.add_row(g.name, g.display_name, f"{g.memory_gib:.1f}", f"{g.bf16_tflops:g}", f"{g.hbm_bandwidth_gb_s:g}")
-    tl = Table(title="Links", title_justify="left")
-    for col in ("kind", "GB/s per direction"):
-        tl.add_column(col)
+    tl = _listing("Links", "kind", "GB/s per direction")
     for link in links:
         tl.add_row(link.kind, f"{link.bandwidth_gb_s:g}")
-    tm = Table(title="Models", title_justify="left")
-    for col in ("name", "arch", "params", "layers", "hidden", "heads/KV", "head dim", "vocab", "max pos"):
-        tm.add_column(col)
+    tm = _listing("Models", "name", "arch", "params", "layers", "hidden", "heads/KV", "head", "vocab", "max pos")
     for m in models:
         tm.add_row(
             m.name,
             m.architecture,
-            f"{m.num_params / 1e9:.2f}B",
+            params_text(m.num_params),
             str(m.num_layers),
             str(m.hidden_size),
             f"{m.num_attention_heads}/{m.num_key_value_heads}",
             str(m.head_dim),
             str(m.vocab_size),
-            str(m.max_position_embeddings),
+            format_tokens(m.max_position_embeddings),
         )
     return [tg, tl, tm]
 
 
+def figure(v: object) -> str:
+    """A profile's value for people: whole floats without '.0', others to 4 significant digits (79.6474609375 -> 79.65)."""
+    if isinstance(v, float):
+        return f"{v:.0f}" if v.is_integer() else f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return str(v)
+
+
 def spec_table(spec) -> Table:
-    """Any profile model (GpuSpec, LinkSpec, ModelSpec) as a two-column table."""
-    return _kv(getattr(spec, "name", getattr(spec, "kind", "")), spec.model_dump().items())
+    """Any profile model (GpuSpec, LinkSpec, ModelSpec) as a two-column table, figures rounded (--json has them exact)."""
+    return _kv(getattr(spec, "name", getattr(spec, "kind", "")), [(k, figure(v)) for k, v in spec.model_dump().items()])

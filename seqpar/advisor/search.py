@@ -265,40 +265,38 @@ def _liger_alternative(
         strategy=s,
         prediction=pred,
         rejected_because=(
-            f"{describe(s)}: faster, {pred.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s "
+            f"faster, {pred.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s "
             f"({pred.tokens_per_s / best.tokens_per_s - 1:+.0%}), but Liger-Kernel is an optional dependency: pin --fused-ops liger"
         ),
     )
 
 
 def _alternatives(best, fitting, cands, w, cl, c) -> list[Alternative]:
-    """The best of each other mode (and of each other sharding / checkpointing / tiled_mlp for the chosen mode), and modes that never fit."""
-    out, seen = [], set()
-    picks = []
+    """The best of each other mode (and of each other sharding / checkpointing / tiled_mlp for the chosen mode), and modes
+    that never fit; each strategy once (the best of another sharding can also be the best of another tiled_mlp). The
+    reason does not repeat the strategy, which the alternative carries."""
+    seen, picks, taken = set(), [], {best.strategy}
     for key in ("mode", "sharding", "checkpointing", "tiled_mlp"):
         for x in fitting:
             k = (key, getattr(x.strategy, key))
             if (
-                x is not best
+                x.strategy not in taken
                 and k not in seen
                 and getattr(x.strategy, key) != getattr(best.strategy, key)
                 and (key == "mode" or x.strategy.mode == best.strategy.mode)
             ):
                 seen.add(k)
-                picks.append(
-                    (
-                        x,
-                        f"{describe(x.strategy)}: slower, {x.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s ({x.tokens_per_s / best.tokens_per_s - 1:+.0%})",
-                    )
-                )
+                taken.add(x.strategy)
+                gain = x.tokens_per_s / best.tokens_per_s - 1
+                picks.append((x, f"slower: {x.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s ({gain:+.0%})"))
     for mode in MODES:
         ms = [x for x in cands if x.strategy.mode == mode]
         if ms and not any(x.fits for x in ms) and mode != best.strategy.mode:
             low = min(ms, key=lambda x: x.peak_gib)
-            picks.append((low, f"{describe(low.strategy)}: risks OOM even at its smallest footprint: {low.why}"))
-    for x, why in picks[:10]:
-        out.append(Alternative(strategy=x.strategy, prediction=predict(w, cl, x.strategy, c), rejected_because=why))
-    return out
+            picks.append((low, f"risks OOM even at its smallest footprint: {low.why}"))
+    return [
+        Alternative(strategy=x.strategy, prediction=predict(w, cl, x.strategy, c), rejected_because=why) for x, why in picks[:10]
+    ]
 
 
 # --------------------------------------------------------------------------------------------- max context

@@ -7,7 +7,7 @@ Liger's own per-model patch to the instance (the entry point transformers' Train
 its losses switched off: seqpar's loss (``loss_impl``) stays in charge, and the attention stays seqpar's.
 Exactness: the fused kernels compute the same functions in fp32 inside, so loss and gradients match the eager modules
 within bf16 rounding (tests/test_hf_gpu.py checks it on the GPU). Needs CUDA and the ``liger-kernel`` package
-(``pip install seqpar[liger]``).
+(the ``liger`` extra).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from seqpar.errors import SeqparError
+from seqpar.extras import install_line
 
 KINDS = ("none", "liger")
 
@@ -37,7 +38,7 @@ def apply_fused_ops(model: nn.Module, kind: str, device_type: str) -> str:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as e:
         raise SeqparError(
-            f"fused_ops liger needs the liger-kernel package ({e}); pip install 'seqpar[liger]' or set fused_ops none"
+            f"fused_ops liger needs the liger-kernel package ({e}); {install_line('liger')} or set fused_ops none"
         ) from None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:

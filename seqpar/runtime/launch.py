@@ -27,10 +27,20 @@ import subprocess
 from pathlib import Path
 
 from seqpar.errors import SeqparError
-from seqpar.jobspec import Job, LaunchOptions, default_output, jobs_for, require_deepspeed
+from seqpar.extras import require
+from seqpar.jobspec import Job, LaunchOptions, default_output, jobs_for, uses_deepspeed
 from seqpar.schema import ClusterSpec, LaunchPlan
 
-__all__ = ["LaunchOptions", "check_machine", "failure_message", "launch", "lock_output", "preflight", "run_job"]
+__all__ = [
+    "LaunchOptions",
+    "check_machine",
+    "failure_message",
+    "launch",
+    "lock_output",
+    "preflight",
+    "require_dependencies",
+    "run_job",
+]
 
 LOCK_NAME = ".seqpar-launch.lock"
 
@@ -89,7 +99,7 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             seq_len=p.workload.seq_len,
             vocab_size=p.workload.model.vocab_size,
             seed=p.training.seed,
-            tokenizer_path=data_opts.tokenizer or opts.model_path,
+            tokenizer_path=data_opts.tokenizer or opts.tokenizer or opts.model_path,
         )
         notes.append(data.note)
         if not opts.resume and not dry_run:
@@ -104,10 +114,23 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             if problem:
                 raise SeqparError(problem)
             reserved += need
-            require_deepspeed(p)
+        if not dry_run:  # what the ranks will import: one line naming the extra (exit 1), not a rank's traceback
+            require_dependencies(p)
     if opts.model_path and not (Path(opts.model_path) / "config.json").is_file():
         raise SeqparError(f"--model-path {opts.model_path!r} holds no config.json; pass a local Hugging Face model folder")
     return notes
+
+
+def require_dependencies(plan: LaunchPlan) -> None:
+    """MissingExtra (seqpar.extras) naming the extra to install when the job would fail to import what the plan needs."""
+    needs = [("torch", "seqpar launch"), ("transformers", "seqpar launch")]
+    if uses_deepspeed(plan):
+        why = f"sharding {plan.strategy.sharding!r} (DeepSpeed through accelerate; or advise with --sharding fsdp)"
+        needs += [("accelerate", why), ("deepspeed", why)]
+    if plan.strategy.fused_ops == "liger":
+        needs.append(("liger_kernel", "fused_ops liger"))
+    for module, why in needs:
+        require(module, why)
 
 
 def _stage_done(job: Job, steps: int) -> bool:
@@ -118,9 +141,9 @@ def _stage_done(job: Job, steps: int) -> bool:
     return state.is_file() and json.loads(state.read_text()).get("step") == steps
 
 
-def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_run: bool = False, echo=print) -> int:
+def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_run: bool = False, echo=print, header=()) -> int:
     """Check, then print (dry run) or run the job(s); returns 0, 1 when a rank failed, or 128 + the signal that stopped
-    the launch."""
+    the launch. ``header``: lines to echo once the checks pass, before anything runs (the CLI's predicted bill)."""
     plan_path = Path(plan_path)
     jobs = jobs_for(plan, plan_path, opts)
     out = Path(opts.output) if opts.output else default_output(plan_path)
@@ -129,6 +152,8 @@ def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_
         for line in dict.fromkeys(notes):  # once per distinct packing (recipe stages differ in seq_len)
             echo(f"seqpar launch: {line}")
     lock = None if dry_run else lock_output(out)
+    for line in header:
+        echo(line)
     try:
         for n, (job, sp) in enumerate(jobs):
             title = (

@@ -25,11 +25,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from seqpar.options import KEEP_LAST
+from seqpar import options
+from seqpar.options import HOURLY_S, hourly, kept
 from seqpar.schema import LaunchPlan
 from seqpar.units import GIB
 
-HOURLY_S = 3600.0
 AUTO = "auto"  # --checkpoint-every auto: the interval from the step time, whatever the plan says
 
 
@@ -62,17 +62,7 @@ def interval(plan: LaunchPlan, override: int | str | None) -> tuple[int | None, 
     """(steps between checkpoints, why): 0 = only at the end; None = decide from the first measured steps.
     ``override`` is --checkpoint-every: an int, AUTO, or None for the plan's ``training.checkpoint_every``."""
     every = plan.training.checkpoint_every if override is None else override
-    if isinstance(every, int):
-        return every, ("only at the end (checkpoint_every 0)" if every == 0 else f"every {every} steps")
-    p = plan.prediction
-    if p is not None and p.step_time_s > 0:
-        n = hourly(p.step_time_s)
-        return n, f"every {n} steps: about hourly at the predicted {p.step_time_s:.3g} s per step"
-    return None, "about hourly, from the measured step time (the plan has no predicted step time)"
-
-
-def hourly(step_time_s: float) -> int:
-    return max(1, round(HOURLY_S / step_time_s)) if step_time_s > 0 else 1
+    return options.interval(every, plan.prediction.step_time_s if plan.prediction else None)
 
 
 def saves(start: int, steps: int, every: int | None, final: bool) -> int:
@@ -163,7 +153,7 @@ def launch_problem(plan: LaunchPlan, output: Path, opts, reserved: int = 0) -> t
         steps=opts.steps or plan.training.steps,
         start=start,
         every=every,
-        keep_last=KEEP_LAST if opts.keep_last is None else opts.keep_last,
+        keep_last=kept(opts.keep_last, plan.training.keep_last),
         final=opts.final_checkpoint,
         existing=len(done),
         reserved=reserved,

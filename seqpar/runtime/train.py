@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from seqpar.errors import SeqparError, TrainingStopped
-from seqpar.options import KEEP_LAST
+from seqpar.options import KEEP_LAST, kept
 from seqpar.runtime import resume
 from seqpar.runtime.data import add_arguments as add_data_arguments
 from seqpar.runtime.storage import AUTO
@@ -62,7 +62,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="steps between checkpoints: N, 0 = only the final one, auto = about hourly (default: training.checkpoint_every)",
     )
-    p.add_argument("--keep-last", type=int, default=KEEP_LAST, help="checkpoints kept, newest first (0 = all)")
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        help=f"checkpoints kept, newest first (0 = all; default: training.keep_last, else {KEEP_LAST})",
+    )
     p.add_argument("--no-final-checkpoint", action="store_true", help="write no checkpoint (and no export) after the last step")
     p.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step with a non-finite loss or grad norm")
     p.add_argument(
@@ -420,7 +425,11 @@ def run(args: argparse.Namespace) -> dict:
         )
         return {"losses": [], "report": None, "output": str(r.out)}
     saver = Saver(
-        r, every=r.every, keep_last=args.keep_last, final=not args.no_final_checkpoint, async_mode=args.async_checkpoint
+        r,
+        every=r.every,
+        keep_last=kept(args.keep_last, r.plan.training.keep_last),
+        final=not args.no_final_checkpoint,
+        async_mode=args.async_checkpoint,
     )
     metrics = Metrics(r.out, rank, [x for x in args.report_to.split(",") if x], r.start, r.log)
     bar = ProgressBar(rank, r.steps, r.start, r.log, args.log_every)
