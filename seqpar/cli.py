@@ -33,6 +33,7 @@ from seqpar.cli_options import (
     TrainingFlags,
     advise_request,
     parse_checkpoint_every,
+    request_doc_mix,
     with_request_flags,
     with_training_flags,
 )
@@ -349,6 +350,9 @@ def check(
 
     if plan_path is not None:  # re-checked on its own cluster, or on the Cluster flags' (the plan's node shape fills the gaps)
         target = LaunchPlan.load(plan_path)
+        mix = request_doc_mix(flags, target.workload.seq_len, target.workload.model.vocab_size)
+        if mix is not None:  # --doc-lens / --mean-doc-len / --data: the plan re-checked on that document mix
+            target = target.model_validate({**target.model_dump(), "workload": {**target.workload.model_dump(), "doc_lens": mix}})
         f, c = flags, target.cluster
         declared = any(x is not None for x in (f.gpu, f.gpus, f.nodes, f.cluster))
         cl = (

@@ -61,6 +61,37 @@ class RequestFlags:
             "--tokens-per-step", min=1, rich_help_panel=WORKLOAD, help="Tokens per optimizer step (sets gradient accumulation)."
         ),
     ] = None
+    # packed documents: the length mix (seqpar.advisor.doc_lens says what each source assumes); none = one document per window
+    doc_lens: Annotated[
+        Optional[str],
+        typer.Option(
+            "--doc-lens",
+            metavar="FILE",
+            rich_help_panel=WORKLOAD,
+            help="Packed documents' lengths in tokens: one integer per line, a JSON list, or a `length,count` CSV.",
+        ),
+    ] = None
+    mean_doc_len: Annotated[
+        Optional[int],
+        typer.Option(
+            "--mean-doc-len",
+            rich_help_panel=WORKLOAD,
+            help="Packed documents of this mean length: the long-tail mix (log-normal, sigma 1.6, >= 16 tokens).",
+        ),
+    ] = None
+    data: Annotated[
+        Optional[str],
+        typer.Option(
+            "--data",
+            metavar="FILE",
+            rich_help_panel=WORKLOAD,
+            help="Packed documents' lengths from a sample of the data: .jsonl (characters/4) or .bin/.npy (with --eos-id).",
+        ),
+    ] = None
+    eos_id: Annotated[
+        Optional[int],
+        typer.Option("--eos-id", rich_help_panel=WORKLOAD, help="The token id ending each document of a --data .bin/.npy."),
+    ] = None
     gpu: Annotated[
         Optional[str],
         typer.Option("--gpu", rich_help_panel=CLUSTER, help="GPU profile of the declared cluster, e.g. a100, h100, h200."),
@@ -165,6 +196,9 @@ def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note
     from seqpar.profiles import get_model
 
     model = get_model(flags.model)
+    mix = request_doc_mix(flags, seq_len if flags.seq_len is not None else None, model.vocab_size)
+    if mix is not None:
+        note(f"documents: {mix.source}; attention {100 * mix.at(seq_len).sum_sq_fraction:.2g}% of one document per window")
     cl, cluster_note = resolve_cluster(flags.gpu, flags.gpus, flags.nodes, flags.cluster, flags.host_ram_gib)
     note(f"cluster: {cluster_note}")
     req = AdviseRequest(
@@ -175,6 +209,7 @@ def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note
         tokens_per_step=flags.tokens_per_step,
         dtype="fp32" if cl.accelerator == "cpu" else "bf16",
         optimizer=flags.optimizer,
+        doc_lens=mix,
         policy=policy,
         **flags.pins(),
     )
@@ -300,6 +335,13 @@ def with_training_flags(command):
     return wrapper
 
 
+def request_doc_mix(flags: RequestFlags, seq_len: int | None, vocab_size: int):
+    """The packed documents' mix the flags describe, or None (one document per window); ``seq_len``: the user's window."""
+    from seqpar.advisor.doc_lens import doc_mix
+
+    return doc_mix(flags.doc_lens, flags.mean_doc_len, flags.data, flags.eos_id, seq_len, vocab_size)
+
+
 __all__ = [
     "CLUSTER",
     "OUTPUT",
@@ -309,6 +351,7 @@ __all__ = [
     "TrainingFlags",
     "WORKLOAD",
     "advise_request",
+    "request_doc_mix",
     "parse_checkpoint_every",
     "with_request_flags",
     "with_training_flags",

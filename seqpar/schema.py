@@ -173,6 +173,52 @@ class ModelSpec(_Frozen):
         return self.num_layers * self.layer_params + emb + self.hidden_size
 
 
+class DocMix(_Frozen):
+    """The lengths of the documents packed into the windows (``seqpar advise --doc-lens / --mean-doc-len / --data``).
+
+    A query attends only to its own document, so causal attention costs the sum of the documents' squared lengths, not
+    S^2 (seqpar.flops). The histogram is the whole description; the other fields summarise it."""
+
+    source: str = Field(description="Where the lengths come from: a lengths file, a data sample, or a modelled mix.")
+    documents: Optional[int] = Field(
+        default=None, ge=1, description="Documents in the sample the histogram was made from; None for a modelled mix."
+    )
+    mean_tokens: float = Field(gt=0, description="Mean document length (of the histogram), tokens.")
+    sum_sq_fraction: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="E[sum over a window's documents of l^2] / seq_len^2 at the workload's seq_len (documents concatenated "
+        "and cut into windows; seqpar.flops.square_fraction): the share of one-document causal attention FLOPs a packed "
+        "window costs. Derived: recomputed from the histogram whenever the workload is built.",
+    )
+    histogram: list[tuple[float, float]] = Field(
+        min_length=1,
+        max_length=1024,
+        description="(mean length of the bin's documents in tokens, share of documents) per quarter-octave length bin, "
+        "shortest first; the shares sum to 1.",
+    )
+
+    @model_validator(mode="after")
+    def _bins(self) -> DocMix:
+        lengths = [l for l, _ in self.histogram]
+        if any(l < 1 for l in lengths) or any(b <= a for a, b in zip(lengths, lengths[1:])):
+            raise ValueError("histogram lengths must be at least 1 token and increasing; regenerate it with seqpar advise")
+        total = sum(p for _, p in self.histogram)
+        if any(p <= 0 for _, p in self.histogram) or abs(total - 1) > 1e-6:
+            raise ValueError(f"histogram shares must be positive and sum to 1 (they sum to {total:g}); regenerate it")
+        mean = sum(l * p for l, p in self.histogram) / total
+        if abs(mean - self.mean_tokens) > 1e-3 * mean:
+            raise ValueError(f"mean_tokens {self.mean_tokens:g} is not the histogram's mean ({mean:g}); regenerate it")
+        return self
+
+    def at(self, seq_len: int) -> DocMix:
+        """This mix with sum_sq_fraction at ``seq_len`` tokens per window."""
+        from seqpar.flops import square_fraction
+
+        return self.model_copy(update={"sum_sq_fraction": square_fraction(self.histogram, seq_len)})
+
+
 class Workload(_Frozen):
     model: ModelSpec = Field(description="The model being trained.")
     seq_len: int = Field(ge=1, description="Tokens per sequence (one sample).")
@@ -187,6 +233,24 @@ class Workload(_Frozen):
         default="adamw",
         description="adamw: mixed precision (fp32 master + two fp32 moments); adamw-bf16: two moments in the parameter dtype; none: forward+backward only.",
     )
+    doc_lens: Optional[DocMix] = Field(
+        default=None,
+        description="Packed documents: the lengths of the documents each window holds (attention stays inside a "
+        "document); None = one document per window, attention over the whole window.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mix_at_seq_len(cls, data):
+        """doc_lens.sum_sq_fraction is derived: state it at this workload's seq_len (a bad mix is left to field validation)."""
+        if isinstance(data, dict) and data.get("doc_lens") is not None and isinstance(data.get("seq_len"), int):
+            try:
+                mix = DocMix.model_validate(data["doc_lens"])
+            except ValidationError:
+                return data
+            if data["seq_len"] >= 1:
+                data = {**data, "doc_lens": mix.at(data["seq_len"])}
+        return data
 
 
 class Strategy(_Frozen):

@@ -12,10 +12,13 @@ from typing import Optional
 from rich.console import RenderableType
 from rich.table import Table
 
+from seqpar.advisor import packed
 from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.gate import CheckResult
 from seqpar.advisor.memory import estimate_memory
+from seqpar.advisor.render import documents_line
 from seqpar.advisor.search import describe
+from seqpar.advisor.throughput import call_efficiency, call_tokens
 from seqpar.schema import LaunchPlan, format_tokens
 from seqpar.units import GIB
 
@@ -48,6 +51,8 @@ def explain_tables(plan: LaunchPlan, coeffs: Optional[Coefficients] = None) -> l
         for k, v in p.step_time_breakdown_s.items():
             tt.add_row(k, f"{v:.3f}", f"{v / p.step_time_s:.0%}" if p.step_time_s else "")
         out.append(tt)
+    if plan.workload.doc_lens is not None:
+        out.append(packed_table(plan, c))
     alts = plan.rationale.alternatives
     if alts:
         at = _table("Alternatives and why each lost", "strategy", "tokens/s", "peak GiB", "why")
@@ -63,6 +68,23 @@ def explain_tables(plan: LaunchPlan, coeffs: Optional[Coefficients] = None) -> l
     return out
 
 
+def packed_table(plan: LaunchPlan, c: Coefficients) -> Table:
+    """What the packed documents change in the prediction (seqpar.advisor.packed): attention work and time, balance, transfers."""
+    w, s, cl = plan.workload, plan.strategy, plan.cluster
+    mix, S = w.doc_lens, w.seq_len
+    n = call_tokens(s, S)
+    short = c.kernel_rate_tflops(cl, "flash") / c.kernel_rate_tflops(cl, c.attention_backend(cl))
+    t = _table(f"Packed documents ({mix.source})", "term", "value", "vs one document per window")
+    t.add_row("mean document", f"{mix.mean_tokens:,.0f} tokens", f"{mix.mean_tokens / S:.2%} of the window")
+    t.add_row("attention FLOPs: E(sum of l^2) / S^2", f"{mix.at(S).sum_sq_fraction:.4f}", "x dense")
+    share = packed.attention_time_share(mix, S, n, lambda x: call_efficiency(x, c), short)
+    t.add_row("attention time (per-document kernel rates)", f"{share:.4f}", "x dense")
+    t.add_row("busiest rank / mean (measured, W = 8)", f"{packed.imbalance(s, mix, S):.2f}", "1.00 dense")
+    t.add_row("sequence-parallel transfers still needed", f"{packed.transfer_share(s, mix, S):.0%}", "100% dense")
+    t.add_row("memory", "unchanged", "flash-style kernels keep O(S)")
+    return t
+
+
 def check_lines(res: CheckResult) -> list[str]:
     p = res.prediction
     head = "fits" if res.fits else "RISKS OOM"
@@ -72,6 +94,8 @@ def check_lines(res: CheckResult) -> list[str]:
         + (f", host {p.host_memory_gib:.0f} GiB" if p.host_memory_gib else ""),
         "biggest terms (" + (p.peak_phase or "peak") + "): " + ", ".join(f"{k} {v:.1f} GiB" for k, v in res.biggest_terms),
     ]
+    if res.plan is not None and res.plan.workload.doc_lens is not None:
+        lines.append(f"documents: {documents_line(res.plan.workload)}")
     if not res.fits:
         lines += [f"why: {res.reason}", f"cheapest fix: {res.fix}"]
     else:

@@ -93,6 +93,7 @@ def check(
         dtype=w.dtype,
         optimizer=w.optimizer,
         tokens_per_step=w.tokens_per_step,
+        doc_lens=w.doc_lens,
         fused_ops=s.fused_ops if s.fused_ops != "none" else None,
     )  # keep the plan's kernels for the fallback advice
     best: Optional[tuple[float, str, Strategy]] = None

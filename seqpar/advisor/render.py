@@ -18,7 +18,7 @@ from rich.table import Table
 from seqpar.advisor.bill import NOT_COUNTED, bill_lines, plan_bill
 from seqpar.advisor.search import describe
 from seqpar.advisor.training import training_rows
-from seqpar.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, format_tokens
+from seqpar.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, Workload, format_tokens
 
 
 def _kv(title: str, rows: Iterable[tuple[str, object]]) -> Table:
@@ -38,6 +38,15 @@ def params_text(n: int) -> str:
 def cluster_line(c: ClusterSpec) -> str:
     inter = f", {c.inter_node_link.kind} between nodes" if c.inter_node_link else ""
     return f"{c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gib:.1f} GiB), {c.intra_node_link.kind} inside the node{inter}"
+
+
+def documents_line(w: Workload) -> str:
+    """What a window holds: one document, or packed documents with their mix and the attention they cost."""
+    mix = w.doc_lens
+    if mix is None:
+        return "one per window (attention over the whole window)"
+    f = mix.at(w.seq_len).sum_sq_fraction
+    return f"packed, mean {mix.mean_tokens:,.0f} tokens: attention {100 * f:.2g}% of one document per window ({mix.source})"
 
 
 def plan_summary(plan: LaunchPlan) -> str:
@@ -65,6 +74,7 @@ def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[R
                 ("micro-batch", w.micro_batch_size),
                 ("tokens per step", w.tokens_per_step or "one micro-batch per DP rank"),
                 ("dtype / optimizer", f"{w.dtype} / {w.optimizer}"),
+                ("documents", documents_line(w)),
             ],
         ),
         _kv(

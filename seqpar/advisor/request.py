@@ -13,6 +13,7 @@ from seqpar.errors import SeqparError
 from seqpar.schema import (
     Checkpointing,
     ClusterSpec,
+    DocMix,
     DType,
     FusedOps,
     LossImpl,
@@ -50,6 +51,9 @@ class AdviseRequest(_Frozen):
     )
     dtype: DType = Field(default="bf16", description="Parameter and activation dtype.")
     optimizer: Optimizer = Field(default="adamw", description="Optimizer (part of the workload, not searched).")
+    doc_lens: Optional[DocMix] = Field(
+        default=None, description="Packed documents' length mix (part of the workload); None = one document per window."
+    )
     policy: Literal["rules", "cost"] = Field(default="cost", description="rules: the guide's tree; cost: the cost-model search.")
     # Pins: None = let the advisor choose.
     mode: Optional[Mode] = Field(default=None, description="Pinned mode.")

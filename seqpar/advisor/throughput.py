@@ -16,6 +16,9 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   ring's forward K,V pass is not repeated; Ulysses' backward sends q, k, v and out across again, as full's recomputation
   does). Sequence parallelism divides it by sp_degree, times the
   mode's imbalance: zigzag, Ulysses and our dist flash schedule (last step split by query rows) are balanced.
+* Packed documents (``workload.doc_lens``; None = one document per window, all of the above as it is): attention counts
+  the documents' squares (seqpar.flops), each document at its own kernel rate, times the busiest rank's share where the
+  layout leaves ranks uneven, and ring / dist flash transfers only where a block shares a document (packed.py).
 * Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors (the
   GPU's own when it has measurement rows, else the global pair); the matmul rate falls with model width, h / (h + h0),
   normalised to the 8192-wide GEMM it was measured on; the attention rate falls for short kernel calls, eff(n) ~ n/(n+n0) (n = query tokens per call: S for data parallel and Ulysses,
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from seqpar.advisor import packed
 from seqpar.advisor.coefficients import Coefficients
 from seqpar.advisor.memory import optimizer_bytes_per_param, precision, ring_ranks, ulysses_ranks
 from seqpar.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
@@ -101,6 +105,12 @@ def call_tokens(s: Strategy, seq_len: int) -> float:
     return seq_len * ulysses_ranks(s) / split_multiple(s.mode, s.sp_degree, s.ulysses_degree)
 
 
+def call_efficiency(n: float, c: Coefficients) -> float:
+    """eff(n) = n / (n + n0) of a kernel call of n query tokens, normalised to 1 at REF_CALL_TOKENS."""
+    n0 = c.attn_block_tokens
+    return (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0))
+
+
 def imbalance(s: Strategy) -> float:
     # zigzag and Ulysses are balanced by construction; our dist_flash_attn schedule is too: LightSeq's P/2+1 steps leave
     # the busiest rank P/2+1/2 blocks, but seqpar.runtime.dist_flash_attn splits the last step's blocks by query rows
@@ -141,11 +151,16 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     )
     lin_ideal /= width_efficiency(m.hidden_size, c.matmul_width_h0)
     n = call_tokens(s, S)
-    n0 = c.attn_block_tokens
-    eff = (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0))
-    attn_flops = b * attention_fwd_flops(m, S) / P * attention_multiplier(s) * imbalance(s)
+    eff = call_efficiency(n, c)
+    attn_flops = b * attention_fwd_flops(m, S) / P * attention_multiplier(s) * imbalance(s)  # dense: packing below
     attn_rate = c.kernel_rate_tflops(cluster, c.attention_backend(cluster)) * 1e12
     attn_ideal = attn_flops / attn_rate / eff
+    mix, transfers = w.doc_lens, 1.0
+    if mix is not None:  # packed documents: their squares at their own kernel rates, on the busiest rank (packed.py)
+        short = c.kernel_rate_tflops(cluster, "flash") * 1e12 / attn_rate  # FA2 varlen runs the short documents
+        attn_ideal *= packed.attention_time_share(mix, S, n, lambda x: call_efficiency(x, c), short)
+        attn_ideal *= packed.imbalance(s, mix, S)
+        transfers = packed.transfer_share(s, mix, S)
     lin_factor, attn_factor = c.factors(cluster)
     lin_t, attn_t = lin_ideal * lin_factor, attn_ideal * attn_factor
     # forward, (recompute forward), backward; selective's Ulysses backward re-sends q, k, v, out (runtime/ulysses_attn.py head_split_backward)
@@ -167,7 +182,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
             ring_passes.append((kv_block, attn_fwd_t))
         for pass_bytes, pass_compute in ring_passes:
             step_comm, step_compute = pass_bytes / bw, pass_compute / L / r
-            sp_comm += L * (r - 1) * _hidden(step_comm, step_compute, c.ring_overlap)
+            sp_comm += L * (r - 1) * transfers * _hidden(step_comm, step_compute, c.ring_overlap)
     if s.mode == "dist_flash_attn" and P > 1:
         bw = _bw(cluster, P, c)
         steps = P / 2
@@ -178,7 +193,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
             df_passes.append((fwd_bytes, attn_fwd_t))
         for pass_bytes, pass_compute in df_passes:
             step_compute = pass_compute / L / (steps + 1)
-            sp_comm += L * steps * _hidden(pass_bytes / bw, step_compute, c.ring_overlap)
+            sp_comm += L * steps * transfers * _hidden(pass_bytes / bw, step_compute, c.ring_overlap)
 
     # ---- model-state traffic
     psi = m.num_params
@@ -210,7 +225,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     exposed = accum * sp_comm + grad_exposed
     step = compute + elementwise + exposed + offload + opt_t
     tokens = S * b * s.dp_degree * accum
-    model_flops = b * s.dp_degree * accum * model_flops_per_sequence(m, S)  # seqpar.flops: the count measured MFU uses too
+    model_flops = b * s.dp_degree * accum * model_flops_per_sequence(m, S, mix)  # seqpar.flops: measured MFU counts the same
     mfu = model_flops / step / (world * cluster.gpu.bf16_tflops * 1e12)
     parts = {
         "linear_ideal": accum * lin_ideal,

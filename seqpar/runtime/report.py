@@ -138,7 +138,7 @@ def write_report(
     total = sum(timed)
     tps = tokens_per_step * len(timed) / total if total > 0 else 0.0
     peak_flops = plan.cluster.gpu.bf16_tflops * 1e12 * plan.cluster.world_size
-    flops = sequences_per_step * model_flops_per_sequence(plan.workload.model, plan.workload.seq_len)
+    flops = sequences_per_step * model_flops_per_sequence(plan.workload.model, plan.workload.seq_len, plan.workload.doc_lens)
     mfu = flops / step_s / peak_flops if step_s > 0 else 0.0
     per_node = plan.cluster.gpus_per_node  # ranks are numbered node by node
     nodes = [per_rank[i : i + per_node] for i in range(0, len(per_rank), per_node)]
