@@ -126,11 +126,7 @@ def accelerate_config(plan: LaunchPlan, ds_path: Path, nnodes: int, node_rank: i
 
 def _endpoint(endpoint: str | None, nnodes: int) -> str:
     """The rendezvous HOST:PORT every node of a multi-node job must share (refused when missing, for every engine)."""
-    if nnodes > 1 and not endpoint:
-        raise SeqparError(
-            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node (e.g. node0:29500); "
-            "seqpar does not guess a host"
-        )
+    require_endpoint(nnodes, endpoint)
     host, _, port = (endpoint or "").rpartition(":")
     if endpoint and not (host and port.isdigit()):
         raise SeqparError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT; pass e.g. node0:29500")

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from seqpar.errors import SeqparError
+from seqpar.extras import install_line
 from seqpar.runtime import data_cache
 
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for the keyword
@@ -39,7 +40,7 @@ def require_datasets(what: str):
         import datasets
     except ImportError:
         raise SeqparError(
-            f"{what} is tokenized with the `datasets` package, which is not installed; pip install 'seqpar[runtime]' "
+            f"{what} is tokenized with the `datasets` package, which is not installed; {install_line('runtime')} "
             "(or pip install datasets), or pass pre-tokenized .npy/.bin token files"
         ) from None
     return datasets
