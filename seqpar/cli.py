@@ -474,7 +474,10 @@ def launch(
         "synthetic", "--data", help="synthetic, a .jsonl text file, a .bin/.npy token file, or a datasets folder."
     ),
     model_path: Optional[str] = typer.Option(
-        None, "--model-path", help="Local Hugging Face model folder (default: the plan's model, random weights)."
+        None,
+        "--model-path",
+        help="Hugging Face model folder or Hub id (owner/name, from the HF cache or downloaded; HF_TOKEN for gated "
+        "repos, HF_HUB_OFFLINE=1: cache only). Default: the plan's model, random weights.",
     ),
     output: Optional[Path] = typer.Option(
         None, "--output", help="Checkpoints, run report, metrics and log go here (default runs/<plan name>)."
@@ -531,6 +534,11 @@ def launch(
     from seqpar.runtime.launch import launch as run_launch
 
     plan = LaunchPlan.load(plan_path, allow_env=allow_env)
+    if model_path is not None and not Path(model_path).expanduser().exists():  # a Hub id: its snapshot in the HF cache
+        from seqpar.hub import snapshot
+
+        model_path = str(snapshot(model_path, weights=not dry_run))
+        note(f"--model-path: {model_path}")
     if not dry_run and not force:
         from seqpar.advisor.probe import probe as run_probe
 
