@@ -172,6 +172,8 @@ def advise(
     from seqpar.advisor.advise import advise as run_advice
 
     if max_seq_len:
+        if emit_tool is not None:
+            raise SeqparError(f"--emit {emit_tool} writes the config of a plan; --max-seq-len writes no plan: drop one of them")
         return _max_seq_len_command(flags, json_out)
     seq_len = flags.seq_len
     if recipe is not None and seq_len is None:  # the recipe's last stage; every stage is planned below

@@ -249,3 +249,53 @@ def test_emit_and_check_import_no_torch(tmp_path):
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize(
+    "tool,flags",
+    [
+        (
+            "axolotl",
+            ["--mode", "zigzag_ring_attn", "--checkpointing", "selective", "--sharding", "zero2", "--loss-impl", "chunked"],
+        ),
+        (
+            "axolotl",
+            [
+                "--mode",
+                "data_parallel",
+                "--checkpointing",
+                "offload",
+                "--sharding",
+                "fsdp",
+                "--tiled-mlp",
+                "--fused-ops",
+                "liger",
+            ],
+        ),
+        (
+            "arctic",
+            ["--mode", "ulysses_attn", "--checkpointing", "offload", "--sharding", "zero3_offload", "--loss-impl", "chunked"],
+        ),
+        (
+            "trl",
+            [
+                "--mode",
+                "zigzag_ring_attn",
+                "--checkpointing",
+                "offload",
+                "--sharding",
+                "fsdp",
+                "--loss-impl",
+                "chunked",
+                "--fused-ops",
+                "liger",
+            ],
+        ),
+    ],
+)
+def test_a_plan_the_tool_runs_unchanged_checks_back_to_its_own_prediction(runner, tmp_path, tool, flags):
+    plan, err = advise(runner, tmp_path, ["--seq-len", "64k", "--model", "llama-3-8b", *H100x8, *flags], tool)
+    assert f"{tool} runs " not in err  # nothing was changed
+    files = sorted(p for p in tmp_path.iterdir() if p.suffix == ".yaml")
+    got = check(runner, files, *H100x8)
+    assert got["strategy"] == plan["strategy"] and got["prediction"] == plan["prediction"]
