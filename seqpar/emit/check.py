@@ -37,6 +37,8 @@ def load_config(path: Path) -> dict:
     text = path.read_text(errors="replace")
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except RecursionError:  # a hostile file nests thousands of levels deep
+        raise SeqparError(f"config {str(path)!r} nests too deeply to be a config; fix the file") from None
     except json.JSONDecodeError as e:
         raise SeqparError(f"config {str(path)!r} is not valid JSON ({e}); fix the file") from None
     except yaml.YAMLError as e:
@@ -77,7 +79,7 @@ def is_plan_file(path: Path) -> bool:
         return False
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # the plan gate names what is wrong with it
         return True
     return not isinstance(data, dict) or detect_or_none(data) in (None, "plan")
 
@@ -121,7 +123,10 @@ def read_all(paths: list[Path]) -> list[Reading]:
         kind = detect(data, p)
         if kind == "plan":
             raise SeqparError(f"{p} is a seqpar plan: check it on its own (seqpar check {p}), not with tool configs")
-        readings.append(tool_module(kind).read(data, p))
+        try:
+            readings.append(tool_module(kind).read(data, p))
+        except (TypeError, AttributeError, ValueError) as e:  # a key holding a list where a number belongs, ...
+            raise SeqparError(f"{p}: a key holds a value of the wrong type for {kind} ({e}); fix the file") from None
     kinds = [r.kind for r in readings]
     if len(set(kinds)) != len(kinds) or not any(set(kinds) <= c for c in COMBOS):
         raise SeqparError(

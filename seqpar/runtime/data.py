@@ -146,7 +146,13 @@ def _from_datasets(p: Path, tokenizer_path: str | None) -> np.ndarray:
             f"data folder {str(p)!r} is a `datasets` folder, and reading it needs the datasets package, which is not installed; "
             f"`pip install datasets`, or export it to .jsonl/.npy"
         ) from None
-    ds = datasets.load_from_disk(str(p))
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except (FileNotFoundError, ValueError, KeyError) as e:  # a torn or foreign folder: datasets' own words, one line
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SeqparError(
+            f"data folder {str(p)!r} is not a readable `datasets` save_to_disk folder ({first}); re-save it"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"] if "train" in ds else next(iter(ds.values()))
     if "input_ids" in ds.column_names:
