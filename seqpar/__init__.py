@@ -1,9 +1,10 @@
 """seqpar: plan, check and run sequence-parallel long-context training.
 
 `import seqpar` is light (no torch): the advisor and the schema need nothing more. The training-loop API
-(`seqpar.apply`, `seqpar.prepare_inputs`, `seqpar.loss` and the EasyContext-compatible functions) lives in
-`seqpar.runtime` and is imported on first use; `dir(seqpar)` and `__all__` list it. Without torch installed, using it
-raises one line naming the extra to install (seqpar.extras).
+(`seqpar.apply`, `seqpar.prepare_inputs`, `seqpar.loss`, the EasyContext-compatible functions, and
+`seqpar.with_seqpar` / `seqpar.SeqparArguments` for the transformers Trainer) lives in `seqpar.runtime` and is imported
+on first use; `dir(seqpar)` and `__all__` list it. Without torch installed, using it raises one line naming the extra to
+install (seqpar.extras).
 """
 
 __version__ = "0.1.0"
@@ -15,6 +16,8 @@ _RUNTIME_API = {  # name -> the runtime module that defines it
     "loss_from_hidden": "seqpar.runtime.loss",
     "prepare_seq_parallel_inputs": "seqpar.runtime.easycontext",
     "apply_seq_parallel_monkey_patch": "seqpar.runtime.easycontext",
+    "with_seqpar": "seqpar.runtime.hf_trainer",  # transformers Trainer / TRL SFTTrainer in seqpar's modes
+    "SeqparArguments": "seqpar.runtime.hf_trainer",
 }
 
 __all__ = ["__version__", *_RUNTIME_API]

@@ -188,6 +188,13 @@ def advise(
         None, "--output", "-o", rich_help_panel=OUTPUT, help="Write the plan here (atomically; nothing is written on error)."
     ),
     json_out: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT, help="Print the plan as JSON on stdout (only JSON)."),
+    emit_tool: Optional[Literal["accelerate", "trl", "axolotl", "arctic", "deepspeed"]] = typer.Option(
+        None,
+        "--emit",
+        rich_help_panel=OUTPUT,
+        help="Also write, next to the plan (-o), the config this tool runs with the same strategy (or the nearest it has, "
+        "with a line per change) and print its command; exit 1, nothing written, when that is predicted to OOM.",
+    ),
 ):
     """Advise a launch plan: which sequence-parallel mode, degrees, checkpointing and sharding, with the reasons.
 
@@ -207,12 +214,15 @@ def advise(
     seqpar advise --recipe 1M -m llama-2-7b -o plan.json
     seqpar advise --max-seq-len --gpu h200 --gpus 8
     seqpar advise -s 64k --gpu h200 --gpus 1 --tiled-mlp --fused-ops liger
+    seqpar advise -s 128k -m Qwen/Qwen2.5-7B --gpus 8 -o p.json --emit trl
     ```
     """
     from seqpar.advisor.advise import advise as run_advice
     from seqpar.advisor.training import apply_training, rope_warning
 
     if max_seq_len:
+        if emit_tool is not None:
+            raise SeqparError(f"--emit {emit_tool} writes the config of a plan; --max-seq-len writes no plan: drop one of them")
         return _max_seq_len_command(flags, json_out)
     seq_len = flags.seq_len
     if recipe is not None and seq_len is None:  # the recipe's last stage; every stage is planned below
@@ -237,8 +247,17 @@ def advise(
 
         plan = plan.model_copy(update={"launch": launch_spec(plan, output)})
         plan = LaunchPlan.model_validate(plan.model_dump())  # re-validate the edited plan before it touches disk
+        emission = _emission(plan, emit_tool, output)
         plan.write(output)
         note(f"wrote {output}")
+        if emission is not None:
+            from seqpar.emit import emission_lines, write_emission
+
+            write_emission(emission)
+            for line in emission_lines(emission):
+                note(line)
+    elif emit_tool is not None:
+        raise SeqparError(f"--emit {emit_tool} writes its config next to the plan: add -o plan.json")
     if json_out:
         print_json(plan.to_json().rstrip("\n"))
     else:
@@ -267,6 +286,21 @@ def _does_not_fit(plan: LaunchPlan) -> str | None:
                 f"+ headroom exceeds {p.capacity_gib:.1f} GiB per GPU, or host RAM is short; see seqpar advise --max-seq-len"
             )
     return None
+
+
+def _emission(plan: LaunchPlan, tool: str | None, output: Path):
+    """The --emit config for ``plan`` (None without --emit); exit 1 before anything is written when it risks OOM."""
+    if tool is None:
+        return None
+    from seqpar.emit import emission_lines, emit
+
+    em = emit(plan, tool, output)
+    if not em.fits:
+        for line in emission_lines(em)[: -1 - len(em.files)]:  # the verdict and the notes: nothing was written
+            note(line)
+        note(f"{tool}'s nearest strategy is predicted to run out of memory; nothing written (seqpar launch runs the plan)")
+        raise typer.Exit(EXIT_OOM_OR_FAILED)
+    return em
 
 
 # --------------------------------------------------------------------------------------------- explain, schema
@@ -325,13 +359,18 @@ def explain(
 @with_request_flags
 def check(
     flags: RequestFlags,
-    plan_path: Optional[Path] = typer.Argument(
-        None, metavar="[PLAN.json]", help="A plan written by `seqpar advise -o`; without it, the flags below describe one."
+    paths: Optional[list[Path]] = typer.Argument(
+        None,
+        metavar="[PLAN.json | CONFIG...]",
+        help="A plan written by `seqpar advise -o`, or one launch's tool configs (accelerate YAML, TRL arguments, Axolotl "
+        "or ArcticTraining YAML, DeepSpeed JSON); without it, the flags below describe one.",
     ),
     json_out: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT, help="Print the verdict as JSON on stdout."),
 ):
     """Pre-launch OOM gate: exit 0 when the plan fits, 1 when it risks OOM (with the cheapest fix), 2 when it is invalid.
 
+    Tool configs (accelerate, TRL, Axolotl, ArcticTraining, DeepSpeed) are mapped onto the cost model and judged the
+    same way; the fix is named in the tool's own keys, and keys that change memory but are not modelled make it partial.
     With a plan it is re-evaluated on the plan's cluster, or on the Cluster flags' when given; without one, the Workload,
     Cluster and Pins flags describe the configuration, as for `seqpar advise` (the cost model picks whatever is not pinned).
 
@@ -342,12 +381,26 @@ def check(
     seqpar check plan.json --gpu a100-40g --gpus 8
     seqpar check -s 64k --gpu h200 --gpus 1 --mode data_parallel --sharding ddp
     seqpar check -s 128k --gpu h200 --gpus 1 --checkpointing offload --tiled-mlp
+    seqpar check axolotl.yaml --gpu h100 --gpus 8
+    seqpar check sft.yaml accelerate.yaml --gpu h200
     ```
     """
     from seqpar.advisor.cluster import resolve_cluster
     from seqpar.advisor.explain import check_lines
     from seqpar.advisor.gate import check as run_check
+    from seqpar.emit.check import is_plan_file
 
+    if paths and (len(paths) > 1 or not is_plan_file(paths[0])):  # a tool's configs: seqpar.emit reads them
+        from seqpar.emit.gate import check_configs, config_json, config_lines
+
+        got = check_configs(paths, flags, note)
+        if json_out:
+            print_json(config_json(got))
+        else:
+            for line in config_lines(got):
+                (say if got.fits else note)(line)
+        raise typer.Exit(0 if got.fits else EXIT_OOM_OR_FAILED)
+    plan_path = paths[0] if paths else None
     if plan_path is not None:  # re-checked on its own cluster, or on the Cluster flags' (the plan's node shape fills the gaps)
         target = LaunchPlan.load(plan_path)
         mix = request_doc_mix(flags, target.workload.seq_len, target.workload.model.vocab_size)
@@ -603,7 +656,10 @@ def launch(
         None, "--tokenizer", help="Local tokenizer folder for text data (default: --model-path's)."
     ),
     model_path: Optional[str] = typer.Option(
-        None, "--model-path", help="Local Hugging Face model folder (default: the plan's model, random weights)."
+        None,
+        "--model-path",
+        help="Hugging Face model folder or Hub id (owner/name, from the HF cache or downloaded; HF_TOKEN for gated "
+        "repos, HF_HUB_OFFLINE=1: cache only). Default: the plan's model, random weights.",
     ),
     output: Optional[Path] = typer.Option(
         None, "--output", help="Checkpoints, run report, metrics and log go here (default runs/<plan name>)."
@@ -697,6 +753,11 @@ def launch(
     elif verdict and not force:
         note(f"error: {verdict}")
         raise typer.Exit(EXIT_OOM_OR_FAILED)
+    if model_path is not None and not Path(model_path).expanduser().exists():  # a Hub id: its snapshot in the HF cache
+        from seqpar.hub import snapshot
+
+        model_path = str(snapshot(model_path, weights=not dry_run))
+        note(f"--model-path: {model_path}")
     if not dry_run and not force:
         _check_machine(plan, plan_path, nnodes)
     opts = LaunchOptions(

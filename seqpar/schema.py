@@ -147,6 +147,12 @@ class ModelSpec(_Frozen):
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base.")
     max_position_embeddings: int = Field(default=4096, ge=1, description="Context length the checkpoint was trained for.")
     attention_bias: bool = Field(default=False, description="q/k/v projections carry a bias (Qwen2).")
+    sliding_window: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="Tokens a sliding-window layer attends to (Mistral-7B-v0.1: 4096); None = every layer attends to the "
+        "whole causal prefix. seqpar's modes compute full causal attention, so a plan's seq_len may not exceed it.",
+    )
     source: str = Field(default="", description="Where the figures come from (the model's config.json).")
 
     @model_validator(mode="after")
@@ -348,6 +354,12 @@ def layout_problems(strategy: Strategy, seq_len: int, model: ModelSpec, cluster:
         check_strategy_shape(s, seq_len, model)
     except SeqparError as e:
         out.append(str(e))
+    if model.sliding_window is not None and seq_len > model.sliding_window:
+        out.append(
+            f"{model.name} attends within a sliding window of {model.sliding_window} tokens (its config.json), shorter than "
+            f"seq_len {seq_len}; seqpar's modes compute full causal attention, which would change the model: train at most "
+            f"{model.sliding_window} tokens, or set sliding_window to null in its config.json for full attention"
+        )
     return out
 
 

@@ -32,6 +32,11 @@ NOT_HERE = {
     "seqpar launch plan.json --data corpus.jsonl --tokenizer ./tok --long-documents error": "a corpus and a tokenizer folder",
     "seqpar verify plan.json": "a plan of this machine's GPUs (tests/test_verify.py runs verify on CPU plans)",
     "seqpar launch plan.json --verify ...": "elided arguments",
+    "seqpar check plan.axolotl.yaml --gpu h100 --gpus 8": "a file of `seqpar advise --emit` (tests/test_interop_check.py)",
+    "seqpar check plan.sft.yaml plan.accelerate.yaml --gpu h200": "files of `seqpar advise --emit` (tests/test_interop_check.py)",
+    "seqpar check ds_config.json --gpu h100 --gpus 8 --seq-len 128k --model Qwen/Qwen2.5-7B-Instruct --checkpointing full": (
+        "a DeepSpeed config and the Hub (tests/test_interop_check.py, tests/test_model_ids.py)"
+    ),
 }
 
 

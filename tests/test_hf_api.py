@@ -321,6 +321,8 @@ def test_lazy_api_names_each_function_in_its_home_module():
         "loss_from_hidden",
         "prepare_seq_parallel_inputs",
         "apply_seq_parallel_monkey_patch",
+        "with_seqpar",
+        "SeqparArguments",
     }
     assert set(seqpar._RUNTIME_API) == names
     for name, module in seqpar._RUNTIME_API.items():

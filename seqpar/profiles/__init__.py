@@ -4,8 +4,10 @@
 - ``links.json``: link bandwidths (LinkSpec).
 - ``models.json``: model shapes from each model's Hugging Face config.json (ModelSpec).
 
-``get_model`` also accepts a local Hugging Face ``config.json`` (or a folder holding one), read as plain JSON so that the
-advisor never imports transformers (which would import torch). Unknown names raise SeqparError with the closest names.
+``get_model`` also accepts a local Hugging Face ``config.json`` (or a folder holding one) and any Hub model id (its
+config.json from the cache or the Hub, seqpar.hub), read as plain JSON by ``hf_config`` so that the advisor never imports
+transformers (which would import torch). The profiles stay the offline fallback: their names and Hub ids resolve without
+a download. Unknown names raise SeqparError with the closest names.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from seqpar.errors import SeqparError
+from seqpar.profiles.hf_config import spec_from_config
 from seqpar.schema import GpuSpec, LinkSpec, ModelSpec, first_error, read_json_object
 
 _HERE = Path(__file__).resolve().parent
@@ -133,7 +136,9 @@ def list_models() -> list[ModelSpec]:
 
 
 def get_model(name_or_path: str) -> ModelSpec:
-    """A model profile by name, alias or Hub id ('meta-llama/Llama-2-7b-hf'), or read from a local config.json / folder."""
+    """A model by profile name, alias or profiled Hub id ('meta-llama/Llama-2-7b-hf': the figures of that very config.json,
+    nothing downloaded), a local config.json / folder, or any other Hub id ``owner/name[@revision]`` (its config.json
+    from the Hugging Face cache, else the Hub: seqpar.hub)."""
     specs, aliases = _models()
     key = _norm(name_or_path)
     if key in specs:
@@ -147,17 +152,24 @@ def get_model(name_or_path: str) -> ModelSpec:
         raise SeqparError(
             f"model config {name_or_path!r} does not exist; pass a profile name (seqpar profiles list) or a local config.json"
         )
-    raise _unknown("model", name_or_path, list(specs) + list(aliases), " or pass a local config.json")
+    from seqpar import hub
+
+    parsed = hub.parse_hub_id(name_or_path)
+    if parsed is not None:
+        got = hub.fetch_config(*parsed)
+        return spec_from_config(got.data, name_or_path.strip(), f"{name_or_path.strip()!r} ({got.path})", got.source)
+    raise _unknown("model", name_or_path, list(specs) + list(aliases), ", a Hub id owner/name, or a local config.json")
 
 
-# Fields of llama / mistral / qwen2 / qwen3 configs (transformers' names) -> ModelSpec's.
-_REQUIRED = {
-    "num_layers": "num_hidden_layers",
-    "hidden_size": "hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "intermediate_size": "intermediate_size",
-    "vocab_size": "vocab_size",
-}
+def hub_id(spec: ModelSpec) -> str | None:
+    """The Hub repository a model comes from: a profile's hf_id, a Hub id the spec was read under, else None (a local
+    config.json or a shape without a repository, like 'tiny')."""
+    for e in _read("models.json", "models"):
+        if e["spec"]["name"] == spec.name:
+            return e.get("hf_id")
+    from seqpar.hub import parse_hub_id
+
+    return spec.name if parse_hub_id(spec.name) and not Path(spec.name).exists() else None
 
 
 def model_from_config(path: str | Path) -> ModelSpec:
@@ -172,40 +184,7 @@ def model_from_config(path: str | Path) -> ModelSpec:
         missing_fix="pass a folder holding config.json or the file itself",
         invalid_fix="check the file",
     )
-    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
-    missing = [src for src in _REQUIRED.values() if cfg.get(src) is None]
-    if missing:
-        raise SeqparError(
-            f"model config {str(p)!r} lacks {', '.join(missing)}; seqpar reads decoder configs of llama, mistral, qwen2 and qwen3 models"
-        )
-    fields = {dst: cfg[src] for dst, src in _REQUIRED.items()}
-    heads = cfg["num_attention_heads"]
-    for key in ("num_attention_heads", "hidden_size"):  # head_dim below divides one by the other
-        v = cfg[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise SeqparError(f"model config {str(p)!r} is invalid: {key} {v!r} must be a positive whole number")
-    arch = str(cfg.get("model_type") or "llama")
-    # transformers 5 writes rope_theta inside rope_parameters; older configs keep it at the top level.
-    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    try:
-        return ModelSpec(
-            name=str(path),
-            architecture=arch,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or fields["hidden_size"] // heads,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-            # Qwen2 configs carry no attention_bias key, yet its q/k/v projections always have a bias.
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            source=f"{p} (config.json)",
-            **fields,
-        )
-    except (ValidationError, TypeError, ValueError, ArithmeticError) as e:  # ArithmeticError: int() of a JSON Infinity
-        msg = first_error(e).removeprefix("(plan): ") if isinstance(e, ValidationError) else str(e)
-        raise SeqparError(f"model config {str(p)!r} is invalid: {msg}") from None
+    return spec_from_config(cfg, str(path), repr(str(p)), f"{p} (config.json)")
 
 
 def find_profile(name: str) -> GpuSpec | LinkSpec | ModelSpec:
@@ -217,6 +196,10 @@ def find_profile(name: str) -> GpuSpec | LinkSpec | ModelSpec:
             pass
     specs, aliases = _models()
     if _norm(name) in specs or _norm(name) in aliases or Path(name).expanduser().exists():
+        return get_model(name)
+    from seqpar.hub import parse_hub_id
+
+    if parse_hub_id(name):
         return get_model(name)
     gpus = _gpus()
     choices = list(gpus) + [a for p in gpus.values() for a in p.aliases] + list(_links()) + list(specs) + list(aliases)

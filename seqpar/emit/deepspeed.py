@@ -1,0 +1,65 @@
+"""DeepSpeed: the JSON a ``deepspeed`` launch (or the HF Trainer's ``--deepspeed``) reads, written for a plan and read back.
+
+It carries the engine (ZeRO stage and offload, batch sizes, gradient clipping, bf16) and, for Ulysses,
+``sequence_parallel_size`` with ``seq_parallel_communication_data_type``; the script registers DeepSpeed's Ulysses
+attention itself (``deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF``, the ALST integration).
+Checkpointing, the loss and fused kernels stay in the script. Stage 0 is DeepSpeed without sharding (DDP's replicas).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from seqpar.emit.common import Reading, ds_config, dump_json, read_ds
+from seqpar.emit.nearest import Caps
+from seqpar.schema import LaunchPlan, Strategy
+
+ZERO = {"ddp": "ddp", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}
+CAPS = Caps(
+    "deepspeed",
+    modes={
+        "data_parallel": ("data_parallel",),
+        "ulysses_attn": ("ulysses_attn",),
+        "zigzag_ring_attn": ("ulysses_attn",),
+        "dist_flash_attn": ("ulysses_attn",),
+        "usp_attn": ("ulysses_attn",),
+    },
+    shardings={"data_parallel": ZERO, "ulysses_attn": {**ZERO, "ddp": "zero2"}},
+    why={
+        "mode zigzag_ring_attn": "DeepSpeed's sequence parallelism is Ulysses only",
+        "mode dist_flash_attn": "DeepSpeed's sequence parallelism is Ulysses only",
+        "mode usp_attn": "DeepSpeed's sequence parallelism is Ulysses only (no ring half)",
+        "sharding fsdp": "DeepSpeed has no FSDP (ZeRO stage 3 is its full sharding)",
+        "sharding ddp->zero2": "DeepSpeed's Ulysses runs on ZeRO stages >= 1 (stage 2 nearest DDP's replicas)",
+    },
+    approx={"ulysses_attn": "Ulysses runs as DeepSpeed's ALST (the same all-to-alls): predicted as seqpar's ulysses_attn"},
+)
+
+
+def files(plan: LaunchPlan, s: Strategy, stem: Path) -> tuple[dict[Path, str], str, list[str]]:
+    ds = ds_config(plan, s, sp_key=True)
+    if s.sharding == "zero3_offload":  # DeepSpeed's CPU AdamW runs the offloaded update
+        t = plan.training
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": t.learning_rate, "weight_decay": t.weight_decay}}
+    path = stem.with_name(stem.name + ".deepspeed.json")
+    left = [f"your script keeps checkpointing {s.checkpointing} and loss {s.loss_impl}"]
+    if s.mode == "ulysses_attn":
+        left.append("register Ulysses in your script (deepspeed UlyssesSPAttentionHF.register_with_transformers)")
+    return {path: dump_json(ds)}, f"deepspeed --num_gpus {plan.cluster.gpus_per_node} YOUR_SCRIPT.py --deepspeed {path}", left
+
+
+def read(data: dict, path: Path) -> Reading:
+    r = Reading("deepspeed", path)
+    known = {"zero_optimization", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
+             "sequence_parallel_size", "seq_parallel_communication_data_type", "gradient_clipping", "train_batch_size",
+             "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+             "zero_force_ds_cpu_optimizer", "prescale_gradients", "bfloat16", "activation_checkpointing"}  # fmt: skip
+    r.ignored += [k for k in data if k not in known]
+    if isinstance(data.get("activation_checkpointing"), dict):
+        r.not_understood.append("activation_checkpointing (DeepSpeed's own checkpointing API)")
+    read_ds(r, data)
+    r.values["optimizer"] = "adamw"  # DeepSpeed's bf16 keeps an fp32 master copy
+    return r
+
+
+__all__ = ["CAPS", "files", "read"]
