@@ -211,9 +211,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Every rank: both runs; exit 0 (the verdict is in verify.json), 2 for invalid input, 1 for a crash."""
-    from seqpar.runtime.train import _fail
+    import os
+
+    from seqpar.runtime.train import _record
 
     args = parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
         verify_ranks(args.plan, args.seq_len, args.data, args.model_path, args.output)
         from seqpar.runtime.engine import shutdown
@@ -221,13 +224,15 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
     except SeqparError as e:
         print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        _record(rank, args.output, "invalid", str(e))  # the launcher repeats the line and exits 2 too
         return 2
     except BaseException as e:
-        import os
         import traceback
 
         traceback.print_exc()
-        _fail(os.environ.get("RANK", "0"), f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", args.output)
+        first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        _record(rank, args.output, "error", first)
+        print(f"seqpar: rank {rank} failed: {first}", file=sys.stderr, flush=True)
         return 1
     return 0
 
