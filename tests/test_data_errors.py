@@ -102,7 +102,7 @@ def test_without_datasets_text_data_names_the_extra_to_install(tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "datasets", None)  # what `import datasets` meets when it is not installed
     with pytest.raises(
         SeqparError,
-        match=r"d.jsonl' is tokenized with the `datasets` package, which is not installed; pip install 'seqpar\[runtime\]'",
+        match=r"d.jsonl' is tokenized with the `datasets` package, which is not installed; pip install .*\[runtime\]",
     ):
         open_training_data(str(tmp_path / "d.jsonl"), DataOptions(cache=str(tmp_path / "c")), seq_len=8, vocab_size=256)
 
