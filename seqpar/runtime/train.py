@@ -575,6 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def stopping_exit(code: int) -> bool:
+    """The exit codes of a stop by SIGINT or SIGTERM (seqpar.runtime.stopping: 128 + the signal)."""
+    return code in (130, 143)
+
+
 def signal_name(signum: int) -> str:
     import signal
 
@@ -582,4 +587,14 @@ def signal_name(signum: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if stopping_exit(code):
+        # Stopped by a signal, its checkpoint written and recorded: skip the interpreter's teardown, where a C++ thread
+        # of gloo or the heartbeat's store client can still abort the rank ("terminate called without an active
+        # exception", a second line after the launcher's one; seen under load).
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
