@@ -928,23 +928,9 @@ def eval_needle(
 
 
 def _check_machine(plan: LaunchPlan, plan_path: Path, nnodes: Optional[int]) -> None:
-    from seqpar.advisor.probe import probe as run_probe
-    from seqpar.runtime.launch import check_machine
+    from seqpar.eval_cli import check_this_machine
 
-    res = run_probe()
-    matched = res.matched_gpu()
-    diffs = check_machine(
-        plan.cluster,
-        gpu_names=[g.name for g in res.gpus],
-        gpu_profile=matched.name if matched else None,
-        cpu_count=os.cpu_count() or 1,
-        nnodes=nnodes or plan.cluster.nodes,
-    )
-    if diffs:
-        raise SeqparError(
-            f"plan {str(plan_path)!r} does not match this machine: {'; '.join(diffs)}; "
-            f"advise a plan here (seqpar advise ...) or pass --force"
-        )
+    check_this_machine(plan, plan_path, nnodes)
 
 
 @app.command(cls=ReadableCommand)

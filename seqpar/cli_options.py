@@ -169,21 +169,25 @@ class RequestFlags:
 
 def with_request_flags(command):
     """Add RequestFlags' options to ``command`` (before its own); the command receives them as ``flags``."""
-    fields = dataclasses.fields(RequestFlags)
-    hints = get_type_hints(RequestFlags, include_extras=True)
+    return with_dataclass_flags(command, RequestFlags, "flags")
+
+
+def with_dataclass_flags(command, cls, name: str):
+    """Add the options of the dataclass ``cls`` (its fields' typer annotations) to ``command`` before its own; the command
+    receives them as one ``cls`` instance in its parameter ``name``."""
+    fields = dataclasses.fields(cls)
+    hints = get_type_hints(cls, include_extras=True)
     shared = [
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name]) for f in fields
     ]
     own = [
-        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-        for p in inspect.signature(command).parameters.values()
-        if p.name != "flags"
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in inspect.signature(command).parameters.values() if p.name != name
     ]  # typer passes every parameter by name; the shared panels come first in --help
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        flags = RequestFlags(**{f.name: kwargs.pop(f.name) for f in fields})
-        return command(*args, flags=flags, **kwargs)
+        value = cls(**{f.name: kwargs.pop(f.name) for f in fields})
+        return command(*args, **{name: value}, **kwargs)
 
     wrapper.__signature__ = inspect.Signature(shared + own)
     return wrapper
@@ -315,24 +319,7 @@ def parse_checkpoint_every(text: str) -> int | str:
 
 def with_training_flags(command):
     """Add TrainingFlags' options to ``command`` (before its own); the command receives them as ``training``."""
-    fields = dataclasses.fields(TrainingFlags)
-    hints = get_type_hints(TrainingFlags, include_extras=True)
-    shared = [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name]) for f in fields
-    ]
-    own = [
-        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-        for p in inspect.signature(command).parameters.values()
-        if p.name != "training"
-    ]
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        training = TrainingFlags(**{f.name: kwargs.pop(f.name) for f in fields})
-        return command(*args, training=training, **kwargs)
-
-    wrapper.__signature__ = inspect.Signature(shared + own)  # typer reads it; the Training panel comes before the command's
-    return wrapper
+    return with_dataclass_flags(command, TrainingFlags, "training")
 
 
 def request_doc_mix(flags: RequestFlags, seq_len: int | None, vocab_size: int):

@@ -53,8 +53,9 @@ def resolve_model_path(path: str | None) -> str | None:
     )
 
 
-def check_this_machine(plan: LaunchPlan, plan_path: Path) -> None:
-    """SeqparError when the plan's cluster is not this machine (probed through NVML; seqpar launch's check)."""
+def check_this_machine(plan: LaunchPlan, plan_path: Path, nnodes: int | None = None) -> None:
+    """SeqparError when the plan's cluster is not this machine (probed through NVML): the check of seqpar launch, verify
+    and eval (``nnodes``: the job's nodes, default the plan's)."""
     from seqpar.advisor.probe import probe as run_probe
     from seqpar.runtime.launch import check_machine
 
@@ -65,11 +66,12 @@ def check_this_machine(plan: LaunchPlan, plan_path: Path) -> None:
         gpu_names=[g.name for g in res.gpus],
         gpu_profile=matched.name if matched else None,
         cpu_count=os.cpu_count() or 1,
-        nnodes=plan.cluster.nodes,
+        nnodes=nnodes or plan.cluster.nodes,
     )
     if diffs:
         raise SeqparError(
-            f"plan {str(plan_path)!r} does not match this machine: {'; '.join(diffs)}; advise a plan here or pass --force"
+            f"plan {str(plan_path)!r} does not match this machine: {'; '.join(diffs)}; "
+            f"advise a plan here (seqpar advise ...) or pass --force"
         )
 
 
