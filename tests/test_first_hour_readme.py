@@ -26,6 +26,7 @@ BIN = str(Path(sys.executable).parent)
 NOT_HERE = {
     "pip install -e .": "installs seqpar: the test runs inside that install",
     "pip install -e '.[runtime]'": "installs the runtime extra: the test runs inside that install",
+    "bash .ci/run": "the test suite itself (CI runs it)",
     "seqpar eval plan.json --model-path runs/plan --data heldout.npy --seq-len 32k,64k,128k": "a trained run and held-out data",
     "seqpar eval needle plan.json --model-path ./Llama-2-7B-512K --lengths 64k,128k,256k,512k": "a downloaded 7B model and GPUs",
     "seqpar launch plan.json --data chats.jsonl --model-path ./Qwen2.5-0.5B-Instruct": "a downloaded chat model (tests/test_data_train.py trains chats)",
