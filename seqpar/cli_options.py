@@ -124,6 +124,24 @@ class RequestFlags:
         Optional[Checkpointing],
         typer.Option("--checkpointing", rich_help_panel=PINS, help="Activation checkpointing."),
     ] = None
+    checkpoint_layers: Annotated[
+        Optional[int],
+        typer.Option(
+            "--recompute-layers",
+            min=0,
+            rich_help_panel=PINS,
+            help="Decoder layers recomputed in backward, from the first; the rest keep all their activations (default: as few as memory allows).",
+        ),
+    ] = None
+    offload_layers: Annotated[
+        Optional[int],
+        typer.Option(
+            "--offload-layers",
+            min=0,
+            rich_help_panel=PINS,
+            help="checkpointing offload: layers whose input goes to host RAM, from the first (default: as few as fit the GPU).",
+        ),
+    ] = None
     sharding: Annotated[Optional[Sharding], typer.Option("--sharding", rich_help_panel=PINS, help="Model-state sharding.")] = None
     loss_impl: Annotated[
         Optional[LossImpl], typer.Option("--loss-impl", rich_help_panel=PINS, help="The loss implementation.")

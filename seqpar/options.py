@@ -8,7 +8,52 @@ training checkpoints' defaults (how many are kept, the interval) are here too: t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "offload", "selective")
+
+
+# Share of the host's physical RAM the offloaded checkpoints may hold page-locked (split between the node's ranks):
+# seqpar.runtime.offload pins within it, the time model prices what lies beyond it as pageable copies.
+PINNED_FRACTION = 0.4
+
+
+def pinned_block(nbytes: float) -> int:
+    """Bytes PyTorch's caching host allocator takes for a pinned tensor of ``nbytes``: the next power of two."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """How a plan's decoder layers divide between what backward needs of them, first layer first:
+    ``host`` checkpointed layers whose input waits in host memory (offload), then ``gpu`` checkpointed layers whose input
+    (and, under selective, attention's out + lse) stays on the GPU, then ``kept`` layers that keep every activation and
+    are not recomputed (memory-budget checkpointing; Megatron's recompute_num_layers with the block method and its
+    cpu_offloading_num_layers)."""
+
+    host: int
+    gpu: int
+    kept: int
+
+    @property
+    def checkpointed(self) -> int:
+        return self.host + self.gpu
+
+
+def layer_split(
+    checkpointing: str, num_layers: int, checkpoint_layers: int | None = None, offload_layers: int | None = None
+) -> LayerSplit:
+    """The split a plan's ``checkpointing``, ``checkpoint_layers`` (None = all) and ``offload_layers`` (None = all the
+    checkpointed ones, offload only) describe for a model of ``num_layers`` decoder layers. Assumes a valid plan
+    (seqpar.schema.plan_problems refuses the rest); counts are clipped to the model so a plan for a deeper model stays safe."""
+    if checkpointing == "none":
+        return LayerSplit(0, 0, num_layers)
+    ck = num_layers if checkpoint_layers is None else min(checkpoint_layers, num_layers)
+    host = 0
+    if checkpointing == "offload":
+        host = ck if offload_layers is None else min(offload_layers, ck)
+    return LayerSplit(host, ck - host, num_layers - ck)
+
 
 # Training checkpoints kept by default (--keep-last): the newest and the one before it, so a damaged newest still
 # leaves one to resume from. The CLI's help and the trainer read it.
@@ -41,4 +86,15 @@ def kept(override: int | None, planned: int | None) -> int:
     return override if override is not None else planned if planned is not None else KEEP_LAST
 
 
-__all__ = ["CHECKPOINTING", "HOURLY_S", "KEEP_LAST", "hourly", "interval", "kept"]
+__all__ = [
+    "CHECKPOINTING",
+    "HOURLY_S",
+    "KEEP_LAST",
+    "PINNED_FRACTION",
+    "LayerSplit",
+    "pinned_block",
+    "hourly",
+    "interval",
+    "kept",
+    "layer_split",
+]

@@ -269,6 +269,18 @@ class Strategy(_Frozen):
         default="full",
         description="none | full (keep layer inputs) | offload (layer inputs in host RAM) | selective (keep attention out+lse).",
     )
+    checkpoint_layers: Optional[int] = Field(
+        default=None,
+        ge=0,
+        description="Decoder layers, from the first, checkpointed with `checkpointing`; the remaining last layers keep all "
+        "their activations (no recomputation). None = all layers.",
+    )
+    offload_layers: Optional[int] = Field(
+        default=None,
+        ge=0,
+        description="checkpointing offload: how many checkpointed layers, from the first, send their input to host memory; "
+        "the others keep it on the GPU. None = all checkpointed layers.",
+    )
     sharding: Sharding = Field(default="ddp", description="Model-state sharding: ddp | zero2 | zero3 | zero3_offload | fsdp.")
     loss_impl: LossImpl = Field(
         default="chunked", description="hf: full fp32 logits as transformers computes them; chunked: logits a chunk at a time."

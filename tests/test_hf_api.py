@@ -307,7 +307,8 @@ def test_bad_checkpointing_is_one_clear_error():
 
 
 def test_pinned_budget_rounds_like_the_caching_host_allocator():
-    from seqpar.runtime.offload import _rounded, pinned_budget
+    from seqpar.options import pinned_block as _rounded
+    from seqpar.runtime.offload import pinned_budget
 
     assert _rounded(3 * 2**30) == 4 * 2**30 and _rounded(2**30) == 2**30 and _rounded(1) == 1
     assert pinned_budget() > 0

@@ -15,7 +15,8 @@ from seqpar.cli import app
 
 H100x8 = ["--gpu", "h100", "--gpus", "8"]
 ULYSSES = ["--seq-len", "256k", "--model", "llama-3-8b", *H100x8, "--mode", "ulysses_attn", "--sp-degree", "4"]
-ULYSSES += ["--checkpointing", "selective", "--sharding", "zero3", "--loss-impl", "chunked"]
+# every layer recomputed (--recompute-layers 32): the tools' configs cannot say a per-layer split
+ULYSSES += ["--checkpointing", "selective", "--recompute-layers", "32", "--sharding", "zero3", "--loss-impl", "chunked"]
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +295,23 @@ def test_emit_and_check_import_no_torch(tmp_path):
     ],
 )
 def test_a_plan_the_tool_runs_unchanged_checks_back_to_its_own_prediction(runner, tmp_path, tool, flags):
-    plan, err = advise(runner, tmp_path, ["--seq-len", "64k", "--model", "llama-3-8b", *H100x8, *flags], tool)
+    every_layer = ["--recompute-layers", "32", "--offload-layers", "32"]  # the tools have no per-layer split
+    plan, err = advise(runner, tmp_path, ["--seq-len", "64k", "--model", "llama-3-8b", *H100x8, *flags, *every_layer], tool)
     assert f"{tool} runs " not in err  # nothing was changed
     files = sorted(p for p in tmp_path.iterdir() if p.suffix == ".yaml")
     got = check(runner, files, *H100x8)
     assert got["strategy"] == plan["strategy"] and got["prediction"] == plan["prediction"]
+
+
+def test_a_layer_split_is_emitted_as_the_whole_model_policy_and_said(runner, tmp_path):
+    """The advisor keeps 3 of 32 layers un-recomputed (plan field checkpoint_layers); no tool has the split, so the
+    emitted config checkpoints every layer, the output says so, and the config checks back to that strategy's prediction."""
+    flags = ["--mode", "zigzag_ring_attn", "--checkpointing", "selective", "--sharding", "zero2", "--loss-impl", "chunked"]
+    flags += ["--recompute-layers", "29"]
+    plan, err = advise(runner, tmp_path, ["--seq-len", "64k", "--model", "llama-3-8b", *H100x8, *flags], "axolotl")
+    assert plan["strategy"]["checkpoint_layers"] == 29
+    assert "axolotl has no per-layer checkpointing split (the plan: 29 of 32 layers checkpointed" in err
+    files = sorted(p for p in tmp_path.iterdir() if p.suffix == ".yaml")
+    got = check(runner, files, *H100x8)
+    assert got["strategy"] == {**plan["strategy"], "checkpoint_layers": None}
+    assert got["prediction"]["peak_memory_gib"] < plan["prediction"]["peak_memory_gib"]

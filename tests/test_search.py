@@ -17,6 +17,16 @@ M7 = get_model("llama-2-7b")
 C = load_coefficients()
 
 
+def every_split(strategies, num_layers):
+    """Each strategy, and each of its layer splits: checkpoint_layers 0..L under full / selective, offload_layers 0..L
+    under offload."""
+    for s in strategies:
+        yield s
+        key = {"full": "checkpoint_layers", "selective": "checkpoint_layers", "offload": "offload_layers"}.get(s.checkpointing)
+        if key:
+            yield from (s.model_copy(update={key: n}) for n in range(num_layers + 1))
+
+
 @pytest.mark.parametrize("seq_len,rules", [(32768, "data_parallel"), (131072, "dist_flash_attn"), (524288, "zigzag_ring_attn")])
 def test_cost_search_picks_fastest_fitting(seq_len, rules):
     req = AdviseRequest(model=M7, seq_len=seq_len, cluster=default_cluster())
@@ -24,9 +34,10 @@ def test_cost_search_picks_fastest_fitting(seq_len, rules):
     p = plan.prediction
     assert not p.oom_risk and plan.rationale.policy == "cost" and plan.rationale.rules_choice == rules
     assert any(r.startswith(f"rules: {rules}") for r in plan.rationale.reasons)
-    # nothing that fits is faster (recompute over the whole search)
+    # nothing that fits is faster (recompute over the whole search, and every layer split of each checkpointing policy:
+    # the search bisects for the split, this tries them all)
     valid, _ = enumerate_strategies(req, req.workload())
-    fitting = [predict(req.workload(), req.cluster, s) for s in valid]
+    fitting = [predict(req.workload(), req.cluster, s) for s in every_split(valid, M7.num_layers)]
     assert max(x.tokens_per_s for x in fitting if not x.oom_risk) == pytest.approx(p.tokens_per_s, rel=1e-3)
     for alt in plan.rationale.alternatives:
         assert alt.prediction is not None and alt.rejected_because
@@ -39,6 +50,7 @@ def test_fully_pinned_predicts_exactly_that():
         cluster=cluster_from_flags("h200", 1),
         mode="data_parallel",
         checkpointing="full",
+        checkpoint_layers=32,  # every layer: the plain policy, which the plan writes without a split
         sharding="ddp",
         optimizer="none",
         loss_impl="hf",
@@ -93,6 +105,7 @@ def test_check_fits_and_fix():
             cluster=cluster_from_flags("h200", 1),
             mode="data_parallel",
             checkpointing="full",
+            checkpoint_layers=32,  # every layer recomputed: the hf loss's logits are the largest term
             sharding="ddp",
             optimizer="none",
             loss_impl="hf",

@@ -42,7 +42,7 @@ def explain_tables(plan: LaunchPlan, coeffs: Optional[Coefficients] = None) -> l
     t.add_row("reserved (+ allocator slack, CUDA context, NCCL)", f"{mem.reserved_bytes / GIB:.2f}", "")
     t.add_row("capacity", f"{mem.capacity_bytes / GIB:.2f}", "")
     t.add_row("phases: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.phases.items()), "", "")
-    if plan.strategy.checkpointing == "offload" or plan.strategy.sharding == "zero3_offload":
+    if mem.host_bytes and (plan.strategy.checkpointing == "offload" or plan.strategy.sharding == "zero3_offload"):
         t.add_row("host RAM per node", f"{mem.host_bytes / GIB:.1f}", f"of {mem.host_capacity_bytes / GIB:.0f} usable")
     out.append(t)
     p = plan.prediction

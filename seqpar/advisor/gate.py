@@ -2,7 +2,7 @@
 
 ``check(plan_or_request)`` predicts the plan on its own cluster (or on another of the same size), and when it does not
 fit tries single changes (``variants``: the chunked loss, each checkpointing, each zero* sharding, tiled_mlp, another
-mode or sp degree) and names the fastest that fits. Every variant is a strategy the plan rules accept
+mode or sp degree, each with the layer split memory allows: search.layer_split_variant) and names the fastest that fits. Every variant is a strategy the plan rules accept
 (schema.plan_problems), so the fix it names can always be written as a plan.
 """
 
@@ -15,7 +15,7 @@ from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
-from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, evaluate
+from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, evaluate, layer_split_variant, split_text
 from seqpar.errors import SeqparError
 from seqpar.schema import ClusterSpec, LaunchPlan, Prediction, Strategy, format_tokens, plan_problems
 
@@ -36,7 +36,10 @@ def variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]:
     """(what changed, the strategy) for each single change of ``s`` the plan rules accept for req's workload and cluster."""
     w = req.workload()
     changes = [("loss_impl chunked (logits a chunk at a time)", {"loss_impl": "chunked"})]
-    changes += [(f"checkpointing {ck}", {"checkpointing": ck}) for ck in ("full", "selective", "offload")]
+    whole = {"checkpoint_layers": None, "offload_layers": None}  # a new policy over every layer; its split is searched in check
+    if s.checkpoint_layers is not None or s.offload_layers is not None:
+        changes.append(("every layer checkpointed" + (" and offloaded" if s.checkpointing == "offload" else ""), whole))
+    changes += [(f"checkpointing {ck}", {"checkpointing": ck, **whole}) for ck in ("full", "selective", "offload")]
     changes += [(f"sharding {sh}", {"sharding": sh}) for sh in ("zero2", "zero3", "zero3_offload")]
     if not s.tiled_mlp:
         changes.append(("tiled_mlp (the MLP one sequence tile at a time)", {"tiled_mlp": True}))
@@ -98,9 +101,12 @@ def check(
     )  # keep the plan's kernels for the fallback advice
     best: Optional[tuple[float, str, Strategy]] = None
     for what, v in variants(s, req):
-        cand = evaluate(w, cl, v, c)
-        if cand.fits and (best is None or cand.tokens_per_s > best[0]):
-            best = (cand.tokens_per_s, what, v)
+        split = layer_split_variant(w, cl, v, c)  # the layer split memory allows under that change, where there is one
+        tries = [(what, v)] + ([(f"{what}, {split_text(split, w.model.num_layers)}", split)] if split is not None else [])
+        for label, x in tries:
+            cand = evaluate(w, cl, x, c)
+            if cand.fits and (best is None or cand.tokens_per_s > best[0]):
+                best = (cand.tokens_per_s, label, x)
     if best:
         fix = f"{best[1]} -> fits, {best[0]:,.0f} tokens/s ({describe(best[2])})"
     else:

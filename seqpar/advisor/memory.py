@@ -52,6 +52,7 @@ from seqpar.advisor import deepspeed_memory
 from seqpar.advisor.coefficients import Coefficients
 from seqpar.flops import matmul_params
 from seqpar.modes import FACTS, degrees, head_degree
+from seqpar.options import LayerSplit, layer_split
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.units import GIB
 
@@ -167,14 +168,17 @@ def saved_bytes_per_token(
     return norms + 3 * p * a * d + 2 * p * kv * d + 4 * a + mlp
 
 
-def kept_bytes_per_token(m: ModelSpec, dtype: str, strategy: Strategy, residual: int | None = None) -> float:
-    """What each layer keeps between its forward and its backward, per token, on the GPU.
+def kept_bytes_per_token(
+    m: ModelSpec, dtype: str, strategy: Strategy, residual: int | None = None, policy: str | None = None
+) -> float:
+    """What one layer under ``policy`` (default: the plan's checkpointing) keeps between its forward and its backward,
+    per token, on the GPU.
 
     full: the layer input (B, S, h) in the residual dtype; selective adds attention's output (B, S, a, d) in the model
     dtype and its fp32 lse (B, a, S) (seqpar.runtime.selective); offload: nothing (the input waits in host RAM);
     none: everything the layer saves, plus, under fused_ops liger, the layer input the fused input norm saves."""
     r = residual or DTYPE_BYTES[dtype]
-    ck = strategy.checkpointing
+    ck = policy or strategy.checkpointing
     if ck == "none":
         extra = r * m.hidden_size if strategy.fused_ops == "liger" else 0
         return saved_bytes_per_token(m, dtype, residual, strategy.fused_ops, strategy.tiled_mlp) + extra
@@ -184,6 +188,25 @@ def kept_bytes_per_token(m: ModelSpec, dtype: str, strategy: Strategy, residual:
         a = m.num_attention_heads
         return r * m.hidden_size + DTYPE_BYTES[dtype] * a * m.head_dim + 4 * a
     return r * m.hidden_size
+
+
+def split(m: ModelSpec, s: Strategy) -> LayerSplit:
+    """The plan's decoder layers by what backward needs of them (seqpar.options.layer_split): host-offloaded inputs,
+    GPU-kept checkpoints, layers that are not recomputed."""
+    return layer_split(s.checkpointing, m.num_layers, s.checkpoint_layers, s.offload_layers)
+
+
+def kept_by_layer(m: ModelSpec, dtype: str, s: Strategy, r: int) -> list[float]:
+    """Bytes per token each decoder layer keeps on the GPU until its backward, first layer first: the offloaded layers
+    nothing, the GPU-checkpointed ones their input (selective: + attention's out and lse), the last ``kept`` layers
+    everything they save."""
+    sp = split(m, s)
+    ck = "full" if s.checkpointing == "offload" else s.checkpointing
+    return (
+        [0.0] * sp.host
+        + [kept_bytes_per_token(m, dtype, s, r, ck)] * sp.gpu
+        + [kept_bytes_per_token(m, dtype, s, r, "none")] * sp.kept
+    )
 
 
 def ulysses_ranks(s: Strategy) -> int:
@@ -259,8 +282,11 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     ds = deepspeed_memory.terms(m, s.sharding, w.optimizer, prec.grad, world)  # DeepSpeed's own buffers (zero* only)
     opt = {"weights": states["weights"], "optimizer_states": states["optimizer_states"], "deepspeed_bucket": ds.bucket}
     gathered = states.get("gathered_params", 0.0)
-    kept = kept_bytes_per_token(m, dtype, s, r) * t
-    offload_inflight = 2 * r * h * t if s.checkpointing == "offload" else 0.0
+    layers = split(m, s)
+    kept_cum = [0.0]  # kept_cum[j]: bytes kept on the GPU by layers 0..j-1
+    for b in kept_by_layer(m, dtype, s, r):
+        kept_cum.append(kept_cum[-1] + b * t)
+    offload_inflight = 2 * r * h * t if layers.host else 0.0
     # autocast caches a bf16 copy of every fp32 matmul weight until the forward's autocast region exits (before backward)
     cache = 2 * matmul_params(m) if prec.autocast_cache else 0.0
     fwd_buf, bwd_buf = mode_buffers(m, dtype, s, t)
@@ -272,13 +298,14 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     if s.tiled_mlp:  # the MLP's intermediates exist for one tile at a time
         work_fwd = t * 2 * p * h + tile * 3 * p * i
     else:
-        work_fwd = t * (2 * p * h + 3 * p * i) if s.checkpointing != "none" else t * 2 * p * h
+        # the last layer's transient activations, unless it is one that keeps them all (counted in kept_cum)
+        work_fwd = t * (2 * p * h + 3 * p * i) if layers.kept == 0 else t * 2 * p * h
     forward = {
         **opt,
         "gradients": carried_grads,
         "gathered_params": gathered,
         "autocast_weight_cache": cache,
-        "checkpointed_activations": L * kept + offload_inflight,
+        "checkpointed_activations": kept_cum[L] + offload_inflight,
         "layer_working_set": work_fwd,
         "mode_buffers": fwd_buf,
     }
@@ -290,15 +317,16 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     base_loss = {
         **opt,
         "gathered_params": max(m.vocab_size * h * p if gathered else 0.0, ds.kept_gathered),
-        "checkpointed_activations": L * kept + offload_inflight,
+        "checkpointed_activations": kept_cum[L] + offload_inflight,
     }
     loss_bwd = {**base_loss, "gradients": max(carried_grads, head_grad), **loss_terms}
     loss_fwd = {**base_loss, "gradients": carried_grads, "autocast_weight_cache": cache, **loss_terms}
     if "loss_fp32_logits" in loss_fwd:
         loss_fwd["loss_fp32_logits"] *= 10 / 12
     loss = max(loss_fwd, loss_bwd, key=lambda d: sum(d.values()))
-    # backward of layer j, recomputing it: linear in j, so its maximum is at the top (j = L-1) or the bottom (j = 0) layer
-    recompute = saved_bytes_per_token(m, dtype, r, s.fused_ops, s.tiled_mlp) * t if s.checkpointing != "none" else 0.0
+    # backward of layer j, recomputing it when it is checkpointed: linear in j within each block of the split, so its
+    # maximum is at the top layer (j = L-1), the top checkpointed layer or the bottom one (j = 0)
+    recompute = saved_bytes_per_token(m, dtype, r, s.fused_ops, s.tiled_mlp) * t
     # the layer's backward peaks either in the MLP's backward (two intermediates' gradients) or in attention's (dq, dk,
     # dv beside the saved q, k, v, out); untiled the MLP moment is larger, tiled it is attention's (measured on the H200:
     # without this term tiled runs were under-predicted by ~6h bytes per token, the size of dq + dk + dv for MHA)
@@ -313,14 +341,14 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         tiled_buffers = 0.0
     per_layer_grad = m.layer_params * share
     backward = {}
-    for j in (L - 1, 0):
+    for j in sorted({L - 1, max(layers.checkpointed - 1, 0), 0}, reverse=True):
         g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (m.layer_params * p if gathered else 0.0))
         cand = {
             **opt,
             "gradients": g,
             "gathered_params": gathered + ds.kept_gathered,
-            "checkpointed_activations": (j + 1) * kept + offload_inflight,
-            "layer_recompute": recompute,
+            "checkpointed_activations": kept_cum[j + 1] + offload_inflight,
+            "layer_recompute": recompute if j < layers.checkpointed else 0.0,
             "gradient_flow": grad_flow,
             "tiled_mlp_buffers": tiled_buffers,
             "mode_buffers": bwd_buf,
@@ -375,7 +403,8 @@ def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) 
         out += cluster.gpus_per_node * c.host_process_gib * GIB
     if s.sharding == "zero3_offload":
         out += m.num_params * (p + 4 + optimizer_bytes_per_param(w.optimizer, w.dtype)) / cluster.nodes
-    if s.checkpointing == "offload":
+    host_layers = split(m, s).host
+    if host_layers:
         t = w.micro_batch_size * w.seq_len / s.sp_degree
-        out += m.num_layers * p * m.hidden_size * t * cluster.gpus_per_node
+        out += host_layers * p * m.hidden_size * t * cluster.gpus_per_node
     return out

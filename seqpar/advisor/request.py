@@ -60,6 +60,14 @@ class AdviseRequest(_Frozen):
     sp_degree: Optional[int] = Field(default=None, ge=1, description="Pinned sequence-parallel degree.")
     ulysses_degree: Optional[int] = Field(default=None, ge=1, description="Pinned Ulysses degree (usp_attn).")
     checkpointing: Optional[Checkpointing] = Field(default=None, description="Pinned checkpointing.")
+    checkpoint_layers: Optional[int] = Field(
+        default=None, ge=0, description="Pinned layers checkpointed, from the first (None = the search picks how many keep all)."
+    )
+    offload_layers: Optional[int] = Field(
+        default=None,
+        ge=0,
+        description="Pinned offloaded layers, from the first (None = the search picks how many stay on the GPU).",
+    )
     sharding: Optional[Sharding] = Field(default=None, description="Pinned sharding.")
     loss_impl: Optional[LossImpl] = Field(default=None, description="Pinned loss implementation.")
     fused_ops: Optional[FusedOps] = Field(

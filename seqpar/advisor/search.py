@@ -31,6 +31,7 @@ from seqpar.advisor.rules import tree_mode, written_plan
 from seqpar.advisor.throughput import estimate_time
 from seqpar.errors import SeqparError
 from seqpar.modes import FACTS, MODES, split_multiple
+from seqpar.options import layer_split
 from seqpar.schema import Alternative, ClusterSpec, LaunchPlan, ModelSpec, Rationale, Strategy, Workload, plan_problems
 from seqpar.units import GIB
 
@@ -86,6 +87,8 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
     losses = [req.loss_impl] if req.loss_impl else list(LOSS)
     tileds = [req.tiled_mlp] if req.tiled_mlp is not None else [False, True]
     fused = req.fused_ops or "none"
+    L = workload.model.num_layers  # a pinned split that covers every layer is the plain policy: plans say so with None
+    ckl = req.checkpoint_layers if req.checkpoint_layers != L else None
     valid: list[Strategy] = []
     invalid: list[tuple[Strategy | None, str]] = []
     for mode in modes:
@@ -103,6 +106,8 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
                     world,
                     u,
                     checkpointing=ck,
+                    checkpoint_layers=ckl if ck != "none" else None,
+                    offload_layers=req.offload_layers if ck == "offload" and req.offload_layers != (ckl or L) else None,
                     sharding=sh,
                     loss_impl=loss,
                     gradient_accumulation_steps=gas,
@@ -128,7 +133,59 @@ def describe(s: Strategy) -> str:
     if s.mode == "usp_attn":
         deg += f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})"
     extra = (" mlp=tiled" if s.tiled_mlp else "") + (f" ops={s.fused_ops}" if s.fused_ops != "none" else "")
-    return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing} {s.sharding} loss={s.loss_impl}{extra}"
+    return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing}{_split_text(s)} {s.sharding} loss={s.loss_impl}{extra}"
+
+
+def _split_text(s: Strategy) -> str:
+    parts = []
+    if s.offload_layers is not None:
+        parts.append(f"{s.offload_layers} offloaded")
+    if s.checkpoint_layers is not None:
+        parts.append(f"{s.checkpoint_layers} checkpointed")
+    return f"[{', '.join(parts)}]" if parts else ""
+
+
+def split_text(s: Strategy, num_layers: int) -> str:
+    """The layer split in words, e.g. "18 of 32 layers' inputs offloaded, 14 kept on the GPU"."""
+    sp = layer_split(s.checkpointing, num_layers, s.checkpoint_layers, s.offload_layers)
+    if s.checkpointing == "offload" and sp.gpu:
+        out = f"{sp.host} of {num_layers} layers' inputs offloaded, {sp.gpu} kept on the GPU"
+    elif s.checkpointing == "offload":
+        out = f"all {sp.host} offloaded layers"
+    else:
+        out = f"{sp.checkpointed} of {num_layers} layers checkpointed"
+    return out + (f", the last {sp.kept} not recomputed" if sp.kept and s.checkpointing != "none" else "")
+
+
+def _gpu_fits(w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients) -> bool:
+    mem = estimate_memory(w, cl, s, c)
+    return mem.reserved_bytes + c.headroom_gib * GIB <= mem.capacity_bytes
+
+
+def _first(lo: int, hi: int, ok) -> Optional[int]:
+    """The smallest n in [lo, hi] with ok(n), for ok monotone (False ... True); None when ok(hi) is False."""
+    if not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
+
+
+def layer_split_variant(w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients) -> Optional[Strategy]:
+    """The strategy's layer split that memory allows, when it differs from all-or-nothing (None otherwise, and when the
+    request pinned a split): offload keeps as many layer inputs on the GPU as fit, the rest go to the host (copies the
+    time model prices, pageable ones beyond the pinned budget dearest); full and selective let as many of the last layers
+    as fit keep all their activations, so backward does not recompute them (Megatron's recompute_num_layers, torchtitan's
+    memory budget). GPU memory grows with each layer moved toward the GPU, so each count is a bisection."""
+    L = w.model.num_layers
+    if s.checkpoint_layers is not None or s.offload_layers is not None or s.checkpointing == "none":
+        return None
+    if s.checkpointing == "offload":
+        host = _first(0, L, lambda n: _gpu_fits(w, cl, s.model_copy(update={"offload_layers": n}), c))
+        return s.model_copy(update={"offload_layers": host}) if host not in (None, L) and host > 0 else None
+    checkpointed = _first(0, L, lambda n: _gpu_fits(w, cl, s.model_copy(update={"checkpoint_layers": n}), c))
+    return s.model_copy(update={"checkpoint_layers": checkpointed}) if checkpointed not in (None, 0, L) else None
 
 
 def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cluster_note: str = "") -> LaunchPlan:
@@ -184,17 +241,22 @@ def _predict_all(req: AdviseRequest, valid: list[Strategy], w: Workload, cl: Clu
     """Every valid strategy's prediction, except that an unpinned tiled_mlp is predicted only where its untiled twin does not
     fit: tiling costs one more MLP forward and is never faster, so it can only win where it is the one that fits."""
     if req.tiled_mlp is not None:
-        return [evaluate(w, cl, s, c) for s in valid]
-    tiled = {s.model_copy(update={"tiled_mlp": False}): s for s in valid if s.tiled_mlp}
-    out = []
-    for s in valid:
-        if s.tiled_mlp:
-            continue
-        x = evaluate(w, cl, s, c)
-        out.append(x)
-        if not x.fits and s in tiled:
-            out.append(evaluate(w, cl, tiled[s], c))
-    return out
+        out = [evaluate(w, cl, s, c) for s in valid]
+    else:
+        tiled = {s.model_copy(update={"tiled_mlp": False}): s for s in valid if s.tiled_mlp}
+        out = []
+        for s in valid:
+            if s.tiled_mlp:
+                continue
+            x = evaluate(w, cl, s, c)
+            out.append(x)
+            if not x.fits and s in tiled:
+                out.append(evaluate(w, cl, tiled[s], c))
+    # each checkpointing strategy's layer split, where memory allows one between all and nothing (unless the request pins it)
+    if req.checkpoint_layers is not None or req.offload_layers is not None:
+        return out
+    variants = (layer_split_variant(w, cl, x.strategy, c) for x in list(out) if x.fits or x.strategy.checkpointing == "offload")
+    return out + [evaluate(w, cl, v, c) for v in variants if v is not None]
 
 
 def _departure(rules_mode: str, best: Candidate, fitting: list[Candidate], cands: list[Candidate]) -> str:
@@ -224,7 +286,12 @@ def _option_notes(
     out = []
     s = best.strategy
     if s.tiled_mlp and req.tiled_mlp is None and best.fits:
-        twin = next((x for x in cands if x.strategy == s.model_copy(update={"tiled_mlp": False})), None)
+        whole = {"checkpoint_layers": None, "offload_layers": None}  # the twin under any layer split of its own
+        untiled = s.model_copy(update={"tiled_mlp": False, **whole})
+        twins = sorted(
+            (x for x in cands if x.strategy.model_copy(update=whole) == untiled), key=lambda x: (not x.fits, -x.tokens_per_s)
+        )
+        twin = twins[0] if twins else None
         if twin is not None:
             out.append(
                 f"tiled_mlp: without it, {describe(twin.strategy)}: {twin.why or 'fits'}; tiling the MLP saves "
@@ -322,6 +389,7 @@ def max_seq_len(
     """
     c = coeffs or load_coefficients()
     out: dict[str, tuple[int, Optional[Strategy]]] = {}
+    pinned_split = pins.get("checkpoint_layers") is not None or pins.get("offload_layers") is not None
     for mode in modes or list(MODES):
         req0 = _request_for(model, cluster, 1024, mode=mode, **pins)
         w0 = req0.workload()
@@ -338,8 +406,13 @@ def max_seq_len(
         def fitting(n: int) -> Optional[Strategy]:
             w = w0.model_copy(update={"seq_len": n})
             for s in strategies:
-                if n % split_multiple(s.mode, s.sp_degree, s.ulysses_degree) == 0 and estimate_memory(w, cluster, s, c).fits:
+                if n % split_multiple(s.mode, s.sp_degree, s.ulysses_degree):
+                    continue
+                if estimate_memory(w, cluster, s, c).fits:
                     return s
+                partial = layer_split_variant(w, cluster, s, c) if s.checkpointing == "offload" and not pinned_split else None
+                if partial is not None and estimate_memory(w, cluster, partial, c).fits:
+                    return partial  # offloading only some layers' inputs fits where all of them overflow the host
             return None
 
         unit = math.lcm(1024, *(split_multiple(s.mode, s.sp_degree, s.ulysses_degree) for s in strategies))

@@ -7,8 +7,8 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   forward and again with grad in backward).
 * Elementwise traffic (norms, RoPE, SwiGLU), bound by HBM bandwidth, bytes per token and layer per forward:
   unfused (the model's own modules, with autocast's fp32 upcasts) 68h + 24(a+kv)d + 10I, Liger's fused kernels
-  8h + 4(a+kv)d + 6I; passes = forward + recompute (when checkpointing) + backward (2 forward's worth), and tiled_mlp's
-  extra MLP forward moves the SwiGLU bytes once more: time = t * L * bytes * passes / HBM bandwidth (datasheet). A fixed,
+  8h + 4(a+kv)d + 6I; passes = forward + recompute (the checkpointed layers) + backward (2 forward's worth), and
+  tiled_mlp's extra MLP forward moves the SwiGLU bytes once more: time = t * L * bytes * passes / HBM bandwidth. A fixed,
   unscaled part of the step, like the communication (the fit's ``rest``).
 * Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x
   forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (full and offload; selective
@@ -39,10 +39,12 @@ from dataclasses import dataclass
 
 from seqpar.advisor import packed
 from seqpar.advisor.coefficients import Coefficients
-from seqpar.advisor.memory import optimizer_bytes_per_param, precision, ring_ranks, ulysses_ranks
+from seqpar.advisor.memory import optimizer_bytes_per_param, precision, ring_ranks, split, ulysses_ranks
 from seqpar.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
 from seqpar.modes import split_multiple
+from seqpar.options import PINNED_FRACTION, pinned_block
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
+from seqpar.units import GIB
 
 REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
 REF_WIDTH = 8192  # the matmul rate of kernel_tflops is an 8192^3 GEMM; the width efficiency is normalised to 1 there
@@ -59,13 +61,15 @@ class TimeEstimate:
     ]  # unscaled components the fit works on (ideal linear / attention time, fixed rest incl. elementwise)
 
 
-def linear_flops_per_token(m: ModelSpec, checkpointing: str, loss_impl: str, tiled_mlp: bool = False) -> float:
-    """6*N_lin forward+backward, +2*N_lin of the layers for recompute, +2*V*h when the chunked loss recomputes logits,
-    +2*3*h*I*L when tiled_mlp runs each MLP forward once more (its tiles are recomputed in backward)."""
-    n_layers = m.num_layers * layer_matmul_params(m)
-    f = 6.0 * matmul_params(m)
-    if checkpointing != "none":
-        f += 2.0 * n_layers
+def linear_flops_per_token(
+    m: ModelSpec, checkpointing: str, loss_impl: str, tiled_mlp: bool = False, recomputed: int | None = None
+) -> float:
+    """6*N_lin forward+backward, +2*N_lin of the recomputed layers (``recomputed``; None = all when checkpointing),
+    +2*V*h when the chunked loss recomputes logits, +2*3*h*I*L when tiled_mlp runs each MLP forward once more (its tiles
+    are recomputed in backward)."""
+    if recomputed is None:
+        recomputed = m.num_layers if checkpointing != "none" else 0
+    f = 6.0 * matmul_params(m) + 2.0 * recomputed * layer_matmul_params(m)
     if loss_impl == "chunked":
         f += 2.0 * m.vocab_size * m.hidden_size
     if tiled_mlp:
@@ -82,21 +86,40 @@ def elementwise_bytes_per_token(m: ModelSpec, fused_ops: str = "none") -> tuple[
 
 
 def elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: float) -> float:
-    """Seconds of elementwise traffic for ``tokens`` local tokens: forward, recompute (when checkpointing), backward (2)."""
+    """Seconds of elementwise traffic for ``tokens`` local tokens: forward, recompute (the checkpointed layers),
+    backward (2)."""
     total, swiglu = elementwise_bytes_per_token(m, s.fused_ops)
-    passes = 1 + (1 if s.checkpointing != "none" else 0) + 2
-    moved = total * passes + (swiglu if s.tiled_mlp else 0.0)
-    return tokens * m.num_layers * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
+    recomputed = split(m, s).checkpointed
+    moved = (total * 3 + (swiglu if s.tiled_mlp else 0.0)) * m.num_layers + total * recomputed
+    return tokens * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
 
 
-def recomputes_attention(s: Strategy) -> bool:
-    """full and offload recompute the whole layer, attention included; selective recomputes the layer around attention
-    (seqpar.runtime.selective hands the kept output back), none recomputes nothing."""
-    return s.checkpointing in ("full", "offload")
+def attention_recompute_share(m: ModelSpec, s: Strategy) -> float:
+    """Share of the layers whose recomputation runs attention's forward again: the checkpointed layers under full and
+    offload; selective recomputes the layer around attention (seqpar.runtime.selective hands the kept output back), none
+    recomputes nothing."""
+    if s.checkpointing not in ("full", "offload"):
+        return 0.0
+    return split(m, s).checkpointed / m.num_layers
 
 
-def attention_multiplier(s: Strategy) -> float:
-    return 3.5 + (1.0 if recomputes_attention(s) else 0.0)
+def attention_multiplier(m: ModelSpec, s: Strategy) -> float:
+    return 3.5 + attention_recompute_share(m, s)
+
+
+def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, compute_s: float) -> float:
+    """Exposed seconds of one micro-batch's checkpoint offload: each offloaded layer input goes to the host in forward
+    and comes back in backward. Within the pinned budget (options.PINNED_FRACTION of the host's RAM per rank, each block
+    rounded to a power of two as the caching host allocator does) the copies are asynchronous and mostly hidden under
+    compute; beyond it seqpar.runtime.offload falls back to pageable memory, whose copies are synchronous: exposed."""
+    host = split(w.model, s).host
+    if not host:
+        return 0.0
+    layer = precision(w, s, cluster.accelerator).residual * w.model.hidden_size * w.micro_batch_size * w.seq_len / s.sp_degree
+    budget = PINNED_FRACTION * cluster.host_ram_gib * GIB / cluster.gpus_per_node
+    pinned = min(host, int(budget // pinned_block(layer)))
+    hidden = _hidden(2 * pinned * layer / (c.offload_bandwidth_gb_s * 1e9), compute_s, c.grad_comm_overlap)
+    return hidden + 2 * (host - pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
 
 
 def call_tokens(s: Strategy, seq_len: int) -> float:
@@ -146,13 +169,13 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     # ---- compute of one micro-batch
     lin_ideal = (
         t
-        * linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp)
+        * linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp, split(m, s).checkpointed)
         / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
     )
     lin_ideal /= width_efficiency(m.hidden_size, c.matmul_width_h0)
     n = call_tokens(s, S)
     eff = call_efficiency(n, c)
-    attn_flops = b * attention_fwd_flops(m, S) / P * attention_multiplier(s) * imbalance(s)  # dense: packing below
+    attn_flops = b * attention_fwd_flops(m, S) / P * attention_multiplier(m, s) * imbalance(s)  # dense: packing below
     attn_rate = c.kernel_rate_tflops(cluster, c.attention_backend(cluster)) * 1e12
     attn_ideal = attn_flops / attn_rate / eff
     mix, transfers = w.doc_lens, 1.0
@@ -164,8 +187,9 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     lin_factor, attn_factor = c.factors(cluster)
     lin_t, attn_t = lin_ideal * lin_factor, attn_ideal * attn_factor
     # forward, (recompute forward), backward; selective's Ulysses backward re-sends q, k, v, out (runtime/ulysses_attn.py head_split_backward)
-    passes = 3 if s.checkpointing != "none" else 2
-    attn_fwd_t = attn_t / attention_multiplier(s)  # one forward pass over all layers
+    passes = 2 + split(m, s).checkpointed / L
+    attn_fwd_t = attn_t / attention_multiplier(m, s)  # one forward pass over all layers
+    recompute_share = attention_recompute_share(m, s)
 
     # ---- sequence-parallel communication of one micro-batch
     sp_comm = 0.0
@@ -178,22 +202,22 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
         bw = _bw(cluster, r, c, contiguous_inner=u)
         kv_block = 2 * p * t * kv_eff * d  # K and V of t tokens (usp: t*u tokens at kv_eff/u heads)
         ring_passes = [(kv_block, attn_fwd_t), (kv_block + 8 * t * kv_eff * d, 2.5 * attn_fwd_t)]  # fwd; bwd adds fp32 dK,dV
-        if recomputes_attention(s):
-            ring_passes.append((kv_block, attn_fwd_t))
         for pass_bytes, pass_compute in ring_passes:
             step_comm, step_compute = pass_bytes / bw, pass_compute / L / r
             sp_comm += L * (r - 1) * transfers * _hidden(step_comm, step_compute, c.ring_overlap)
+        # the recomputed layers' forward K,V pass, once more for each layer whose recomputation runs attention
+        step_comm, step_compute = kv_block / bw, attn_fwd_t / L / r
+        sp_comm += recompute_share * L * (r - 1) * transfers * _hidden(step_comm, step_compute, c.ring_overlap)
     if s.mode == "dist_flash_attn" and P > 1:
         bw = _bw(cluster, P, c)
         steps = P / 2
         fwd_bytes = t * (p * (a * d + 2 * kv * d) + 4 * a * d + 4 * a)
         bwd_bytes = t * (p * (3 * a * d + 2 * kv * d) + 4 * (a * d + 2 * kv * d))
-        df_passes = [(fwd_bytes, attn_fwd_t), (bwd_bytes, 2.5 * attn_fwd_t)]
-        if recomputes_attention(s):  # the recomputed layer runs LightSeq's forward, transfers included, once more
-            df_passes.append((fwd_bytes, attn_fwd_t))
-        for pass_bytes, pass_compute in df_passes:
+        # a recomputed layer runs LightSeq's forward, transfers included, once more
+        df_passes = [(fwd_bytes, attn_fwd_t, 1.0), (bwd_bytes, 2.5 * attn_fwd_t, 1.0), (fwd_bytes, attn_fwd_t, recompute_share)]
+        for pass_bytes, pass_compute, share in df_passes:
             step_compute = pass_compute / L / (steps + 1)
-            sp_comm += L * steps * transfers * _hidden(pass_bytes / bw, step_compute, c.ring_overlap)
+            sp_comm += share * L * steps * transfers * _hidden(pass_bytes / bw, step_compute, c.ring_overlap)
 
     # ---- model-state traffic
     psi = m.num_params
@@ -216,9 +240,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     elif w.optimizer != "none":
         local = psi if s.sharding == "ddp" else psi / world
         opt_t = local * (2 * optimizer_bytes_per_param(w.optimizer, w.dtype) + 3 * p) / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
-    if s.checkpointing == "offload":  # layer inputs out in forward, back in backward, partly hidden under compute
-        pcie = c.offload_bandwidth_gb_s * 1e9
-        offload += accum * _hidden(2 * L * p * m.hidden_size * t / pcie, lin_t + attn_t, c.grad_comm_overlap)
+    offload += accum * offload_copy_time(w, cluster, s, c, lin_t + attn_t)
 
     compute = accum * (lin_t + attn_t)
     elementwise = accum * elementwise_time(m, cluster, s, t)

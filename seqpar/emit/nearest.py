@@ -94,6 +94,13 @@ def nearest(caps: Caps, s: Strategy, w: Workload, cluster: ClusterSpec) -> Itera
                 old, new = getattr(s, name), getattr(cand, name)
                 if old != new:
                     notes.append(_note(caps, name, old, new))
+            if s.checkpoint_layers is not None or s.offload_layers is not None:  # seqpar's own split: no tool has it
+                from seqpar.advisor.search import split_text
+
+                notes.append(
+                    f"{caps.tool} has no per-layer checkpointing split (the plan: {split_text(s, w.model.num_layers)}); "
+                    f"emitted checkpointing {cand.checkpointing} on every layer instead"
+                )
             if caps.adjust is not None:  # rules across choices, after the per-choice mapping
                 cand, more = caps.adjust(cand)
                 notes += more
@@ -107,7 +114,9 @@ def expressible(caps: Caps, s: Strategy) -> bool:
     if caps.adjust is not None and caps.adjust(s)[0] != s:
         return False
     return (
-        s.mode in caps.modes.get(s.mode, ())
+        s.checkpoint_layers is None
+        and s.offload_layers is None
+        and s.mode in caps.modes.get(s.mode, ())
         and caps.shardings[s.mode][s.sharding] == s.sharding
         and caps.checkpointing[s.checkpointing] == s.checkpointing
         and caps.loss_impl[s.loss_impl] == s.loss_impl

@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from seqpar.options import PINNED_FRACTION, pinned_block
 from seqpar.units import GIB
 
 
@@ -32,11 +33,7 @@ def pinned_budget() -> int:
     env = os.environ.get("SEQPAR_PINNED_BUDGET_GIB")
     if env:
         return int(float(env) * GIB)
-    return int(0.4 * _physical_ram() / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1))
-
-
-def _rounded(nbytes: int) -> int:
-    return 1 << max(nbytes - 1, 0).bit_length()  # the caching host allocator's power-of-two block
+    return int(PINNED_FRACTION * _physical_ram() / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1))
 
 
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -52,12 +49,12 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             if not t.is_cuda:
                 return t
             nbytes = t.numel() * t.element_size()
-            pin = HostOffload.held + _rounded(nbytes) <= budget
+            pin = HostOffload.held + pinned_block(nbytes) <= budget
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
             host.copy_(t, non_blocking=pin)
             if pin:
-                HostOffload.held += _rounded(nbytes)
-                weakref.finalize(host, HostOffload._release, _rounded(nbytes))
+                HostOffload.held += pinned_block(nbytes)
+                weakref.finalize(host, HostOffload._release, pinned_block(nbytes))
             HostOffload.stats["pinned" if pin else "pageable"] += nbytes
             return (t.device, host, pin)
 
