@@ -102,7 +102,7 @@ def test_pageable_copies_beyond_the_pinned_budget_are_exposed():
     pageable = 2 * (L7 - pinned_small) * layer / (C.pageable_bandwidth_gb_s * 1e9)
     # both hide pinned copies under compute but for (1 - overlap) of them: the difference is the pageable time minus the
     # exposed share of the 20 layers the big host pins
-    hidden_share = (1 - C.grad_comm_overlap) * 2 * (L7 - pinned_small) * layer / (C.offload_bandwidth_gb_s * 1e9)
+    hidden_share = (1 - C.grad_comm_overlap) * 2 * (L7 - pinned_small) * layer / (C.pinned_copy_gb_s * 1e9)
     assert small.breakdown_s["offload"] - big.breakdown_s["offload"] == pytest.approx(pageable - hidden_share, rel=1e-9)
 
 

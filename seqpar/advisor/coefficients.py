@@ -35,7 +35,8 @@ class Coefficients:
     grad_comm_overlap: float = 0.8  # share of gradient all-reduce / ZeRO traffic hidden under backward
     comm_bandwidth_efficiency: float = 0.75  # NCCL bus bandwidth / datasheet link bandwidth
     offload_bandwidth_gb_s: float = 12.0  # effective host<->device bandwidth per GPU for offloaded states / checkpoints
-    pageable_bandwidth_gb_s: float = 4.0  # checkpointed layer inputs beyond the pinned budget: synchronous pageable copies
+    pinned_copy_gb_s: float = 55.0  # checkpointed layer inputs to and from pinned host memory, per direction
+    pageable_bandwidth_gb_s: float = 2.5  # checkpointed layer inputs beyond the pinned budget: synchronous pageable copies
     cpu_adam_gparams_per_s: float = 8.0  # CPU Adam throughput per node, 1e9 parameters per second
     allocator_reserve_fraction: float = 0.05
     allocator_reserve_gib: float = 0.5
@@ -59,6 +60,7 @@ class Coefficients:
         "grad_comm_overlap",
         "comm_bandwidth_efficiency",
         "offload_bandwidth_gb_s",
+        "pinned_copy_gb_s",
         "pageable_bandwidth_gb_s",
         "cpu_adam_gparams_per_s",
         "allocator_reserve_fraction",
@@ -117,6 +119,7 @@ PLAUSIBLE = {
     "grad_comm_overlap": (0.0, 1.0),
     "comm_bandwidth_efficiency": (0.01, 1.0),
     "offload_bandwidth_gb_s": (0.1, 1e4),
+    "pinned_copy_gb_s": (0.01, 1e4),
     "pageable_bandwidth_gb_s": (0.01, 1e4),
     "cpu_adam_gparams_per_s": (0.01, 1e4),
     "allocator_reserve_fraction": (0.0, 0.9),

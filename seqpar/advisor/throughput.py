@@ -118,7 +118,7 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
     layer = precision(w, s, cluster.accelerator).residual * w.model.hidden_size * w.micro_batch_size * w.seq_len / s.sp_degree
     budget = PINNED_FRACTION * cluster.host_ram_gib * GIB / cluster.gpus_per_node
     pinned = min(host, int(budget // pinned_block(layer)))
-    hidden = _hidden(2 * pinned * layer / (c.offload_bandwidth_gb_s * 1e9), compute_s, c.grad_comm_overlap)
+    hidden = _hidden(2 * pinned * layer / (c.pinned_copy_gb_s * 1e9), compute_s, c.grad_comm_overlap)
     return hidden + 2 * (host - pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
 
 

@@ -1,0 +1,87 @@
+"""Host <-> GPU copy bandwidth of checkpointed layer inputs, the way seqpar.runtime.offload moves them.
+
+Within the pinned budget a layer input goes to a page-locked host tensor (``non_blocking``), beyond it to a fresh
+pageable one (a synchronous copy into memory the process touches for the first time); in backward it comes back. This
+times both for layer-input sizes of Llama-2-7B at 128K-512K tokens (1-4 GiB, bf16, hidden 4096) and writes GB/s per
+direction: the cost model's ``offload_bandwidth_gb_s`` (pinned) and ``pageable_bandwidth_gb_s`` come from here.
+
+    source bench/h200_env.sh && python3 bench/host_copies.py --out $OUT/host_copies.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+
+import torch
+
+GIB = 1 << 30
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes-gib", default="1,2,3,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="host_copies.json")
+    args = ap.parse_args()
+    rows = []
+    for size in (float(x) for x in args.sizes_gib.split(",")):
+        n = int(size * GIB) // 2
+        dev = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        pinned = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+        d2h_pinned = timed(lambda: pinned.copy_(dev, non_blocking=True), args.repeats)
+        h2d_pinned = timed(lambda: dev.copy_(pinned, non_blocking=True), args.repeats)
+        del pinned
+        kept = []
+
+        def to_pageable():  # a fresh pageable tensor each time, as HostOffload allocates beyond the budget
+            host = torch.empty(n, dtype=torch.bfloat16)
+            host.copy_(dev)
+            kept.append(host)
+
+        d2h_pageable = timed(to_pageable, args.repeats)
+        h2d_pageable = timed(lambda: dev.copy_(kept[-1]), args.repeats)
+        del kept
+        nbytes = n * 2
+        row = {"size_gib": size}
+        for name, ts in (
+            ("d2h_pinned", d2h_pinned),
+            ("h2d_pinned", h2d_pinned),
+            ("d2h_pageable_fresh", d2h_pageable),
+            ("h2d_pageable", h2d_pageable),
+        ):
+            row[name + "_gb_s"] = round(nbytes / min(ts) / 1e9, 2)
+            row[name + "_median_gb_s"] = round(nbytes / sorted(ts)[len(ts) // 2] / 1e9, 2)
+        rows.append(row)
+        print(row, flush=True)
+        del dev
+        torch.cuda.empty_cache()
+    out = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{torch.cuda.get_device_name()} ({platform.node()}), host RAM "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} GiB",
+        "torch": torch.__version__,
+        "command": "python3 bench/host_copies.py",
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
