@@ -152,3 +152,31 @@ def test_check_and_explain_read_a_plan_with_a_split(tmp_path):
     checked = runner.invoke(app, ["check", str(path), "--json"])
     assert checked.exit_code in (0, 1), checked.output  # 1: the plan does not fit; either way a verdict, no crash
     assert "Traceback" not in checked.output
+
+
+@pytest.mark.parametrize("tool", ["accelerate", "trl", "axolotl", "arctic"])
+def test_emitters_say_they_drop_the_split(tool, tmp_path):
+    from seqpar.emit import emit
+
+    plan = _plan(checkpointing="offload", checkpoint_layers=20, offload_layers=6)
+    em = emit(plan, tool, tmp_path / "plan.json")
+    assert (em.strategy.checkpoint_layers, em.strategy.offload_layers) == (None, None)  # no tool runs a layer split
+    assert any(
+        f"{tool} checkpoints every decoder layer or none (no checkpoint_layers); emitted checkpointing "
+        f"{em.strategy.checkpointing} on all 32 layers instead of the first 20" in n
+        for n in em.notes
+    ), em.notes
+    offload_note = any("no offload_layers); emitted all of them in host memory instead of 6 of 20" in n for n in em.notes)
+    assert offload_note == (em.strategy.checkpointing == "offload"), em.notes
+
+
+def test_deepspeed_leaves_the_split_to_the_script(tmp_path):
+    from seqpar.emit import emit
+
+    plan = _plan(checkpointing="offload", checkpoint_layers=20, offload_layers=6)
+    em = emit(plan, "deepspeed", tmp_path / "plan.json")
+    assert (em.strategy.checkpoint_layers, em.strategy.offload_layers) == (20, 6)
+    assert (
+        "your script keeps checkpointing offload (layers 0-5: input in host memory; layers 6-19: input on the GPU; "
+        "layers 20-31: not checkpointed) and loss chunked" in em.notes
+    ), em.notes
