@@ -236,3 +236,70 @@ def test_a_model_without_decoder_layers_is_refused():
 
     with pytest.raises(SeqparError, match=r"Linear: checkpoint_layers/offload_layers split the decoder layers, but 0"):
         apply_checkpointing(torch.nn.Linear(2, 2), "full", checkpoint_layers=1)
+
+
+def _train_and_spy(rank: int, world: int, cases: list, tmp: str, data: str) -> dict:
+    """test_train's rank body, recording the split each run hands to apply_checkpointing and the layers' flags after it."""
+    from test_train import train_cases
+
+    from seqpar.runtime import hf
+
+    seen, real = [], hf.apply_checkpointing
+
+    def spy(model, name, checkpoint_layers=None, offload_layers=None):
+        out = real(model, name, checkpoint_layers, offload_layers)
+        seen.append((name, checkpoint_layers, offload_layers, [layer.gradient_checkpointing for layer in model.model.layers]))
+        return out
+
+    hf.apply_checkpointing = spy
+    return {"metrics": train_cases(rank, world, cases, tmp, data), "applied": seen}
+
+
+def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
+    """seqpar's trainer on 2 gloo ranks (the tiny profile: 2 layers), 20 steps: a plan's split trains to the losses and
+    gradient norms of the un-checkpointed data_parallel run; train.log states the split and run_report.json records it."""
+    import json
+    from pathlib import Path
+
+    from test_train import _compare, learnable_tokens, make_plan
+
+    w = 2
+    split = {
+        "offload_split": ("offload", {"checkpoint_layers": 1, "offload_layers": 1}),
+        "selective_split": ("selective", {"checkpoint_layers": 1}),
+    }
+    cases = [("ref", make_plan(w))]
+    for name, (policy, fields) in split.items():
+        plan = make_plan(w, "zigzag_ring_attn", w, mbs=w, checkpointing=policy)
+        cases.append((name, plan.model_validate({**plan.model_dump(), "strategy": {**plan.strategy.model_dump(), **fields}})))
+    data = learnable_tokens(tmp_path / "tokens.npy")
+    got = run_ranks(_train_and_spy, w, cases, str(tmp_path), data, timeout=170)[0]
+    _compare(got["metrics"])
+    assert got["applied"] == [
+        ("none", None, None, [False, False]),
+        ("offload", 1, 1, [True, False]),
+        ("selective", 1, None, [True, False]),
+    ]
+    lines = {
+        "offload_split": "checkpointing=offload (layer 0: input in host memory; layer 1: not checkpointed)",
+        "selective_split": "checkpointing=selective (layer 0: checkpointed; layer 1: not checkpointed)",
+    }
+    for name, (_, fields) in split.items():
+        assert lines[name] in (tmp_path / name / "train.log").read_text(), name
+        report = json.loads(Path(tmp_path / name / "run_report.json").read_text())
+        strategy = report["plan"]["strategy"]
+        assert {k: strategy[k] for k in ("checkpoint_layers", "offload_layers")} == {
+            "checkpoint_layers": 1,
+            "offload_layers": fields.get("offload_layers"),
+        }
+
+
+def test_the_trainer_integration_reads_the_split_from_a_plan():
+    from test_train import make_plan
+
+    from seqpar.runtime.hf_trainer import SeqparArguments
+
+    plan = make_plan(2, "zigzag_ring_attn", 2, mbs=2, checkpointing="offload")
+    plan = plan.model_validate({**plan.model_dump(), "strategy": {**plan.strategy.model_dump(), "checkpoint_layers": 2}})
+    args = SeqparArguments.from_plan(plan)
+    assert (args.checkpointing, args.checkpoint_layers, args.offload_layers) == ("offload", 2, None)
