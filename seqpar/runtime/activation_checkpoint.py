@@ -16,6 +16,8 @@ and its cpu_offloading_num_layers): the policy applies to the first ``checkpoint
 ones keep all their activations and recompute nothing (memory-budget checkpointing: the memory a step leaves unused buys
 back their recomputation). Under offload, the first ``offload_layers`` of the checkpointed layers send their input to
 host memory and the others keep it on the GPU (plain non-reentrant checkpointing, as ``full``). Unset = every layer.
+Under selective, seqpar.apply keeps attention's out + lse in the checkpointed layers only: the others never recompute,
+so a kept entry there would only hold a fingerprint of q and references until backward.
 Layers are transformers' GradientCheckpointingLayer instances in module order (``decoder_layers``): each has its own
 ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``, which is all a split needs.
 
