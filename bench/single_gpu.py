@@ -6,6 +6,8 @@ Results are JSON rows with the fields the cost model's measurement files use (to
     PYTHONPATH=. python3 bench/single_gpu.py --shape llama-2-7b --seq 32k,64k,128k --variants stock,liger,seqpar \
         --steps 2 --out $OUT/single_gpu.json
     PYTHONPATH=. python3 bench/single_gpu.py --shape llama-3.2-1b --max-seq --start 64k --step 16k --variants stock
+    PYTHONPATH=. python3 bench/single_gpu.py --seq 384k --variants seqpar --seqpar-args "--checkpointing offload" \
+        --strategy-set checkpoint_layers=28,offload_layers=20   # the advised plan's strategy edited before launch
 
 Model FLOPs per step (for MFU): seqpar.flops, the count seqpar's predicted and measured MFU use (6 * matmul parameters per
 token plus causal attention, 3.5x its forward); recompute is not counted (MFU, not HFU).
@@ -104,8 +106,15 @@ def run_baseline(variant: str, spec: dict, seq_len: int, steps: int, warmup: int
     }
 
 
-def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer: str, extra: list[str]) -> dict:
-    """`seqpar advise` a pinned data_parallel plan for one H200, then `seqpar launch` it and read the run report."""
+def strategy_set(text: str) -> dict:
+    """ "checkpoint_layers=28,offload_layers=20" -> {"checkpoint_layers": 28, ...}; "null" = unset, digits = int."""
+    pairs = [kv.split("=", 1) for kv in text.split(",") if kv.strip()]
+    return {k.strip(): None if v == "null" else int(v) if v.isdigit() else v for k, v in pairs}
+
+
+def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer: str, extra: list[str], overrides: dict) -> dict:
+    """`seqpar advise` a pinned data_parallel plan for one H200 (its strategy's fields set from ``overrides``, the plan
+    validated again), then `seqpar launch` it and read the run report."""
     with tempfile.TemporaryDirectory() as tmp:
         plan = Path(tmp) / "plan.json"
         out = Path(tmp) / "run"
@@ -133,6 +142,12 @@ def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer:
             *extra,
         ]
         subprocess.run(adv, check=True, stdout=subprocess.DEVNULL)
+        if overrides:
+            from seqpar.schema import LaunchPlan
+
+            data = json.loads(plan.read_text())
+            data["strategy"].update(overrides)
+            LaunchPlan.model_validate(data).write(plan)
         cmd = [
             sys.executable,
             "-m",
@@ -173,10 +188,12 @@ def worker(args) -> None:
         "seq_len": args.seq_len,
         "optimizer": args.optimizer,
         "options": args.seqpar_args,
+        "strategy_set": args.strategy_set,
     }
     try:
         if args.variant == "seqpar":
-            res = run_seqpar(args.shape, args.seq_len, args.steps, args.warmup, args.optimizer, args.seqpar_args.split())
+            extra, overrides = args.seqpar_args.split(), strategy_set(args.strategy_set)
+            res = run_seqpar(args.shape, args.seq_len, args.steps, args.warmup, args.optimizer, extra, overrides)
         else:
             res = run_baseline(args.variant, spec, args.seq_len, args.steps, args.warmup, args.optimizer)
         t = sorted(res["step_times_s"])[len(res["step_times_s"]) // 2]
@@ -220,6 +237,8 @@ def one(variant: str, shape: str, seq_len: int, args) -> dict:
         args.optimizer,
         "--seqpar-args",
         args.seqpar_args,
+        "--strategy-set",
+        args.strategy_set,
     ]
     # Baselines run with the default allocator settings users get; seqpar launch sets its own (expandable segments).
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
@@ -249,6 +268,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--optimizer", default="none", choices=["none", "adamw-bf16"])
     p.add_argument("--seqpar-args", default="", help="extra `seqpar advise` flags for the seqpar variant")
+    p.add_argument("--strategy-set", default="", help="seqpar variant: strategy fields set in the advised plan (k=v,...)")
     p.add_argument("--max-seq", action="store_true", help="search the longest trainable length in --step increments")
     p.add_argument("--start", default="64k")
     p.add_argument("--step", default="16k")

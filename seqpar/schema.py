@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from seqpar.errors import SeqparError
 from seqpar.modes import MODES, check_heads, check_split
-from seqpar.options import CHECKPOINTING, KEEP_LAST
+from seqpar.options import CHECKPOINTING, KEEP_LAST, layer_split
 
 SCHEMA_VERSION = 1
 SEED_MAX = 2**32 - 1
@@ -272,14 +272,17 @@ class Strategy(_Frozen):
     checkpoint_layers: Optional[int] = Field(
         default=None,
         ge=0,
-        description="Decoder layers, from the first, checkpointed with `checkpointing`; the remaining last layers keep all "
-        "their activations (no recomputation). None = all layers.",
+        description="Decoder layers, counted from the first, that the checkpointing policy applies to; the remaining (last) "
+        "layers keep all their activations and recompute nothing (memory-budget checkpointing, Megatron's "
+        "recompute_num_layers with its block method). None = every layer (the same as the model's num_layers); not "
+        "with checkpointing none.",
     )
     offload_layers: Optional[int] = Field(
         default=None,
         ge=0,
-        description="checkpointing offload: how many checkpointed layers, from the first, send their input to host memory; "
-        "the others keep it on the GPU. None = all checkpointed layers.",
+        description="checkpointing offload only: of the checkpointed layers, how many, counted from the first, send their "
+        "checkpointed input to host memory (pinned within the budget); the other checkpointed layers keep it on the GPU "
+        "(plain full checkpointing; Megatron's cpu_offloading_num_layers). None = every checkpointed layer.",
     )
     sharding: Sharding = Field(default="ddp", description="Model-state sharding: ddp | zero2 | zero3 | zero3_offload | fsdp.")
     loss_impl: LossImpl = Field(
@@ -376,8 +379,9 @@ def layout_problems(strategy: Strategy, seq_len: int, model: ModelSpec, cluster:
 
 
 def option_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy) -> list[str]:
-    """Why the strategy's options (sharding, fused ops, tiled MLP) cannot train this workload on this cluster: the
-    engines behind them (seqpar.runtime.engine and deepspeed.py, fused.py, tiled_mlp.py) refuse the combination."""
+    """Why the strategy's options (sharding, fused ops, the checkpointing split, tiled MLP) cannot train this workload on
+    this cluster: the engines behind them (seqpar.runtime.engine and deepspeed.py, fused.py, activation_checkpoint.py,
+    tiled_mlp.py) refuse the combination."""
     s, c, w, out = strategy, cluster, workload, []
     cuda, zero = c.accelerator == "cuda", s.sharding.startswith("zero")  # zero* runs DeepSpeed on CUDA and CPU ranks
     if zero and w.optimizer != "adamw":
@@ -400,11 +404,70 @@ def option_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy
             f"fused_ops liger runs Triton kernels on CUDA GPUs (Liger-Kernel), but the cluster's accelerator is "
             f"{c.accelerator}; use fused_ops none"
         )
+    out += split_problems(s.checkpointing, s.checkpoint_layers, s.offload_layers, w.model.num_layers, w.model.name)
     if s.tiled_mlp and s.sharding in ZERO3:
         out.append(
             f"tiled_mlp with sharding {s.sharding}: ZeRO-3 gathers parameters through module hooks that the tiles' "
             "recomputation in backward bypasses; use sharding fsdp or ddp, or tiled_mlp false"
         )
+    return out
+
+
+def checkpointed_layers(strategy: Strategy, num_layers: int) -> int:
+    """How many decoder layers the checkpointing policy applies to (0 under none); the rest keep their activations."""
+    return layer_split(strategy.checkpointing, num_layers, strategy.checkpoint_layers, strategy.offload_layers).checkpointed
+
+
+def offloaded_layers(strategy: Strategy, num_layers: int) -> int:
+    """How many checkpointed layers send their input to host memory (0 unless checkpointing offload)."""
+    return layer_split(strategy.checkpointing, num_layers, strategy.checkpoint_layers, strategy.offload_layers).host
+
+
+def checkpointing_text(strategy: Strategy, num_layers: int) -> str:
+    """The policy and its split over the layers (0-based, as the model's layer list), e.g. "offload (layers 0-7: input
+    in host memory; layers 8-23: input on the GPU; layers 24-31: not checkpointed)"; the bare policy name when it
+    applies to every layer alike."""
+    s, n = strategy, num_layers
+    ck, off = checkpointed_layers(s, n), offloaded_layers(s, n)
+    if s.checkpointing == "none" or (ck == n and (s.checkpointing != "offload" or off == n)):
+        return s.checkpointing
+
+    def span(a: int, b: int) -> str:
+        return f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}"
+
+    if s.checkpointing == "offload":
+        parts = [f"{span(0, off)}: input in host memory"] if off else []
+        parts += [f"{span(off, ck)}: input on the GPU"] if ck > off else []
+    else:
+        parts = [f"{span(0, ck)}: checkpointed"] if ck else []
+    parts += [f"{span(ck, n)}: not checkpointed"] if n > ck else []
+    return f"{s.checkpointing} ({'; '.join(parts)})"
+
+
+def split_problems(
+    checkpointing: str, checkpoint_layers: Optional[int], offload_layers: Optional[int], num_layers: int, owner: str
+) -> list[str]:
+    """Why checkpoint_layers / offload_layers cannot split the ``num_layers`` decoder layers of ``owner`` under the
+    ``checkpointing`` policy (empty = they can). The plan (option_problems) and seqpar.apply both ask it."""
+    ck, off, n, out = checkpoint_layers, offload_layers, num_layers, []
+    if ck is not None and checkpointing == "none":
+        out.append(
+            f"checkpoint_layers {ck} picks the layers that checkpointing applies to, but checkpointing is none; remove "
+            "checkpoint_layers, or pick checkpointing full, selective or offload"
+        )
+    elif ck is not None and ck > n:
+        out.append(
+            f"checkpoint_layers {ck} is more than the {n} decoder layers of {owner}; use at most {n} ({n} or unset = every "
+            "layer checkpointed)"
+        )
+    if off is not None and checkpointing != "offload":
+        out.append(
+            f"offload_layers {off} sends checkpointed layer inputs to host memory, which only checkpointing offload does, "
+            f"but checkpointing is {checkpointing}; remove offload_layers, or use checkpointing offload"
+        )
+    elif off is not None and off > (kept := n if ck is None else min(ck, n)):
+        why = f"checkpoint_layers {ck}" if ck is not None else f"every layer of {owner}"
+        out.append(f"offload_layers {off} is more than the {kept} checkpointed layers ({why}); use at most {kept}")
     return out
 
 

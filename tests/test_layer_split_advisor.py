@@ -154,4 +154,4 @@ def test_check_names_a_layer_split_as_the_fix():
     res = check(req)
     assert not res.fits and res.exit_code == 1
     assert res.fix_strategy is not None and res.fix_strategy.checkpointing == "selective"
-    assert 4 < res.fix_strategy.checkpoint_layers < L7 and "layers checkpointed" in res.fix
+    assert 4 < res.fix_strategy.checkpoint_layers < L7 and "checkpointed; layers" in res.fix and "not checkpointed" in res.fix

@@ -15,9 +15,9 @@ from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
-from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, evaluate, layer_split_variant, split_text
+from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, evaluate, layer_split_variant
 from seqpar.errors import SeqparError
-from seqpar.schema import ClusterSpec, LaunchPlan, Prediction, Strategy, format_tokens, plan_problems
+from seqpar.schema import ClusterSpec, LaunchPlan, Prediction, Strategy, checkpointing_text, format_tokens, plan_problems
 
 
 @dataclass
@@ -102,7 +102,7 @@ def check(
     best: Optional[tuple[float, str, Strategy]] = None
     for what, v in variants(s, req):
         split = layer_split_variant(w, cl, v, c)  # the layer split memory allows under that change, where there is one
-        tries = [(what, v)] + ([(f"{what}, {split_text(split, w.model.num_layers)}", split)] if split is not None else [])
+        tries = [(what, v)] + ([(f"{what}: {checkpointing_text(split, w.model.num_layers)}", split)] if split is not None else [])
         for label, x in tries:
             cand = evaluate(w, cl, x, c)
             if cand.fits and (best is None or cand.tokens_per_s > best[0]):

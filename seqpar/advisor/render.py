@@ -16,9 +16,9 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 
 from seqpar.advisor.bill import NOT_COUNTED, bill_lines, plan_bill
-from seqpar.advisor.search import describe, split_text
+from seqpar.advisor.search import describe
 from seqpar.advisor.training import training_rows
-from seqpar.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, Workload, format_tokens
+from seqpar.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, Workload, checkpointing_text, format_tokens
 
 
 def _kv(title: str, rows: Iterable[tuple[str, object]]) -> Table:
@@ -96,15 +96,7 @@ def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[R
                     + (f", ulysses {s.ulysses_degree} x ring {s.ring_degree}" if s.mode == "usp_attn" else ""),
                 ),
                 ("tokens per rank", w.seq_len // s.sp_degree),
-                (
-                    "checkpointing",
-                    s.checkpointing
-                    + (
-                        f" ({split_text(s, w.model.num_layers)})"
-                        if s.checkpoint_layers is not None or s.offload_layers is not None
-                        else ""
-                    ),
-                ),
+                ("checkpointing", checkpointing_text(s, w.model.num_layers)),
                 ("sharding", s.sharding),
                 ("loss", s.loss_impl),
                 ("fused ops", s.fused_ops),

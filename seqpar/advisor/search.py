@@ -31,7 +31,6 @@ from seqpar.advisor.rules import tree_mode, written_plan
 from seqpar.advisor.throughput import estimate_time
 from seqpar.errors import SeqparError
 from seqpar.modes import FACTS, MODES, split_multiple
-from seqpar.options import layer_split
 from seqpar.schema import Alternative, ClusterSpec, LaunchPlan, ModelSpec, Rationale, Strategy, Workload, plan_problems
 from seqpar.units import GIB
 
@@ -143,18 +142,6 @@ def _split_text(s: Strategy) -> str:
     if s.checkpoint_layers is not None:
         parts.append(f"{s.checkpoint_layers} checkpointed")
     return f"[{', '.join(parts)}]" if parts else ""
-
-
-def split_text(s: Strategy, num_layers: int) -> str:
-    """The layer split in words, e.g. "18 of 32 layers' inputs offloaded, 14 kept on the GPU"."""
-    sp = layer_split(s.checkpointing, num_layers, s.checkpoint_layers, s.offload_layers)
-    if s.checkpointing == "offload" and sp.gpu:
-        out = f"{sp.host} of {num_layers} layers' inputs offloaded, {sp.gpu} kept on the GPU"
-    elif s.checkpointing == "offload":
-        out = f"all {sp.host} offloaded layers"
-    else:
-        out = f"{sp.checkpointed} of {num_layers} layers checkpointed"
-    return out + (f", the last {sp.kept} not recomputed" if sp.kept and s.checkpointing != "none" else "")
 
 
 def _gpu_fits(w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients) -> bool:

@@ -3,7 +3,7 @@
 It carries the engine (ZeRO stage and offload, batch sizes, gradient clipping, bf16) and, for Ulysses,
 ``sequence_parallel_size`` with ``seq_parallel_communication_data_type``; the script registers DeepSpeed's Ulysses
 attention itself (``deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF``, the ALST integration).
-Checkpointing, the loss and fused kernels stay in the script. Stage 0 is DeepSpeed without sharding (DDP's replicas).
+Checkpointing (with its split over the layers), the loss and fused kernels stay in the script. Stage 0 is DeepSpeed without sharding (DDP's replicas).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from seqpar.emit.common import Reading, ds_config, dump_json, read_ds
 from seqpar.emit.nearest import Caps
-from seqpar.schema import LaunchPlan, Strategy
+from seqpar.schema import LaunchPlan, Strategy, checkpointing_text
 
 ZERO = {"ddp": "ddp", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}
 CAPS = Caps(
@@ -33,6 +33,7 @@ CAPS = Caps(
         "sharding ddp->zero2": "DeepSpeed's Ulysses runs on ZeRO stages >= 1 (stage 2 nearest DDP's replicas)",
     },
     approx={"ulysses_attn": "Ulysses runs as DeepSpeed's ALST (the same all-to-alls): predicted as seqpar's ulysses_attn"},
+    layer_split=True,  # checkpointing is the script's (seqpar.apply's checkpoint_layers / offload_layers can split it)
 )
 
 
@@ -42,7 +43,8 @@ def files(plan: LaunchPlan, s: Strategy, stem: Path) -> tuple[dict[Path, str], s
         t = plan.training
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": t.learning_rate, "weight_decay": t.weight_decay}}
     path = stem.with_name(stem.name + ".deepspeed.json")
-    left = [f"your script keeps checkpointing {s.checkpointing} and loss {s.loss_impl}"]
+    ckpt = checkpointing_text(s, plan.workload.model.num_layers)
+    left = [f"your script keeps checkpointing {ckpt} and loss {s.loss_impl}"]
     if s.mode == "ulysses_attn":
         left.append("register Ulysses in your script (deepspeed UlyssesSPAttentionHF.register_with_transformers)")
     return {path: dump_json(ds)}, f"deepspeed --num_gpus {plan.cluster.gpus_per_node} YOUR_SCRIPT.py --deepspeed {path}", left

@@ -14,6 +14,10 @@ Facts (read in the released wheels; accelerate 1.16.0, TRL 1.16.0, axolotl 0.19.
   varlen_llama3; zigzag variants are commented out of its enum); it has no Ulysses.
 - ArcticTraining's ``sequence_parallel_size`` is DeepSpeed Ulysses (ALST); it runs DeepSpeed ZeRO only, has no ring
   attention and no selective checkpointing.
+- None of them splits the decoder layers between checkpointing policies (the plan's checkpoint_layers, offload_layers):
+  accelerate's FSDP checkpointing wraps every layer, transformers' checkpointing (TRL, Axolotl, ArcticTraining) has
+  ``every_n_layers`` (every n-th layer, not the first k) and one offload switch for all of them. The nearest is the
+  policy on every layer (and every checkpointed input offloaded): less GPU memory than the plan, more recomputation.
 - TRL >= 1.15 computes the SFT loss through a fused LM head, chunk by chunk ("without materializing the full logits"):
   seqpar's ``chunked``; it has no switch back to full logits.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from seqpar.schema import ClusterSpec, Strategy, Workload, layout_problems
+from seqpar.schema import ClusterSpec, Strategy, Workload, checkpointed_layers, layout_problems, offloaded_layers
 
 ALL_SHARDINGS = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp")
 DEEPSPEED_ONLY = {"ddp": "zero2", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}
@@ -45,6 +49,7 @@ class Caps:
     why: dict[str, str] = field(default_factory=dict)  # "field value" -> why the tool lacks it (a clause)
     approx: dict[str, str] = field(default_factory=dict)  # tool mode -> how the tool runs it, when not seqpar's kernel
     adjust: Callable[[Strategy], tuple[Strategy, list[str]]] | None = None  # rules across choices (e.g. FSDP's policies)
+    layer_split: bool = False  # the tool runs checkpoint_layers / offload_layers (none of today's tools does)
 
 
 def _note(caps: Caps, name: str, old, new) -> str:
@@ -94,29 +99,42 @@ def nearest(caps: Caps, s: Strategy, w: Workload, cluster: ClusterSpec) -> Itera
                 old, new = getattr(s, name), getattr(cand, name)
                 if old != new:
                     notes.append(_note(caps, name, old, new))
-            if s.checkpoint_layers is not None or s.offload_layers is not None:  # seqpar's own split: no tool has it
-                from seqpar.advisor.search import split_text
-
-                notes.append(
-                    f"{caps.tool} has no per-layer checkpointing split (the plan: {split_text(s, w.model.num_layers)}); "
-                    f"emitted checkpointing {cand.checkpointing} on every layer instead"
-                )
             if caps.adjust is not None:  # rules across choices, after the per-choice mapping
                 cand, more = caps.adjust(cand)
                 notes += more
             if mode in caps.approx:
                 notes.append(caps.approx[mode])
+            if caps.layer_split and cand.checkpointing == s.checkpointing:
+                cand = cand.model_copy(update={"checkpoint_layers": s.checkpoint_layers, "offload_layers": s.offload_layers})
+            else:
+                notes += _split_notes(caps, s, cand, w.model.num_layers)
             yield cand, notes
+
+
+def _split_notes(caps: Caps, s: Strategy, cand: Strategy, n: int) -> list[str]:
+    """A line per layer split of ``s`` that ``cand`` (the policy on every layer) drops."""
+    ck, off, out = checkpointed_layers(s, n), offloaded_layers(s, n), []
+    if s.checkpointing != "none" and ck < n and cand.checkpointing != "none":
+        out.append(
+            f"{caps.tool} checkpoints every decoder layer or none (no checkpoint_layers); emitted checkpointing "
+            f"{cand.checkpointing} on all {n} layers instead of the first {ck} (more recomputation, less memory)"
+        )
+    if s.checkpointing == "offload" and off < ck and cand.checkpointing == "offload":
+        out.append(
+            f"{caps.tool} offloads every checkpointed layer's input or none (no offload_layers); emitted all of them in "
+            f"host memory instead of {off} of {ck} (more host RAM, less GPU memory)"
+        )
+    return out
 
 
 def expressible(caps: Caps, s: Strategy) -> bool:
     """Does the tool run ``s`` as it is (every choice maps onto itself)?"""
     if caps.adjust is not None and caps.adjust(s)[0] != s:
         return False
+    if not caps.layer_split and (s.checkpoint_layers is not None or s.offload_layers is not None):
+        return False
     return (
-        s.checkpoint_layers is None
-        and s.offload_layers is None
-        and s.mode in caps.modes.get(s.mode, ())
+        s.mode in caps.modes.get(s.mode, ())
         and caps.shardings[s.mode][s.sharding] == s.sharding
         and caps.checkpointing[s.checkpointing] == s.checkpointing
         and caps.loss_impl[s.loss_impl] == s.loss_impl

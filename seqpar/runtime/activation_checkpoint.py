@@ -11,16 +11,28 @@ activation_checkpoint.py: one function applies one policy).
 | offload   | every decoder layer; its input waits in host RAM  | reentrant checkpointing under seqpar.runtime.offload (Unsloth) |
 | selective | every layer but attention: its out + lse are kept | non-reentrant, and seqpar.runtime.selective in the attention   |
 
+The split (the plan's ``checkpoint_layers`` and ``offload_layers``; Megatron's recompute_num_layers with its block method
+and its cpu_offloading_num_layers): the policy applies to the first ``checkpoint_layers`` decoder layers only; the last
+ones keep all their activations and recompute nothing (memory-budget checkpointing: the memory a step leaves unused buys
+back their recomputation). Under offload, the first ``offload_layers`` of the checkpointed layers send their input to
+host memory and the others keep it on the GPU (plain non-reentrant checkpointing, as ``full``). Unset = every layer.
+Under selective, seqpar.apply keeps attention's out + lse in the checkpointed layers only: the others never recompute,
+so a kept entry there would only hold a fingerprint of q and references until backward.
+Layers are transformers' GradientCheckpointingLayer instances in module order (``decoder_layers``): each has its own
+``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``, which is all a split needs.
+
 Adding a policy: a row in ``POLICIES`` (and a branch in ``apply_checkpointing`` if it needs more than those switches).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparError
-from seqpar.options import CHECKPOINTING
+from seqpar.options import CHECKPOINTING, layer_split
+from seqpar.schema import split_problems
 
 
 @dataclass(frozen=True)
@@ -109,13 +121,40 @@ def _offloaded_checkpoint(function, *args, **kwargs):
         return checkpoint(function, *args, use_reentrant=True, **kwargs)
 
 
-def apply_checkpointing(model, name: str) -> Policy:
+def decoder_layers(model) -> list:
+    """The model's decoder layers in order: transformers' GradientCheckpointingLayer instances in module order (4.52+).
+
+    SeqparError when there are none, or when their number is not the config's num_hidden_layers (a model with more
+    than one stack of them, e.g. a vision tower, whose split would be ambiguous)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers before 4.52: the model checkpoints its layers in its own forward
+        GradientCheckpointingLayer = None
+    layers = [m for m in model.modules() if GradientCheckpointingLayer is not None and isinstance(m, GradientCheckpointingLayer)]
+    expected = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if not layers or (isinstance(expected, int) and len(layers) != expected):
+        raise SeqparError(
+            f"{type(model).__name__}: checkpoint_layers/offload_layers split the decoder layers, but "
+            f"{len(layers)} transformers GradientCheckpointingLayer modules were found for config.num_hidden_layers "
+            f"{expected}; use a decoder-only model on transformers >= 4.52, or leave checkpoint_layers and offload_layers unset"
+        )
+    return layers
+
+
+def apply_checkpointing(model, name: str, checkpoint_layers: int | None = None, offload_layers: int | None = None) -> Policy:
     """Switch the model's activation checkpointing to the policy ``name``; returns the policy.
 
-    The attention side of ``selective`` (keeping out + lse) is switched by seqpar.apply, which reads the returned
-    policy. Call it after any gradient_checkpointing_enable() of your own: that call would put back the plain
-    checkpoint function that ``offload`` replaces."""
+    checkpoint_layers: the policy applies to the first k decoder layers only, the rest keep their activations (None =
+    all). offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others
+    keep it on the GPU (None = all). The attention side of ``selective`` (keeping out + lse) is switched by seqpar.apply,
+    which reads the returned policy and the layers' flags. Call it after any gradient_checkpointing_enable() of your
+    own: that call would put back the plain checkpoint function that ``offload`` replaces."""
     p = policy(name)
+    split = checkpoint_layers is not None or offload_layers is not None
+    layers = decoder_layers(model) if split else []
+    problems = split_problems(name, checkpoint_layers, offload_layers, len(layers), type(model).__name__) if split else []
+    if problems:
+        raise SeqparError(problems[0])
     if p.use_reentrant is None:
         _stop_checkpointing(model)
         return p
@@ -124,6 +163,17 @@ def apply_checkpointing(model, name: str) -> Policy:
         for module in model.modules():
             if hasattr(module, "gradient_checkpointing"):
                 module._gradient_checkpointing_func = _offloaded_checkpoint
+    cut = layer_split(name, len(layers), checkpoint_layers, offload_layers)  # host, then GPU-checkpointed, then kept
+    ckpt, off = cut.checkpointed, cut.host
+    if split:
+        from torch.utils.checkpoint import checkpoint
+
+        plain = functools.partial(checkpoint, use_reentrant=False)
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i < ckpt  # the last layers keep their activations: nothing to recompute
+            if p.offload and i >= off:
+                layer._gradient_checkpointing_func = plain  # checkpointed, its input kept on the GPU
+    if p.offload and (not split or off > 0):
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if embeddings is not None and not embeddings.weight.requires_grad:
             model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch import nn
 
 from seqpar.errors import SeqparError
 from seqpar.modes import FACTS, check_mode, degrees
-from seqpar.runtime.activation_checkpoint import apply_checkpointing, from_deprecated, policy
+from seqpar.runtime.activation_checkpoint import apply_checkpointing, decoder_layers, from_deprecated, policy
 
 __all__ = ["IMPLEMENTATIONS", "apply", "register"]
 
@@ -202,6 +202,8 @@ def apply(
     ulysses_degree: int | None = None,
     *,
     checkpointing: str | None = None,
+    checkpoint_layers: int | None = None,
+    offload_layers: int | None = None,
     backend: str | None = None,
     offload_checkpoints: bool | None = None,
     keep_attention: bool | None = None,
@@ -212,11 +214,19 @@ def apply(
     checkpointing: none | full | offload | selective (seqpar.runtime.activation_checkpoint); None leaves the model's own
     setting (e.g. your gradient_checkpointing_enable()) as it is. offload keeps each layer's input in pinned host memory;
     selective keeps each layer's attention out + lse, so backward's recomputation skips attention's forward.
+    checkpoint_layers: the policy applies to the first k decoder layers, the rest keep all their activations (None = all);
+    offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others keep it
+    on the GPU (None = all).
     backend: kernels backend override (see seqpar.runtime.kernels.select_backend). offload_checkpoints=True and
     keep_attention=True are the deprecated spellings of checkpointing="offload" and "selective"."""
     check_mode(mode)
     checkpointing = from_deprecated(checkpointing, offload_checkpoints, keep_attention)
     keep = policy(checkpointing).keep_attention if checkpointing is not None else False  # validates the name first
+    if checkpointing is None and (checkpoint_layers is not None or offload_layers is not None):
+        raise SeqparError(
+            f"checkpoint_layers={checkpoint_layers}, offload_layers={offload_layers} split the layers between checkpointing "
+            "policies, but checkpointing is None (the model's own setting); pass checkpointing='full', 'selective' or 'offload'"
+        )
     config = getattr(model, "config", None)
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
     if getattr(config, "attn_logit_softcapping", None) is not None:
@@ -258,8 +268,20 @@ def apply(
         model._seqpar_hooked = True
 
     if checkpointing is not None:
-        apply_checkpointing(model, checkpointing)
+        apply_checkpointing(model, checkpointing, checkpoint_layers, offload_layers)
+        if keep and checkpoint_layers is not None:
+            _keep_where_recomputed(model, ctx)
     return model
+
+
+def _keep_where_recomputed(model: nn.Module, ctx: _Context) -> None:
+    """Selective keeps attention's out + lse for a layer's recomputation; a layer past checkpoint_layers recomputes
+    nothing, so its attention runs the plain path: no kept entry, no fingerprint of q (seqpar.runtime.selective)."""
+    plain = replace(ctx, keep_attention=False)
+    for layer in decoder_layers(model):
+        if not layer.gradient_checkpointing:
+            for module in layer.modules():
+                object.__setattr__(module, "_seqpar_ctx", plain)
 
 
 def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -48,12 +48,15 @@ __all__ = ["SeqparArguments", "SeqparTrainerMixin", "with_seqpar"]
 @dataclass(frozen=True)
 class SeqparArguments:
     """The seqpar side of a Trainer run: the mode, the sequence-parallel degree, usp's Ulysses degree and, optionally,
-    seqpar's checkpointing policy (none | full | offload | selective; None leaves the Trainer's gradient_checkpointing)."""
+    seqpar's checkpointing policy (none | full | offload | selective; None leaves the Trainer's gradient_checkpointing)
+    with its split over the layers (checkpoint_layers, offload_layers: the plan's fields, seqpar.apply's arguments)."""
 
     mode: str
     sp_degree: int = 1
     ulysses_degree: int | None = None
     checkpointing: str | None = None
+    checkpoint_layers: int | None = None
+    offload_layers: int | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -63,12 +66,13 @@ class SeqparArguments:
 
     @classmethod
     def from_plan(cls, plan) -> SeqparArguments:
-        """The mode, degrees and checkpointing of a LaunchPlan (or the path of a plan file)."""
+        """The mode, degrees and checkpointing (with its split) of a LaunchPlan (or the path of a plan file)."""
         from seqpar.schema import LaunchPlan
 
         p = plan if isinstance(plan, LaunchPlan) else LaunchPlan.load(plan)
         s = p.strategy
-        return cls(s.mode, s.sp_degree, s.ulysses_degree if s.mode == "usp_attn" else None, s.checkpointing)
+        u = s.ulysses_degree if s.mode == "usp_attn" else None
+        return cls(s.mode, s.sp_degree, u, s.checkpointing, s.checkpoint_layers, s.offload_layers)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -118,7 +122,15 @@ class SeqparTrainerMixin:
             made = dist.new_group(ranks)
             group = made if g == self.seqpar_dp_rank else group
         self.seqpar_group = group
-        apply(self.model, seqpar.mode, group, seqpar.ulysses_degree, checkpointing=seqpar.checkpointing)
+        apply(
+            self.model,
+            seqpar.mode,
+            group,
+            seqpar.ulysses_degree,
+            checkpointing=seqpar.checkpointing,
+            checkpoint_layers=seqpar.checkpoint_layers,
+            offload_layers=seqpar.offload_layers,
+        )
         self.model_accepts_loss_kwargs = False  # seqpar.loss is a mean over the group's tokens, not a sum over items
         self.loss_is_scaled_for_ga = False  # so the Trainer divides it by the accumulation steps
         self._seqpar_checked = False

@@ -35,7 +35,7 @@ from seqpar.options import KEEP_LAST, kept
 from seqpar.runtime import resume
 from seqpar.runtime.data import add_arguments as add_data_arguments
 from seqpar.runtime.storage import AUTO
-from seqpar.schema import LaunchPlan
+from seqpar.schema import LaunchPlan, checkpointing_text
 
 ENGINES = {
     "ddp": "ddp",
@@ -216,7 +216,15 @@ def setup(args: argparse.Namespace) -> Run:
         deepspeed=deepspeed,
     )
     changes = resume.compare(saved, facts, resume_from) if saved else []
-    apply(model, s.mode, group=topo.sp_group, ulysses_degree=_ulysses_degree(plan), checkpointing=s.checkpointing)
+    apply(
+        model,
+        s.mode,
+        group=topo.sp_group,
+        ulysses_degree=_ulysses_degree(plan),
+        checkpointing=s.checkpointing,
+        checkpoint_layers=s.checkpoint_layers,
+        offload_layers=s.offload_layers,
+    )
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
     tiled_line = f"tiled MLP: {tile_mlp(model)} MLPs, ~hidden_size tokens per tile" if s.tiled_mlp else "tiled MLP: off"
@@ -268,7 +276,7 @@ def setup(args: argparse.Namespace) -> Run:
         s.sp_degree,
         s.dp_degree,
         engine_name,
-        s.checkpointing,
+        checkpointing_text(s, plan.workload.model.num_layers),
         s.loss_impl,
         fused_line,
         tiled_line,
