@@ -161,6 +161,7 @@ def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer:
             "--output",
             str(out),
             "--force",
+            "--no-final-checkpoint",  # a benchmark's weights are random: writing them would only cost time and disk
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         reports = sorted(out.rglob("run_report.json"))
