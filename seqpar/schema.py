@@ -498,7 +498,13 @@ class Prediction(_Frozen):
         default=0.0, ge=0, description="Host RAM per node needed for offloaded state and checkpoints, GiB."
     )
     tokens_per_s: float = Field(ge=0, description="Predicted training throughput of the whole cluster, tokens/s.")
-    step_time_s: float = Field(ge=0, description="Predicted time of one optimizer step, s.")
+    step_time_s: float = Field(ge=0, description="Predicted time of one optimizer step, s (a warm step).")
+    first_step_s: Optional[float] = Field(
+        default=None,
+        ge=0,
+        description="Predicted time of the first step, s: a warm step plus its one-off costs (kernel selection, allocator "
+        "growth, page-locking the offload's pinned host blocks). None in plans written before it was predicted.",
+    )
     step_time_breakdown_s: dict[str, float] = Field(description="compute / exposed communication / offload / optimizer, s.")
     mfu: float = Field(ge=0, description="Model FLOPs utilisation against the datasheet bf16 peak (no recompute counted).")
     oom_risk: bool = Field(description="True when reserved memory plus headroom exceeds capacity (or host RAM is exceeded).")

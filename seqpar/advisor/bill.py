@@ -1,8 +1,9 @@
 """The predicted bill of a plan: wall time and GPU-hours of the whole run (each stage of a recipe, and all of them).
 
-wall = steps x the predicted step time (plan.prediction.step_time_s, per stage for staged plans), GPU-hours = wall x the
-GPUs of the cluster (every GPU is held for the whole run). Training steps only: start-up (model build, the first step's
-warm-up), checkpoint writes and evaluation come on top. EasyContext's 1M recipe (7 stages) on 8x A100-80G comes to about
+wall = the predicted first step + (steps - 1) x the predicted warm step time (plan.prediction.first_step_s and
+step_time_s, per stage for staged plans: each stage starts a new process, so each pays a first step), GPU-hours = wall x
+the GPUs of the cluster (every GPU is held for the whole run). Training steps only: start-up (model build), checkpoint
+writes and evaluation come on top. EasyContext's 1M recipe (7 stages) on 8x A100-80G comes to about
 143 h and 1,143 GPU-hours. Plans without a prediction (``--policy rules``) have no bill. Shown by ``seqpar advise``,
 ``seqpar explain`` and the first lines of ``seqpar launch``.
 """
@@ -22,6 +23,7 @@ class StageBill:
     step_time_s: float
     wall_s: float
     gpu_hours: float
+    first_step_s: float = 0.0  # the first step (warm step + its one-off costs), included in wall_s
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,9 @@ def plan_bill(plan: LaunchPlan, steps: int | None = None) -> Bill | None:
         return None
     out = []
     for label, seq_len, n, p in parts:
-        wall = n * p.step_time_s
-        out.append(StageBill(label, seq_len, n, p.step_time_s, wall, wall * gpus / 3600.0))
+        first = p.first_step_s if p.first_step_s is not None else p.step_time_s  # older plans: a warm step
+        wall = first + (n - 1) * p.step_time_s if n > 0 else 0.0
+        out.append(StageBill(label, seq_len, n, p.step_time_s, wall, wall * gpus / 3600.0, first))
     return Bill(tuple(out), gpus, plan.cluster.accelerator == "cpu")
 
 
@@ -77,8 +80,9 @@ def bill_lines(bill: Bill) -> list[str]:
     lines = []
     for s in bill.stages:
         head = f"{s.label} ({format_tokens(s.seq_len)}): " if len(bill.stages) > 1 else ""
+        first = f" (the first {s.first_step_s:.3g} s)" if s.first_step_s > s.step_time_s else ""
         lines.append(
-            f"{head}{s.steps} steps x {s.step_time_s:.3g} s = {duration(s.wall_s)}, {gpu_hours(s.gpu_hours, unit)} on {on}"
+            f"{head}{s.steps} steps x {s.step_time_s:.3g} s{first} = {duration(s.wall_s)}, {gpu_hours(s.gpu_hours, unit)} on {on}"
         )
     if len(bill.stages) > 1:
         lines.append(f"whole recipe: {duration(bill.wall_s)}, {gpu_hours(bill.gpu_hours, unit)} on {on}")

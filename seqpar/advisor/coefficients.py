@@ -36,6 +36,8 @@ class Coefficients:
     comm_bandwidth_efficiency: float = 0.75  # NCCL bus bandwidth / datasheet link bandwidth
     offload_bandwidth_gb_s: float = 12.0  # effective host<->device bandwidth per GPU for offloaded states / checkpoints
     pinned_copy_gb_s: float = 55.0  # checkpointed layer inputs to and from pinned host memory, per direction
+    first_step_s: float = 0.76  # the first step's one-off costs beyond a warm step, without offload
+    pinned_alloc_gib_s: float = 5.0  # page-locking the offload's pinned host blocks during the first step
     pageable_bandwidth_gb_s: float = 2.5  # checkpointed layer inputs beyond the pinned budget: synchronous pageable copies
     cpu_adam_gparams_per_s: float = 8.0  # CPU Adam throughput per node, 1e9 parameters per second
     allocator_reserve_fraction: float = 0.05
@@ -62,6 +64,8 @@ class Coefficients:
         "offload_bandwidth_gb_s",
         "pinned_copy_gb_s",
         "pageable_bandwidth_gb_s",
+        "first_step_s",
+        "pinned_alloc_gib_s",
         "cpu_adam_gparams_per_s",
         "allocator_reserve_fraction",
         "allocator_reserve_gib",
@@ -121,6 +125,8 @@ PLAUSIBLE = {
     "offload_bandwidth_gb_s": (0.1, 1e4),
     "pinned_copy_gb_s": (0.01, 1e4),
     "pageable_bandwidth_gb_s": (0.01, 1e4),
+    "first_step_s": (0.0, 3600.0),
+    "pinned_alloc_gib_s": (0.01, 1e4),
     "cpu_adam_gparams_per_s": (0.01, 1e4),
     "allocator_reserve_fraction": (0.0, 0.9),
     "allocator_reserve_gib": (0.0, 1024.0),

@@ -183,6 +183,8 @@ def row_from_report(report: dict, source: str) -> Measurement:
         raise SeqparError(f"{where}: oom {oom!r} must be true or false")
     if tps is None and mem is None and not oom:
         raise SeqparError(f"run report {source!r} has neither tokens_per_s nor peak_memory_gib nor oom; nothing to fit")
+    if meas.get("warm_steps") == 0:  # one step: its time includes the first step's one-off costs; memory only
+        tps = None
     s = plan.strategy
     label = (
         f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name} {plan.workload.model.name} "

@@ -12,7 +12,7 @@ from typing import Optional
 
 from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.memory import estimate_memory
-from seqpar.advisor.throughput import estimate_time
+from seqpar.advisor.throughput import estimate_time, first_step_extra_s
 from seqpar.schema import ClusterSpec, Prediction, Strategy, Workload
 from seqpar.units import GIB
 
@@ -31,6 +31,7 @@ def predict(workload: Workload, cluster: ClusterSpec, strategy: Strategy, coeffs
         host_memory_gib=round(mem.host_bytes / GIB, 3),
         tokens_per_s=round(tim.tokens_per_s, 1),
         step_time_s=round(tim.step_time_s, 4),
+        first_step_s=round(tim.step_time_s + first_step_extra_s(workload, cluster, strategy, c), 4),
         step_time_breakdown_s={k: round(v, 4) for k, v in tim.breakdown_s.items()},
         mfu=round(tim.mfu, 4),
         oom_risk=not mem.fits,

@@ -107,6 +107,19 @@ def attention_multiplier(m: ModelSpec, s: Strategy) -> float:
     return 3.5 + attention_recompute_share(m, s)
 
 
+def first_step_extra_s(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> float:
+    """What the first step costs beyond a warm one: a fixed part (kernel selection, allocator growth, lazy init) and the
+    page-locking of the pinned host blocks the checkpoint offload allocates then (the caching host allocator reuses
+    them in later steps)."""
+    host = split(w.model, s).host
+    if not host:
+        return c.first_step_s
+    layer = precision(w, s, cluster.accelerator).residual * w.model.hidden_size * w.micro_batch_size * w.seq_len / s.sp_degree
+    budget = PINNED_FRACTION * cluster.host_ram_gib * GIB / cluster.gpus_per_node
+    pinned = min(host, int(budget // pinned_block(layer))) * pinned_block(layer)
+    return c.first_step_s + pinned / GIB / c.pinned_alloc_gib_s
+
+
 def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, compute_s: float) -> float:
     """Exposed seconds of one micro-batch's checkpoint offload: each offloaded layer input goes to the host in forward
     and comes back in backward. Within the pinned budget (options.PINNED_FRACTION of the host's RAM per rank, each block

@@ -151,9 +151,13 @@ def write_report(
         "host_memory_gib": max(sum(r["peak_rss_gib"] for r in node) for node in nodes),
         "step_time_s": step_s,
         "mfu": mfu,
+        # the first step apart (kernel plans, allocator growth, pinned host blocks, JIT builds): the figures above are
+        # warm steps only when there is one (warm_steps > 0); `seqpar calibrate` fits time only from such runs
+        "first_step_s": step_times[0] if step_times else 0.0,
+        "warm_steps": len(step_times) - 1 if len(step_times) > 1 else 0,
     }
     p = plan.prediction
-    predicted = {k: getattr(p, k) for k in measured} if p is not None else None
+    predicted = {k: getattr(p, k, None) for k in measured if k != "warm_steps"} if p is not None else None
     report = {
         "measured": measured,
         "predicted": predicted,
