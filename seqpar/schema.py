@@ -423,6 +423,13 @@ def offloaded_layers(strategy: Strategy, num_layers: int) -> int:
     return layer_split(strategy.checkpointing, num_layers, strategy.checkpoint_layers, strategy.offload_layers).host
 
 
+def split_tag(strategy: Strategy) -> str:
+    """The layer split in a strategy's one-line name, e.g. "[18 offloaded]", "[21 checkpointed]"; empty without one."""
+    parts = [f"{strategy.offload_layers} offloaded"] if strategy.offload_layers is not None else []
+    parts += [f"{strategy.checkpoint_layers} checkpointed"] if strategy.checkpoint_layers is not None else []
+    return f"[{', '.join(parts)}]" if parts else ""
+
+
 def checkpointing_text(strategy: Strategy, num_layers: int) -> str:
     """The policy and its split over the layers (0-based, as the model's layer list), e.g. "offload (layers 0-7: input
     in host memory; layers 8-23: input on the GPU; layers 24-31: not checkpointed)"; the bare policy name when it

@@ -24,7 +24,7 @@ from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.errors import SeqparError
 from seqpar.flops import model_flops_per_sequence
 from seqpar.profiles import get_model
-from seqpar.schema import ClusterSpec, LaunchPlan, Strategy, Workload, first_error
+from seqpar.schema import ClusterSpec, LaunchPlan, Strategy, Workload, first_error, split_tag
 
 MEASUREMENTS_DIR = Path(__file__).resolve().parent.parent / "profiles" / "measurements"
 
@@ -188,7 +188,7 @@ def row_from_report(report: dict, source: str) -> Measurement:
     s = plan.strategy
     label = (
         f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name} {plan.workload.model.name} "
-        f"ckpt={s.checkpointing}"
+        f"ckpt={s.checkpointing}{split_tag(s)}"
         + (" liger" if s.fused_ops != "none" else "")
         + (" tiled" if s.tiled_mlp else "")
         + (f" {s.sharding}" if s.sharding != "ddp" else "")

@@ -31,7 +31,7 @@ from seqpar.advisor.rules import tree_mode, written_plan
 from seqpar.advisor.throughput import estimate_time
 from seqpar.errors import SeqparError
 from seqpar.modes import FACTS, MODES, split_multiple
-from seqpar.schema import Alternative, ClusterSpec, LaunchPlan, ModelSpec, Rationale, Strategy, Workload, plan_problems
+from seqpar.schema import Alternative, ClusterSpec, LaunchPlan, ModelSpec, Rationale, Strategy, Workload, plan_problems, split_tag
 from seqpar.units import GIB
 
 CHECKPOINTING = ("full", "selective", "none", "offload")
@@ -132,16 +132,7 @@ def describe(s: Strategy) -> str:
     if s.mode == "usp_attn":
         deg += f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})"
     extra = (" mlp=tiled" if s.tiled_mlp else "") + (f" ops={s.fused_ops}" if s.fused_ops != "none" else "")
-    return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing}{_split_text(s)} {s.sharding} loss={s.loss_impl}{extra}"
-
-
-def _split_text(s: Strategy) -> str:
-    parts = []
-    if s.offload_layers is not None:
-        parts.append(f"{s.offload_layers} offloaded")
-    if s.checkpoint_layers is not None:
-        parts.append(f"{s.checkpoint_layers} checkpointed")
-    return f"[{', '.join(parts)}]" if parts else ""
+    return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing}{split_tag(s)} {s.sharding} loss={s.loss_impl}{extra}"
 
 
 def _gpu_fits(w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients) -> bool:
