@@ -77,7 +77,9 @@ def parser() -> argparse.ArgumentParser:
         help="write interval checkpoints on a thread (auto: on CUDA)",
     )
     p.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP2: keep parameters and optimizer state in host RAM")
-    p.add_argument("--report-to", default="", help="comma list: tensorboard, wandb (used only when installed)")
+    p.add_argument("--report-to", default="", help="comma list: tensorboard, wandb (accelerate's trackers; rank 0 logs)")
+    p.add_argument("--project", default=None, help="tracker project (default: seqpar; a resumed run keeps its own)")
+    p.add_argument("--run-name", default=None, help="tracker run name (default: the output folder's name)")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps when there is no progress bar")
     p.add_argument(
         "--allow-env",
@@ -150,7 +152,7 @@ def setup(args: argparse.Namespace) -> Run:
     from seqpar.jobspec import require_deepspeed, uses_deepspeed
     from seqpar.runtime import checkpoint as ckpt
     from seqpar.runtime import data as datasrc
-    from seqpar.runtime import engine
+    from seqpar.runtime import engine, trackers
     from seqpar.runtime import model as models
     from seqpar.runtime.fused import apply_fused_ops
     from seqpar.runtime.hf import apply
@@ -176,6 +178,7 @@ def setup(args: argparse.Namespace) -> Run:
     )
     out = Path(args.output)
     check_output(out, args.resume)
+    trackers.parse(args.report_to)  # an unknown or missing tracker: one line on every rank, before any transfer
     deepspeed = uses_deepspeed(plan)
     require_deepspeed(plan)
 
@@ -416,6 +419,7 @@ def run(args: argparse.Namespace) -> dict:
     from seqpar.runtime.progress import ProgressBar
     from seqpar.runtime.report import Metrics, update_report, write_report
     from seqpar.runtime.saver import Saver
+    from seqpar.runtime.trackers import parse as parse_trackers
 
     r = setup(args)
     rank = r.topo.rank
@@ -431,7 +435,17 @@ def run(args: argparse.Namespace) -> dict:
         final=not args.no_final_checkpoint,
         async_mode=args.async_checkpoint,
     )
-    metrics = Metrics(r.out, rank, [x for x in args.report_to.split(",") if x], r.start, r.log)
+    metrics = Metrics(
+        r.out,
+        rank,
+        parse_trackers(args.report_to),
+        r.start,
+        r.log,
+        plan=r.plan,
+        resumed=args.resume,
+        project=args.project,
+        run_name=args.run_name,
+    )
     bar = ProgressBar(rank, r.steps, r.start, r.log, args.log_every)
     losses, step_times = [], []
 
@@ -477,6 +491,7 @@ def run(args: argparse.Namespace) -> dict:
         raise
     finally:
         bar.close()
+        metrics.close()
     # The run report first: a final checkpoint that fails (full disk, a kill) leaves the measurements behind.
     result = report(r.steps)
     if saver.final:
