@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from seqpar.errors import SeqparError, TrainingStopped
 from seqpar.options import KEEP_LAST, kept
 from seqpar.runtime import resume
@@ -534,6 +536,9 @@ def _record(rank: int, out: str, kind: str, message: str, peers: list[int] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The rank's entry point (``python -m seqpar.runtime.train``, what torchrun starts): exit 0 done, 1 failed, 2
+    invalid input, 128 + the signal when stopped. An unexpected error is written by ``train`` (torchrun's ``@record``)
+    to the error file torchrun reads, then named here in one line for the launcher."""
     from seqpar.runtime import stopping
     from seqpar.runtime.comm import PeerTimeoutError
 
@@ -548,27 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # never a reason not to train
         print(f"seqpar: rank {rank}: no heartbeat ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     try:
-        run(args)
-        from seqpar.runtime.engine import shutdown
-
-        shutdown()
-    except SeqparError as e:
-        print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
-        if Path(args.output).is_dir():  # the launcher made it: it repeats this line and exits 2 too
-            _record(rank, args.output, "invalid", str(e))
-        return 2
-    except TrainingStopped as e:  # a named stop (non-finite loss, full disk): one line, no traceback
-        if Path(args.output).is_dir():
-            _record(rank, args.output, "error", str(e))
-        print(f"seqpar: rank {rank} failed: {e}", file=sys.stderr, flush=True)
-        return 1
-    except stopping.Stopped as e:  # the final checkpoint is written; the launcher says so
-        if stopping.received() and Path(args.output, "checkpoints").is_dir():
-            _record(rank, args.output, "stopped", f"received {signal_name(e.signum)}; {e} (checkpoint {e.checkpoint})")
-        from seqpar.runtime.engine import shutdown
-
-        shutdown()
-        return e.exit_code
+        return train(args, rank)
     except BaseException as e:
         first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         consequence = isinstance(e, PeerTimeoutError) or any(w in first.lower() for w in PEER_WORDS)
@@ -587,6 +572,36 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@record
+def train(args: argparse.Namespace, rank: int) -> int:
+    """Run and shut down; the known outcomes become exit codes here (one line each, no error file): invalid input 2, a
+    named stop 1, a stop by signal 128 + the signal. Anything else propagates to ``main`` through torchrun's ``@record``
+    (torch.distributed.elastic.multiprocessing.errors), which first writes it with its traceback to the file torchrun
+    names in TORCHELASTIC_ERROR_FILE: torchrun's failure summary prints it, and seqpar launch's agent reads the rank's
+    message from it. Outside torchrun (no such file) it only logs."""
+    from seqpar.runtime import stopping
+    from seqpar.runtime.engine import shutdown
+
+    try:
+        run(args)
+        shutdown()
+    except SeqparError as e:
+        print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        if Path(args.output).is_dir():  # the launcher made it: it repeats this line and exits 2 too
+            _record(rank, args.output, "invalid", str(e))
+        return 2
+    except TrainingStopped as e:  # a named stop (non-finite loss, full disk): one line, no traceback
+        if Path(args.output).is_dir():
+            _record(rank, args.output, "error", str(e))
+        print(f"seqpar: rank {rank} failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    except stopping.Stopped as e:  # the final checkpoint is written; the launcher says so
+        if stopping.received() and Path(args.output, "checkpoints").is_dir():
+            _record(rank, args.output, "stopped", f"received {signal_name(e.signum)}; {e} (checkpoint {e.checkpoint})")
+        shutdown()
+        return e.exit_code
     return 0
 
 
