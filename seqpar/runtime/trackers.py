@@ -133,7 +133,7 @@ def open_trackers(names: list[str], out: Path, ident: dict, *, resume_step: int,
     for name in names:
         tracker = LOGGER_TYPE_TO_CLASS[name](ident["project"], **kwargs[name])
         tracker.main_process_only = False  # called on rank 0 only (the trainer's rank 0; accelerate's may differ)
-        if hasattr(tracker, "start"):  # accelerate >= 1.3 starts trackers lazily; older ones in __init__
+        if hasattr(tracker, "start"):  # newer accelerate starts a tracker here (lazily); older versions in __init__
             tracker.start()
         tracker.store_init_configuration(config)
         trackers.append(tracker)
