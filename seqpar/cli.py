@@ -670,7 +670,13 @@ def launch(
     rdzv_endpoint: Optional[str] = typer.Option(
         None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node."
     ),
-    report_to: str = typer.Option("", "--report-to", help="tensorboard,wandb: also log metrics there (when installed)."),
+    report_to: str = typer.Option(
+        "",
+        "--report-to",
+        help="tensorboard,wandb: also log metrics there (accelerate's trackers; the run id survives --resume).",
+    ),
+    project: Optional[str] = typer.Option(None, "--project", help="Tracker project (default: seqpar)."),
+    run_name: Optional[str] = typer.Option(None, "--run-name", help="Tracker run name (default: the output folder's name)."),
     checkpoint_every: Optional[str] = typer.Option(
         None,
         "--checkpoint-every",
@@ -731,12 +737,13 @@ def launch(
     seqpar launch plan.json --data docs.jsonl --tokenizer ./tokenizer
     seqpar launch plan.json --data chats.jsonl --model-path ./qwen
     seqpar launch plan.json --data tokens.npy --output runs/a --resume
+    seqpar launch plan.json --report-to tensorboard,wandb --project long-ctx
     seqpar launch plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
     seqpar launch plan.json --verify --data tokens.npy
     seqpar launch plan.json --dry-run
     ```
     """
-    from seqpar.launch_cli import bill_header, oom_verdict, refuse_fsdp_offload, run_summary
+    from seqpar.launch_cli import bill_header, launch_tracker_flags, oom_verdict, refuse_fsdp_offload, run_summary
     from seqpar.runtime.data import POLICIES, DataOptions
     from seqpar.runtime.launch import LaunchOptions
     from seqpar.runtime.launch import launch as run_launch
@@ -744,6 +751,7 @@ def launch(
     if long_documents not in POLICIES:
         raise SeqparError(f"--long-documents {long_documents!r} is not one of {', '.join(POLICIES)}; e.g. --long-documents split")
     data_flags = DataOptions(not no_doc_boundaries, long_documents, data_cache, data_procs, tokenizer).flags()
+    tracker_flags = launch_tracker_flags(report_to, project, run_name)
     plan = LaunchPlan.load(plan_path, allow_env=allow_env)
     if fsdp_cpu_offload:
         refuse_fsdp_offload(plan)
@@ -775,6 +783,7 @@ def launch(
         final_checkpoint=not no_final_checkpoint,
         skip_nonfinite=skip_nonfinite,
         extra=data_flags  # the trainer's data flags; the launcher's data check reads them too
+        + tracker_flags
         + (["--log-every", str(log_every)] if log_every else [])
         + (["--fsdp-cpu-offload"] if fsdp_cpu_offload else []),
         allow_env=list(allow_env),

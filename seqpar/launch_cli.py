@@ -51,6 +51,15 @@ def refuse_fsdp_offload(plan: LaunchPlan) -> None:
     )
 
 
+def launch_tracker_flags(report_to: str, project: str | None, run_name: str | None) -> list[str]:
+    """The trainer's tracker flags; SeqparError (exit 2) for a ``--report-to`` name that is unknown or not installed,
+    checked before anything runs (seqpar.runtime.trackers.parse, torch-free)."""
+    from seqpar.runtime.trackers import parse
+
+    parse(report_to)
+    return (["--project", project] if project else []) + (["--run-name", run_name] if run_name else [])
+
+
 def run_summary(plan: LaunchPlan, plan_path: Path, opts: LaunchOptions) -> list[str]:
     """After a run that ended well: measured vs predicted per job (stage), and where the exported model is."""
     from seqpar.runtime.launch import last_checkpoint
@@ -95,4 +104,4 @@ def _compare(measured: dict, predicted: dict, cpu: bool) -> list[str]:
     return out or ["nothing measured"]
 
 
-__all__ = ["bill_header", "oom_verdict", "refuse_fsdp_offload", "run_summary"]
+__all__ = ["bill_header", "launch_tracker_flags", "oom_verdict", "refuse_fsdp_offload", "run_summary"]

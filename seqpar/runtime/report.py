@@ -42,31 +42,42 @@ def memory_now(device: torch.device) -> dict:
 
 
 class Metrics:
-    """Per-step metrics: rank 0 appends one JSON line per step to metrics.jsonl (and TensorBoard / W&B when asked)."""
+    """Per-step metrics: rank 0 appends one JSON line per step to metrics.jsonl, and logs the same record to the trackers
+    of ``--report-to`` (seqpar.runtime.trackers: accelerate's TensorBoard / W&B trackers, a run id kept across
+    ``--resume``, the plan and its predictions as the run's config)."""
 
-    def __init__(self, out: Path, rank: int, report_to: list[str], resume_step: int, log):
-        self.path, self.rank, self.sinks = out / "metrics.jsonl", rank, []
+    def __init__(
+        self,
+        out: Path,
+        rank: int,
+        report_to: list[str],
+        resume_step: int,
+        log,
+        *,
+        plan: LaunchPlan | None = None,
+        resumed: bool = False,
+        project: str | None = None,
+        run_name: str | None = None,
+    ):
+        self.path, self.rank, self.trackers = out / "metrics.jsonl", rank, []
         if rank != 0:
             return
         if self.path.exists():  # keep what the checkpoint covers; the steps after it are run again
             keep = [ln for ln, rec in _records(self.path, log) if rec["step"] <= resume_step]
             write_atomic(self.path, "".join(ln + "\n" for ln in keep))
-        for name in report_to:
-            try:
-                if name == "tensorboard":
-                    from torch.utils.tensorboard import SummaryWriter
+        if report_to:
+            from seqpar.runtime import trackers
 
-                    w = SummaryWriter(str(out / "tensorboard"))
-                    self.sinks.append(lambda rec, w=w: [w.add_scalar(k, v, rec["step"]) for k, v in rec.items() if k != "step"])
-                elif name == "wandb":
-                    import wandb
-
-                    wandb.init(dir=str(out), config={"output": str(out)}, resume="allow")
-                    self.sinks.append(lambda rec: wandb.log(rec, step=rec["step"]))
-                else:
-                    log.warning("--report-to %s is unknown (tensorboard, wandb); ignored", name)
-            except ImportError:
-                log.warning("--report-to %s asked, but it is not installed; metrics go to metrics.jsonl only", name)
+            ident = trackers.run_identity(out, resumed=resumed, project=project, run_name=run_name)
+            config = trackers.plan_config(plan, {"run_id": ident["run_id"]}) if plan is not None else {}
+            self.trackers = trackers.open_trackers(report_to, out, ident, resume_step=resume_step, config=config)
+            log.info(
+                "logging to %s: project %s, run %s (id %s)",
+                ", ".join(report_to),
+                ident["project"],
+                ident["run_name"],
+                ident["run_id"],
+            )
 
     def log(self, rec: dict) -> None:
         if self.rank != 0:
@@ -75,8 +86,15 @@ class Metrics:
         line = json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()})
         with self.path.open("a") as f:
             f.write(line + "\n")
-        for sink in self.sinks:
-            sink(rec)
+        values = {k: v for k, v in rec.items() if k != "step"}
+        for tracker in self.trackers:
+            tracker.log(values, step=rec["step"])
+
+    def close(self) -> None:
+        """Finish the trackers (W&B uploads or closes its offline run; TensorBoard closes its event file)."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
 
 
 def _records(path: Path, log) -> list[tuple[str, dict]]:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from seqpar.errors import SeqparError, TrainingStopped
 from seqpar.options import KEEP_LAST, kept
 from seqpar.runtime import resume
@@ -77,7 +79,9 @@ def parser() -> argparse.ArgumentParser:
         help="write interval checkpoints on a thread (auto: on CUDA)",
     )
     p.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP2: keep parameters and optimizer state in host RAM")
-    p.add_argument("--report-to", default="", help="comma list: tensorboard, wandb (used only when installed)")
+    p.add_argument("--report-to", default="", help="comma list: tensorboard, wandb (accelerate's trackers; rank 0 logs)")
+    p.add_argument("--project", default=None, help="tracker project (default: seqpar; a resumed run keeps its own)")
+    p.add_argument("--run-name", default=None, help="tracker run name (default: the output folder's name)")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps when there is no progress bar")
     p.add_argument(
         "--allow-env",
@@ -150,7 +154,7 @@ def setup(args: argparse.Namespace) -> Run:
     from seqpar.jobspec import require_deepspeed, uses_deepspeed
     from seqpar.runtime import checkpoint as ckpt
     from seqpar.runtime import data as datasrc
-    from seqpar.runtime import engine
+    from seqpar.runtime import engine, trackers
     from seqpar.runtime import model as models
     from seqpar.runtime.fused import apply_fused_ops
     from seqpar.runtime.hf import apply
@@ -176,6 +180,7 @@ def setup(args: argparse.Namespace) -> Run:
     )
     out = Path(args.output)
     check_output(out, args.resume)
+    trackers.parse(args.report_to)  # an unknown or missing tracker: one line on every rank, before any transfer
     deepspeed = uses_deepspeed(plan)
     require_deepspeed(plan)
 
@@ -424,6 +429,7 @@ def run(args: argparse.Namespace) -> dict:
     from seqpar.runtime.progress import ProgressBar
     from seqpar.runtime.report import Metrics, update_report, write_report
     from seqpar.runtime.saver import Saver
+    from seqpar.runtime.trackers import parse as parse_trackers
 
     r = setup(args)
     rank = r.topo.rank
@@ -439,7 +445,17 @@ def run(args: argparse.Namespace) -> dict:
         final=not args.no_final_checkpoint,
         async_mode=args.async_checkpoint,
     )
-    metrics = Metrics(r.out, rank, [x for x in args.report_to.split(",") if x], r.start, r.log)
+    metrics = Metrics(
+        r.out,
+        rank,
+        parse_trackers(args.report_to),
+        r.start,
+        r.log,
+        plan=r.plan,
+        resumed=args.resume,
+        project=args.project,
+        run_name=args.run_name,
+    )
     bar = ProgressBar(rank, r.steps, r.start, r.log, args.log_every)
     losses, step_times = [], []
 
@@ -485,6 +501,7 @@ def run(args: argparse.Namespace) -> dict:
         raise
     finally:
         bar.close()
+        metrics.close()
     # The run report first: a final checkpoint that fails (full disk, a kill) leaves the measurements behind.
     result = report(r.steps)
     if saver.final:
@@ -527,6 +544,9 @@ def _record(rank: int, out: str, kind: str, message: str, peers: list[int] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The rank's entry point (``python -m seqpar.runtime.train``, what torchrun starts): exit 0 done, 1 failed, 2
+    invalid input, 128 + the signal when stopped. An unexpected error is written by ``train`` (torchrun's ``@record``)
+    to the error file torchrun reads, then named here in one line for the launcher."""
     from seqpar.runtime import stopping
     from seqpar.runtime.comm import PeerTimeoutError
 
@@ -541,27 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # never a reason not to train
         print(f"seqpar: rank {rank}: no heartbeat ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     try:
-        run(args)
-        from seqpar.runtime.engine import shutdown
-
-        shutdown()
-    except SeqparError as e:
-        print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
-        if Path(args.output).is_dir():  # the launcher made it: it repeats this line and exits 2 too
-            _record(rank, args.output, "invalid", str(e))
-        return 2
-    except TrainingStopped as e:  # a named stop (non-finite loss, full disk): one line, no traceback
-        if Path(args.output).is_dir():
-            _record(rank, args.output, "error", str(e))
-        print(f"seqpar: rank {rank} failed: {e}", file=sys.stderr, flush=True)
-        return 1
-    except stopping.Stopped as e:  # the final checkpoint is written; the launcher says so
-        if stopping.received() and Path(args.output, "checkpoints").is_dir():
-            _record(rank, args.output, "stopped", f"received {signal_name(e.signum)}; {e} (checkpoint {e.checkpoint})")
-        from seqpar.runtime.engine import shutdown
-
-        shutdown()
-        return e.exit_code
+        return train(args, rank)
     except BaseException as e:
         first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         consequence = isinstance(e, PeerTimeoutError) or any(w in first.lower() for w in PEER_WORDS)
@@ -580,6 +580,36 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@record
+def train(args: argparse.Namespace, rank: int) -> int:
+    """Run and shut down; the known outcomes become exit codes here (one line each, no error file): invalid input 2, a
+    named stop 1, a stop by signal 128 + the signal. Anything else propagates to ``main`` through torchrun's ``@record``
+    (torch.distributed.elastic.multiprocessing.errors), which first writes it with its traceback to the file torchrun
+    names in TORCHELASTIC_ERROR_FILE: torchrun's failure summary prints it, and seqpar launch's agent reads the rank's
+    message from it. Outside torchrun (no such file) it only logs."""
+    from seqpar.runtime import stopping
+    from seqpar.runtime.engine import shutdown
+
+    try:
+        run(args)
+        shutdown()
+    except SeqparError as e:
+        print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        if Path(args.output).is_dir():  # the launcher made it: it repeats this line and exits 2 too
+            _record(rank, args.output, "invalid", str(e))
+        return 2
+    except TrainingStopped as e:  # a named stop (non-finite loss, full disk): one line, no traceback
+        if Path(args.output).is_dir():
+            _record(rank, args.output, "error", str(e))
+        print(f"seqpar: rank {rank} failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    except stopping.Stopped as e:  # the final checkpoint is written; the launcher says so
+        if stopping.received() and Path(args.output, "checkpoints").is_dir():
+            _record(rank, args.output, "stopped", f"received {signal_name(e.signum)}; {e} (checkpoint {e.checkpoint})")
+        shutdown()
+        return e.exit_code
     return 0
 
 
