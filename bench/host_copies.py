@@ -46,7 +46,7 @@ def main() -> None:
         pinned = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
         d2h_pinned = timed(lambda: pinned.copy_(dev, non_blocking=True), args.repeats)
         h2d_pinned = timed(lambda: dev.copy_(pinned, non_blocking=True), args.repeats)
-        del pinned
+        pinned = None  # free the page-locked block before the pageable copies
         kept = []
 
         def to_pageable():  # a fresh pageable tensor each time, as HostOffload allocates beyond the budget
@@ -56,7 +56,7 @@ def main() -> None:
 
         d2h_pageable = timed(to_pageable, args.repeats)
         h2d_pageable = timed(lambda: dev.copy_(kept[-1]), args.repeats)
-        del kept
+        kept.clear()
         nbytes = n * 2
         row = {"size_gib": size}
         for name, ts in (
@@ -69,7 +69,7 @@ def main() -> None:
             row[name + "_median_gb_s"] = round(nbytes / sorted(ts)[len(ts) // 2] / 1e9, 2)
         rows.append(row)
         print(row, flush=True)
-        del dev
+        dev = None
         torch.cuda.empty_cache()
     out = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
