@@ -2,13 +2,14 @@
 
 DeepSpeed's CPU accelerator runs its collectives over gloo, so the zero* plans the advisor prints run here as they run on
 GPUs (through accelerate); nothing stands in for them. Every mode on 2 and 4 ranks trains 10 steps with each of the five
-engines: losses and gradient norms must agree within fp32's 1e-4 (relative, the trainer tests' tolerance; the CPU Adam of
+engines (on 4 ranks, data_parallel, dist_flash_attn and ulysses_attn are in the slow set: ``pytest -m slow``):
+losses and gradient norms must agree within fp32's 1e-4 (relative, the trainer tests' tolerance; the CPU Adam of
 zero3_offload rounds differently from torch's AdamW at ~1e-6). The plans spread the features over the modes: gradient
 accumulation, a cosine LR schedule, clipping below the gradient norm (DeepSpeed clips and reports its own pre-clip norm),
 the chunked loss with ZeRO-3 (the head gathered for it), full recompute, a hybrid sp x dp layout. Then DeepSpeed's own
-checkpoint: a crash after the step-3 checkpoint, --resume, and the steps after it equal the uninterrupted run exactly; the
-save_pretrained export loads in plain transformers with the weights DeepSpeed's checkpoint holds (zero_to_fp32). Last, the
-same through ``seqpar launch`` (accelerate launch on CPU ranks).
+checkpoint (in the 2-rank matrix's spawn): a crash after the step-3 checkpoint, --resume, and the steps after it equal
+the uninterrupted run exactly; the save_pretrained export loads in plain transformers with the weights DeepSpeed's
+checkpoint holds (zero_to_fp32). Last, the same through ``seqpar launch`` (accelerate launch on CPU ranks).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import numpy as np
 import pytest
 from test_train import learnable_tokens, make_plan, read_metrics, train_cases
 
-from seqpar_testing import world_ids
-
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="the deepspeed extra is not installed (CI installs it: .ci/run)"
 )
@@ -37,8 +36,8 @@ STEPS = 10
 @pytest.fixture(scope="module")
 def deepspeed_ops():
     """DeepSpeed JIT-builds two CPU ops on first use, its shared-memory collectives and CPU Adam (about 2 and 3 minutes of
-    one core here; then cached in ~/.cache/torch_extensions): build them once, side by side, before W ranks would race to
-    build them inside their timeout."""
+    one core here; then cached per DeepSpeed install: tests/conftest.py): build them once, side by side, before W ranks
+    would race to build them inside their timeout."""
     from concurrent.futures import ThreadPoolExecutor
 
     from deepspeed.accelerator import get_accelerator
@@ -65,20 +64,14 @@ def mode_plans(w: int, steps: int = STEPS) -> dict:
     }
 
 
-@needs_deepspeed
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("w", [2, 4], ids=world_ids([2, 4]))
-def test_zero_plans_equal_ddp_and_fsdp2_in_every_mode(tmp_path, w, deepspeed_ops):
-    from seqpar_testing import run_ranks
-
-    cases = [(f"{m}-{sh}", make(sh)) for m, make in mode_plans(w).items() for sh in SHARDINGS]
-    data = learnable_tokens(tmp_path / "tokens.npy")
-    results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=840)[0]
-    for mode in mode_plans(w):
+def _check_matrix(results: dict, cases: list, folder: Path) -> None:
+    """Every mode's zero* and FSDP2 runs against its DDP run: the same steps, losses, gradient norms and LRs."""
+    plans = dict(cases)
+    for mode in dict.fromkeys(name.rsplit("-", 1)[0] for name in plans):
         ddp = results[f"{mode}-ddp"]
         assert [r["step"] for r in ddp] == list(range(1, STEPS + 1))
         assert ddp[-1]["loss"] < ddp[0]["loss"] - 0.3, mode  # it learned: equality would prove little otherwise
-        clip = cases[[n for n, _ in cases].index(f"{mode}-ddp")][1].training.grad_clip
+        clip = plans[f"{mode}-ddp"].training.grad_clip
         assert max(r["grad_norm"] for r in ddp) > clip, mode  # clipping acted
         for sh in SHARDINGS[1:]:
             got = results[f"{mode}-{sh}"]
@@ -86,8 +79,84 @@ def test_zero_plans_equal_ddp_and_fsdp2_in_every_mode(tmp_path, w, deepspeed_ops
                 np.testing.assert_allclose(
                     [r[key] for r in got], [r[key] for r in ddp], rtol=1e-4, err_msg=f"{mode} {sh} vs ddp: {key}"
                 )
-        engine = json.loads((tmp_path / f"{mode}-zero3_offload" / "run_report.json").read_text())["engine"]
+        engine = json.loads((folder / f"{mode}-zero3_offload" / "run_report.json").read_text())["engine"]
         assert engine == "deepspeed-zero3-offload"
+
+
+def matrix_cases(w: int, modes=None) -> list:
+    """(name, plan) for each mode (all by default) x each of the five engines."""
+    return [(f"{m}-{sh}", make(sh)) for m, make in mode_plans(w).items() if modes is None or m in modes for sh in SHARDINGS]
+
+
+def crash_plans(w: int = 2) -> list:
+    """Per ZeRO stage, a plan checkpointing at step 3 of 6 (for the crash at step 6, --resume and the export)."""
+    return [
+        (
+            sh,
+            _with(
+                make_plan(w, "zigzag_ring_attn", w, ga=2, loss_impl="chunked", sharding=sh, steps=6, checkpoint_every=3),
+                lr_schedule="cosine",
+                warmup_steps=1,
+                weight_decay=0.1,
+            ),
+        )
+        for sh in ("zero2", "zero3", "zero3_offload")
+    ]
+
+
+def _two_rank_runs(rank, world, matrix, tmp, data, plans):
+    """Every 2-rank run of this file in one spawn: a rank's import of DeepSpeed (and of the torch compiler it pulls in)
+    and its first engine cost tens of seconds, paid here once instead of once per test."""
+    runs = train_cases(rank, world, matrix, tmp, data)
+    return runs, _crash_resume_export(rank, world, str(Path(tmp) / "resume"), plans)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, deepspeed_ops):
+    """The 2-rank matrix and crash/resume/export runs (one spawn, its time the sum of the two tests' budgets); the tests
+    below each assert their part. A run that raises fails both tests with a traceback naming it."""
+    from seqpar_testing import run_ranks
+
+    tmp = tmp_path_factory.mktemp("deepspeed-W2")
+    (tmp / "resume").mkdir()
+    matrix = matrix_cases(2)
+    data = learnable_tokens(tmp / "tokens.npy")
+    runs, resumed = run_ranks(_two_rank_runs, 2, matrix, str(tmp), data, crash_plans(), timeout=840 + 560)[0]
+    return tmp, matrix, runs, resumed
+
+
+# The module's 2-rank spawn (both tests' runs) sets up in whichever of the two runs first: each has both budgets.
+TWO_RANKS_TIMEOUT = 900 + 600
+
+
+@needs_deepspeed
+@pytest.mark.timeout(TWO_RANKS_TIMEOUT)
+def test_zero_plans_equal_ddp_and_fsdp2_in_every_mode_on_2_ranks(two_ranks):
+    tmp, matrix, runs, _ = two_ranks
+    _check_matrix(runs, matrix, tmp)
+
+
+# On 4 ranks the two modes whose layout 2 ranks cannot have, zigzag sp 2 x dp 2 and usp ulysses 2 x ring 2, run with
+# every engine; the other three modes (the same code paths as on 2 ranks, with a larger sp or dp) are the slow set.
+FOUR_RANKS = ["zigzag_ring_attn", "usp_attn"]
+
+
+@needs_deepspeed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "modes",
+    [
+        pytest.param(FOUR_RANKS, id="W4-hybrid-modes"),
+        pytest.param([m for m in mode_plans(4) if m not in FOUR_RANKS], id="W4-other-modes", marks=pytest.mark.slow),
+    ],
+)
+def test_zero_plans_equal_ddp_and_fsdp2_on_4_ranks(tmp_path, modes, deepspeed_ops):
+    from seqpar_testing import run_ranks
+
+    cases = matrix_cases(4, modes)
+    data = learnable_tokens(tmp_path / "tokens.npy")
+    results = run_ranks(train_cases, 4, cases, str(tmp_path), data, timeout=840)[0]
+    _check_matrix(results, cases, tmp_path)
 
 
 # --------------------------------------------------------------------------------------------- checkpoint, resume, export
@@ -120,7 +189,10 @@ def _crash_resume_export(rank, world, tmp, plans):
         finally:
             os.environ.pop("SEQPAR_FAULT_RANK"), os.environ.pop("SEQPAR_FAULT_STEP")
         first = read_metrics(folder) if rank == 0 else None  # steps 1-5; the resumed run keeps 1-3 and redoes 4-5
-        run(parser().parse_args(["--plan", plan_file, "--output", folder, "--resume"]))
+        try:
+            run(parser().parse_args(["--plan", plan_file, "--output", folder, "--resume"]))
+        except Exception as e:  # several ZeRO stages share one spawn: name the one that broke
+            raise RuntimeError(f"--resume of {name} failed on rank {rank}") from e
         dist.barrier()
         if rank == 0:
             last = latest(Path(folder) / "checkpoints")
@@ -134,24 +206,10 @@ def _crash_resume_export(rank, world, tmp, plans):
 
 
 @needs_deepspeed
-@pytest.mark.timeout(600)
-def test_deepspeed_checkpoint_resumes_exactly_and_exports_loadable_weights(tmp_path, deepspeed_ops):
-    from seqpar_testing import run_ranks
-
-    w = 2
-    plans = [
-        (
-            sh,
-            _with(
-                make_plan(w, "zigzag_ring_attn", w, ga=2, loss_impl="chunked", sharding=sh, steps=6, checkpoint_every=3),
-                lr_schedule="cosine",
-                warmup_steps=1,
-                weight_decay=0.1,
-            ),
-        )
-        for sh in ("zero2", "zero3", "zero3_offload")
-    ]
-    results = run_ranks(_crash_resume_export, w, str(tmp_path), plans, timeout=560)[0]
+@pytest.mark.timeout(TWO_RANKS_TIMEOUT)
+def test_deepspeed_checkpoint_resumes_exactly_and_exports_loadable_weights(two_ranks):
+    results = two_ranks[3]
+    assert sorted(results) == sorted(name for name, _ in crash_plans())
     for name, r in results.items():
         assert r["crashed"], name
         assert [m["step"] for m in r["first"]] == [1, 2, 3, 4, 5] and [m["step"] for m in r["resumed"]] == list(range(1, 7))

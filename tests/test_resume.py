@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from test_train import learnable_tokens, make_plan, read_metrics
 
 from seqpar.schema import LaunchPlan
@@ -89,11 +90,31 @@ def _four_ranks_reshard(rank, world, tmp, data):
     return out
 
 
-def test_resume_reshards_to_another_world_size_sp_degree_and_engine(tmp_path):
+def _two_rank_runs(rank, world, reshard_tmp, layout_tmp, data):
+    """Both 2-rank spawns of this file's first two tests in one (a rank's start costs seconds of imports)."""
+    return _two_ranks_write_and_reshard(rank, world, reshard_tmp, data), _one_layout_many_ways(rank, world, layout_tmp, data)
+
+
+# The module's 2-rank spawn (both tests' runs) sets up in whichever of the two runs first: each has both budgets.
+TWO_RANKS_TIMEOUT = 300 + 300
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """(folder of the resharding runs, (full, sp1) metrics; folder of the one-layout runs, their results)."""
     from seqpar_testing import run_ranks
 
-    data = learnable_tokens(tmp_path / "tokens.npy")
-    full, sp1 = run_ranks(_two_ranks_write_and_reshard, 2, str(tmp_path), data, timeout=240)[0]
+    reshard, layout = tmp_path_factory.mktemp("reshard"), tmp_path_factory.mktemp("layout")
+    data = learnable_tokens(reshard / "tokens.npy")
+    first, second = run_ranks(_two_rank_runs, 2, str(reshard), str(layout), data, timeout=240 + 280)[0]
+    return reshard, data, first, layout, second
+
+
+@pytest.mark.timeout(TWO_RANKS_TIMEOUT)
+def test_resume_reshards_to_another_world_size_sp_degree_and_engine(two_ranks):
+    from seqpar_testing import run_ranks
+
+    tmp_path, data, (full, sp1), _, _ = two_ranks
     assert full[-1]["loss"] < full[0]["loss"] - 0.3  # it learned: equal losses prove something
     _close(sp1, full, 1e-5, "sp 2 -> sp 1 (zigzag FSDP2 -> data_parallel DDP)")
     log = (tmp_path / "sp1" / "train.log").read_text()
@@ -185,13 +206,11 @@ def _one_layout_many_ways(rank, world, tmp, data):
     return res
 
 
-def test_async_checkpoints_resume_hostile_files_full_disks_and_skipped_steps(tmp_path):
+@pytest.mark.timeout(TWO_RANKS_TIMEOUT)
+def test_async_checkpoints_resume_hostile_files_full_disks_and_skipped_steps(two_ranks):
     from safetensors.torch import load_file
 
-    from seqpar_testing import run_ranks
-
-    data = learnable_tokens(tmp_path / "tokens.npy")
-    res = run_ranks(_one_layout_many_ways, 2, str(tmp_path), data, timeout=280)[0]
+    _, _, _, tmp_path, res = two_ranks
     full = read_metrics(tmp_path / "full")
     ck = tmp_path / "full" / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000006", "step-000008"]  # --keep-last 2

@@ -88,7 +88,10 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, LaunchPlan]], tmp:
         if rank == 0:
             plan.write(plan_file)
         dist.barrier()
-        run(parser().parse_args(["--plan", str(plan_file), "--output", str(Path(tmp) / name), "--data", data]))
+        try:
+            run(parser().parse_args(["--plan", str(plan_file), "--output", str(Path(tmp) / name), "--data", data]))
+        except Exception as e:  # many runs share one spawn: the failure names the run that broke
+            raise RuntimeError(f"case {name!r} failed on rank {rank}") from e
         dist.barrier()
         if rank == 0:
             results[name] = read_metrics(Path(tmp) / name)
@@ -111,9 +114,8 @@ def _compare(results: dict, ref: str = "ref") -> None:
     assert want[-1]["loss"] < want[0]["loss"] - 0.5
 
 
-def test_every_mode_matches_data_parallel_on_2_ranks(tmp_path):
-    from seqpar_testing import run_ranks
-
+def two_rank_cases() -> list:
+    """Every mode on 2 ranks against data_parallel ("ref"), then FSDP2, the chunked loss and each checkpointing."""
     w = 2
     cases = [("ref", make_plan(w))]
     cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, mbs=w)) for m in MODES]
@@ -123,30 +125,14 @@ def test_every_mode_matches_data_parallel_on_2_ranks(tmp_path):
         ("offload_ckpt", make_plan(w, "ulysses_attn", w, mbs=w, checkpointing="offload")),  # layer inputs in host RAM
         ("selective_ckpt", make_plan(w, "usp_attn", w, ulysses=2, ga=w, checkpointing="selective")),  # kept attention out
     ]
-    data = learnable_tokens(tmp_path / "tokens.npy")
-    results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]
-    _compare(results)
+    return cases
 
 
-def test_every_mode_matches_data_parallel_on_4_ranks(tmp_path):
-    from seqpar_testing import run_ranks
-
-    w = 4
-    cases = [("ref", make_plan(w))]
-    cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, mbs=w)) for m in MODES]
-    cases.append(("hybrid", make_plan(w, "zigzag_ring_attn", 2, ga=2)))  # sp 2 x dp 2: sum over sp, mean over dp
-    data = learnable_tokens(tmp_path / "tokens.npy")
-    results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]
-    _compare(results)
-
-
-def test_tiled_mlp_matches_data_parallel_in_every_checkpointing(tmp_path):
+def tiled_cases() -> list:
     """tiled_mlp on 2 ranks: 128 local tokens of a 64-wide model make 2 tiles per MLP call (ALST's ceil(t/h) rule)."""
-    from seqpar_testing import run_ranks
-
     w, seq = 2, 256
-    cases = [("ref", make_plan(w, seq_len=seq))]
-    cases += [
+    return [
+        ("ref", make_plan(w, seq_len=seq)),
         ("tiled_dp", make_plan(w, seq_len=seq, tiled_mlp=True)),
         (
             "tiled_zigzag_selective",
@@ -161,9 +147,53 @@ def test_tiled_mlp_matches_data_parallel_in_every_checkpointing(tmp_path):
             make_plan(w, "ulysses_attn", w, mbs=w, seq_len=seq, checkpointing="full", loss_impl="chunked", tiled_mlp=True),
         ),
     ]
+
+
+def _two_rank_runs(rank, world, tmp, data):
+    """Both 2-rank matrices in one spawn (a rank's start costs seconds of imports), each in a folder of its own."""
+    return tuple(train_cases(rank, world, cases(), str(Path(tmp) / name), data) for name, cases in _TWO_RANKS.items())
+
+
+_TWO_RANKS = {"modes": two_rank_cases, "tiled": tiled_cases}
+
+# The module's 2-rank spawn (both tests' runs) sets up in whichever of the two runs first: each has both budgets.
+TWO_RANKS_TIMEOUT = 300 + 300
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    from seqpar_testing import run_ranks
+
+    tmp = tmp_path_factory.mktemp("train-W2")
+    for name in _TWO_RANKS:
+        (tmp / name).mkdir()
+    data = learnable_tokens(tmp / "tokens.npy")
+    return dict(zip(_TWO_RANKS, run_ranks(_two_rank_runs, 2, str(tmp), data, timeout=170 + 170)[0]))
+
+
+@pytest.mark.timeout(TWO_RANKS_TIMEOUT)
+def test_every_mode_matches_data_parallel_on_2_ranks(two_ranks):
+    assert sorted(two_ranks["modes"]) == sorted(name for name, _ in two_rank_cases())
+    _compare(two_ranks["modes"])
+
+
+def test_every_mode_matches_data_parallel_on_4_ranks(tmp_path):
+    from seqpar_testing import run_ranks
+
+    w = 4
+    cases = [("ref", make_plan(w))]
+    cases += [(m, make_plan(w, m, w, ulysses=2 if m == "usp_attn" else 1, mbs=w)) for m in MODES]
+    cases.append(("hybrid", make_plan(w, "zigzag_ring_attn", 2, ga=2)))  # sp 2 x dp 2: sum over sp, mean over dp
     data = learnable_tokens(tmp_path / "tokens.npy")
     results = run_ranks(train_cases, w, cases, str(tmp_path), data, timeout=170)[0]
     _compare(results)
+
+
+@pytest.mark.timeout(TWO_RANKS_TIMEOUT)
+def test_tiled_mlp_matches_data_parallel_in_every_checkpointing(two_ranks):
+    """tiled_mlp on 2 ranks (tiled_cases), in every checkpointing, against data_parallel without tiling."""
+    assert sorted(two_ranks["tiled"]) == sorted(name for name, _ in tiled_cases())
+    _compare(two_ranks["tiled"])
 
 
 # --------------------------------------------------------------------------------------------- data

@@ -1,10 +1,11 @@
 """`seqpar verify` against modes broken on purpose: it passes correct plans and fails each breakage.
 
-Correct plans (several modes and engines, 2 and 4 gloo ranks) must pass within fp32's tolerance (1e-5 x W). Each
-breakage is a real failure reported in the field, made in the ranks with unittest.mock: a ring step dropped from zigzag's
-forward, one rank's positions shifted by one (RoPE sees the wrong place), the attention override skipped (the model runs
-its own attention on its shard alone, as after a transformers upgrade that bypasses the interface). verify must fail each
-time, naming what differs. The CLI test runs the real job (torchrun) and checks the exit codes and --json.
+Correct plans (several modes and engines, 2 and 4 gloo ranks; on 4 ranks the cases 2 ranks cover are in the slow set,
+``pytest -m slow``) must pass within fp32's tolerance (1e-5 x W). Each breakage is a real failure reported in the
+field, made in the ranks with unittest.mock: a ring step dropped from zigzag's forward, one rank's positions shifted by
+one (RoPE sees the wrong place), the attention override skipped (the model runs its own attention on its shard alone, as
+after a transformers upgrade that bypasses the interface). verify must fail each time, naming what differs. The CLI test runs the
+real job (torchrun) and checks the exit codes and --json.
 """
 
 from __future__ import annotations
@@ -98,22 +99,42 @@ def _zero(sharding: str) -> str:
     return sharding if HAS_DEEPSPEED else "fsdp"
 
 
+SEQ = 128
+
+
+def verify_cases(w: int) -> list:
+    """(name, plan, breakage): correct plans over the modes and engines, then each breakage."""
+    return [
+        ("zigzag", make_plan(w, "zigzag_ring_attn", w, seq_len=SEQ), "none"),
+        ("ulysses_fsdp_chunked", make_plan(w, "ulysses_attn", w, seq_len=SEQ, sharding="fsdp", loss_impl="chunked"), "none"),
+        ("usp_zero3", make_plan(w, "usp_attn", w, ulysses=2, seq_len=SEQ, sharding=_zero("zero3")), "none"),
+        ("dist_flash_ckpt", make_plan(w, "dist_flash_attn", w, seq_len=SEQ, checkpointing="full"), "none"),
+        ("hybrid", make_plan(w, "zigzag_ring_attn", 2, seq_len=SEQ), "none"),
+        ("zigzag_shifted", make_plan(w, "zigzag_ring_attn", w, seq_len=SEQ), "shift_positions"),
+        ("ulysses_no_override", make_plan(w, "ulysses_attn", w, seq_len=SEQ), "skip_override"),
+        ("zigzag_dropped", make_plan(w, "zigzag_ring_attn", w, seq_len=SEQ), "drop_ring_step"),
+    ]
+
+
+# W=2 runs every case. On 4 ranks: the layouts 2 ranks cannot have (zigzag sp 2 x dp 2, usp ulysses 2 x ring 2), every
+# engine (ddp, FSDP2, ZeRO-3) and a ring of 4 missing a step; the other cases on 4 ranks are the slow set.
+FOUR_RANKS = ["ulysses_fsdp_chunked", "usp_zero3", "hybrid", "zigzag_dropped"]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("w", [2, 4], ids=["W2", "W4"])
-def test_verify_passes_correct_plans_and_fails_broken_modes(tmp_path, w):
+@pytest.mark.parametrize(
+    "w, names",
+    [
+        pytest.param(2, None, id="W2"),
+        pytest.param(4, FOUR_RANKS, id="W4"),
+        pytest.param(4, [n for n, _, _ in verify_cases(4) if n not in FOUR_RANKS], id="W4-more", marks=pytest.mark.slow),
+    ],
+)
+def test_verify_passes_correct_plans_and_fails_broken_modes(tmp_path, w, names):
     from seqpar_testing import run_ranks
 
-    seq = 128
-    cases = [
-        ("zigzag", make_plan(w, "zigzag_ring_attn", w, seq_len=seq), "none"),
-        ("ulysses_fsdp_chunked", make_plan(w, "ulysses_attn", w, seq_len=seq, sharding="fsdp", loss_impl="chunked"), "none"),
-        ("usp_zero3", make_plan(w, "usp_attn", w, ulysses=2, seq_len=seq, sharding=_zero("zero3")), "none"),
-        ("dist_flash_ckpt", make_plan(w, "dist_flash_attn", w, seq_len=seq, checkpointing="full"), "none"),
-        ("hybrid", make_plan(w, "zigzag_ring_attn", 2, seq_len=seq), "none"),
-        ("zigzag_shifted", make_plan(w, "zigzag_ring_attn", w, seq_len=seq), "shift_positions"),
-        ("ulysses_no_override", make_plan(w, "ulysses_attn", w, seq_len=seq), "skip_override"),
-        ("zigzag_dropped", make_plan(w, "zigzag_ring_attn", w, seq_len=seq), "drop_ring_step"),
-    ]
+    seq = SEQ
+    cases = [c for c in verify_cases(w) if names is None or c[0] in names]
     results = run_ranks(_verify_cases, w, str(tmp_path), cases, timeout=560)[0]
     for name, _, breakage in cases:
         r = results[name]
