@@ -25,6 +25,9 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   tensors above plus the gradients flowing through it); ``offload`` moves the layer inputs to host RAM (two in flight on the
   GPU); ``selective`` keeps the layer input plus attention's output (B, S, a*d, model dtype) and fp32 lse (B, a, S) per
   layer, so the recomputation skips attention's forward (LightSeq, Li et al. 2023, sec. 3.3; seqpar.runtime.selective).
+  A split (strategy.checkpoint_layers / offload_layers, seqpar.options.layer_split) sums per layer: offloaded inputs
+  nothing on the GPU (two in flight only while those layers run), GPU-checkpointed ones their input, the last layers
+  everything they save; backward is checked at the top layer, the top checkpointed layer and the bottom one.
 * Precision (``precision()``, mirroring seqpar.runtime.engine.compute_dtype): DDP keeps fp32 parameters and autocasts, so
   weights, gradients and the residual stream (hence the checkpointed layer inputs) are fp32 and a bf16 copy of every matmul
   weight is cached while the forward runs; FSDP2 keeps an fp32 sharded master and computes in bf16; ZeRO follows the paper;

@@ -2,7 +2,8 @@
 
 Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters in matmuls incl. the LM head):
 * Linear part (Kaplan et al. 2020; Narayanan et al. 2021, eq. 3): 2*N_lin FLOPs per token forward, 6*N_lin forward +
-  backward, +2*N_lin per token for the decoder layers when checkpointing recomputes them (Korthikanti et al. 2022);
+  backward, +2*N_lin per token for the decoder layers checkpointing recomputes (all, or the plan's checkpoint_layers)
+  (Korthikanti et al. 2022);
   ``tiled_mlp`` adds one more MLP forward, 2 * 3*h*I*L per token (ALST's TiledMLP runs its tiles under no_grad in the
   forward and again with grad in backward).
 * Elementwise traffic (norms, RoPE, SwiGLU), bound by HBM bandwidth, bytes per token and layer per forward:
@@ -29,6 +30,9 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   carrying Q,K,V out and O,lse back; gradients: ring all-reduce 2(N-1)/N*2Psi (DDP), reduce-scatter + all-gather (ZeRO-2),
   per-layer all-gathers in forward and backward + reduce-scatter (ZeRO-3 / FSDP), hidden up to ``grad_comm_overlap``
   under backward; ZeRO-3 offload adds PCIe copies of the parameter shards and fp32 gradients and the CPU Adam step.
+* Checkpoint offload (the plan's offloaded layers): pinned copies mostly hidden under compute, pageable ones beyond the
+  pinned budget exposed (``offload_copy_time``, rates measured on the H200); the first step adds its one-off costs
+  (``first_step_extra_s``: the prediction's first_step_s, which the bill counts once).
 * MFU: seqpar.flops' model FLOPs (no recompute) over the datasheet bf16 peak of every GPU, the count measured MFU
   (seqpar.runtime.report) uses too.
 """
@@ -111,13 +115,20 @@ def first_step_extra_s(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffi
     """What the first step costs beyond a warm one: a fixed part (kernel selection, allocator growth, lazy init) and the
     page-locking of the pinned host blocks the checkpoint offload allocates then (the caching host allocator reuses
     them in later steps)."""
+    host, layer, pinned = offloaded_inputs(w, cluster, s)
+    return c.first_step_s + pinned * pinned_block(layer) / GIB / c.pinned_alloc_gib_s
+
+
+def offloaded_inputs(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[int, float, int]:
+    """(layers offloaded, bytes of one layer input, how many of them fit the pinned budget): options.PINNED_FRACTION of
+    the host's RAM per rank, each input in a power-of-two block as the caching host allocator takes it; seqpar.runtime.offload
+    pins the first layers' inputs while they fit and puts the rest in pageable memory."""
     host = split(w.model, s).host
     if not host:
-        return c.first_step_s
+        return 0, 0.0, 0
     layer = precision(w, s, cluster.accelerator).residual * w.model.hidden_size * w.micro_batch_size * w.seq_len / s.sp_degree
     budget = PINNED_FRACTION * cluster.host_ram_gib * GIB / cluster.gpus_per_node
-    pinned = min(host, int(budget // pinned_block(layer))) * pinned_block(layer)
-    return c.first_step_s + pinned / GIB / c.pinned_alloc_gib_s
+    return host, layer, min(host, int(budget // pinned_block(layer)))
 
 
 def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, compute_s: float) -> float:
@@ -125,12 +136,9 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
     and comes back in backward. Within the pinned budget (options.PINNED_FRACTION of the host's RAM per rank, each block
     rounded to a power of two as the caching host allocator does) the copies are asynchronous and mostly hidden under
     compute; beyond it seqpar.runtime.offload falls back to pageable memory, whose copies are synchronous: exposed."""
-    host = split(w.model, s).host
+    host, layer, pinned = offloaded_inputs(w, cluster, s)
     if not host:
         return 0.0
-    layer = precision(w, s, cluster.accelerator).residual * w.model.hidden_size * w.micro_batch_size * w.seq_len / s.sp_degree
-    budget = PINNED_FRACTION * cluster.host_ram_gib * GIB / cluster.gpus_per_node
-    pinned = min(host, int(budget // pinned_block(layer)))
     hidden = _hidden(2 * pinned * layer / (c.pinned_copy_gb_s * 1e9), compute_s, c.grad_comm_overlap)
     return hidden + 2 * (host - pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
 
