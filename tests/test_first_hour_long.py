@@ -97,7 +97,9 @@ def test_the_predicted_bill_of_a_recipe_in_advise_explain_and_launch(tmp_path):
     r = invoke("advise", "--recipe", "1M", "-m", "llama-2-7b", "-o", plan_file)
     assert r.exit_code == 0, r.output
     plan = LaunchPlan.load(plan_file)
-    walls = [st.steps * st.prediction.step_time_s for st in plan.stages]  # the reference: the plan's own predictions
+    # the reference: the plan's own predictions, each stage's first step (a new process: one-off costs) then warm steps
+    walls = [st.prediction.first_step_s + (st.steps - 1) * st.prediction.step_time_s for st in plan.stages]
+    assert all(st.prediction.first_step_s > st.prediction.step_time_s for st in plan.stages)
     gpus = plan.cluster.world_size
     bill = plan_bill(plan)
     assert [s.wall_s for s in bill.stages] == pytest.approx(walls)
@@ -111,7 +113,7 @@ def test_the_predicted_bill_of_a_recipe_in_advise_explain_and_launch(tmp_path):
     assert dry.exit_code == 0, dry.output
     first = [ln for ln in dry.stdout.splitlines() if ln.startswith("# seqpar launch: predicted")]
     assert len(first) == len(walls) + 1 and dry.stdout.index(first[0]) < dry.stdout.index("# stage 0")
-    ten = sum(10 * st.prediction.step_time_s for st in plan.stages)
+    ten = sum(st.prediction.first_step_s + 9 * st.prediction.step_time_s for st in plan.stages)
     assert (
         first[-1]
         == f"# seqpar launch: predicted whole recipe: {duration(ten)}, {ten * gpus / 3600:,.0f} GPU-hours on {gpus} GPUs"
