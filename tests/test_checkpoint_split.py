@@ -181,6 +181,36 @@ def test_bytes_saved_shrink_as_more_layers_are_checkpointed(policy):
     assert totals[0] == unckpt_total, (totals, unckpt_total)
 
 
+def test_the_memory_model_counts_what_a_layer_saves():
+    """The advisor's bytes per token of an un-checkpointed decoder layer (seqpar.advisor.memory.saved_bytes_per_token,
+    fp32 on CPU: p = residual = 4) against what the real layer under seqpar.apply saves for backward, byte for byte. The
+    model leaves out two terms too small to matter at long lengths, added here: each RMSNorm's fp32 rstd per token, and
+    RoPE's cos and sin (S x d fp32 each, shared by the batch)."""
+    import seqpar
+    from seqpar.advisor.memory import saved_bytes_per_token
+    from seqpar.schema import ModelSpec
+
+    warnings.filterwarnings("ignore")
+    ids, _ = batch()
+    model = make_model()
+    seqpar.apply(model, "data_parallel", checkpointing="none")
+    saved, _, _ = _saved_bytes(model, ids)
+    cfg = model.config
+    spec = ModelSpec(
+        name="tiny",
+        num_layers=L,
+        hidden_size=HIDDEN,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+    )
+    small = B * S * 2 * 4 + 2 * S * cfg.head_dim * 4  # rstd of the two norms; cos and sin
+    predicted = saved_bytes_per_token(spec, "fp32", residual=4) * B * S + small
+    assert [saved[i] for i in range(L)] == [predicted] * L
+
+
 @pytest.mark.parametrize("k,off", [(L, None), (L, 0), (L, 1), (L - 1, 2), (2, 2), (0, 0)])
 def test_offload_layers_send_exactly_that_many_inputs_through_host_offload(monkeypatch, k, off):
     import seqpar

@@ -69,8 +69,8 @@ def test_zero_totals_match_paper():
 
 
 def test_saved_bytes_per_token_by_hand():
-    # norms 2*(4+2*2)*64 = 1024; attention 3*2*4*16 + 2*2*2*16 + 4*4 = 384 + 128 + 16; SwiGLU 4*2*128 = 1024
-    assert saved_bytes_per_token(TINY, "bf16") == 1024 + 384 + 128 + 16 + 1024
+    # norms 2*(4+2*2)*64 = 1024; attention q, out 2*2*4*16 + k, v 2*2*2*16 + lse 4*4 = 256 + 128 + 16; SwiGLU 4*2*128 = 1024
+    assert saved_bytes_per_token(TINY, "bf16") == 1024 + 256 + 128 + 16 + 1024
     assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="full")) == 2 * 64
     # selective (LightSeq): the layer input + attention's output (a*d = 64 values, bf16) + its fp32 lse (4 heads)
     assert (
@@ -81,7 +81,7 @@ def test_saved_bytes_per_token_by_hand():
         == 4 * 64 + 2 * 64 + 16
     )
     # autocast over fp32 parameters: fp32 residual stream; each norm saves 4h + 4h + 4h + the bf16 cast 2h
-    assert saved_bytes_per_token(TINY, "bf16", residual=4) == 2 * (4 + 8 + 2) * 64 + 384 + 128 + 16 + 1024
+    assert saved_bytes_per_token(TINY, "bf16", residual=4) == 2 * (4 + 8 + 2) * 64 + 256 + 128 + 16 + 1024
     assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="full"), residual=4) == 4 * 64
     assert kept_bytes_per_token(TINY, "bf16", Strategy(mode="data_parallel", checkpointing="offload")) == 0
 

@@ -31,6 +31,8 @@ class Coefficients:
     attn_time_factor: float = 1.0  # measured / ideal time of the attention kernels
     attn_block_tokens: float = 2048.0  # n0 in eff(n) = eff_max * n / (n + n0), n = query length of one kernel call
     matmul_width_h0: float = 0.0  # h0 in the matmul efficiency h / (h + h0), h = hidden size (GEMM inner dimension)
+    attn_head_dim_d0: float = 0.0  # d0 in the attention kernel efficiency d / (d + d0), d = head_dim (normalised at 128)
+    elementwise_efficiency: float = 1.0  # achieved / datasheet HBM bandwidth of the norm, RoPE and SwiGLU kernels
     ring_overlap: float = 0.9  # share of a ring step's transfer hidden under that step's attention compute
     grad_comm_overlap: float = 0.8  # share of gradient all-reduce / ZeRO traffic hidden under backward
     comm_bandwidth_efficiency: float = 0.75  # NCCL bus bandwidth / datasheet link bandwidth
@@ -40,7 +42,8 @@ class Coefficients:
     pinned_alloc_gib_s: float = 5.0  # page-locking the offload's pinned host blocks during the first step
     pageable_bandwidth_gb_s: float = 2.5  # checkpointed layer inputs beyond the pinned budget: synchronous pageable copies
     cpu_adam_gparams_per_s: float = 8.0  # CPU Adam throughput per node, 1e9 parameters per second
-    allocator_reserve_fraction: float = 0.05
+    allocator_reserve_fraction: float = 0.05  # the caching allocator's reserved - allocated at the peak, share of the peak,
+    allocator_reserve_cap_gib: float = 4.0  # at most this (expandable segments: the gap does not grow with the peak)
     allocator_reserve_gib: float = 0.5
     cuda_context_gib: float = 0.55
     nccl_buffer_gib_per_group: float = 0.25
@@ -58,6 +61,8 @@ class Coefficients:
         "attn_time_factor",
         "attn_block_tokens",
         "matmul_width_h0",
+        "attn_head_dim_d0",
+        "elementwise_efficiency",
         "ring_overlap",
         "grad_comm_overlap",
         "comm_bandwidth_efficiency",
@@ -68,6 +73,7 @@ class Coefficients:
         "pinned_alloc_gib_s",
         "cpu_adam_gparams_per_s",
         "allocator_reserve_fraction",
+        "allocator_reserve_cap_gib",
         "allocator_reserve_gib",
         "cuda_context_gib",
         "nccl_buffer_gib_per_group",
@@ -79,6 +85,13 @@ class Coefficients:
 
     def with_values(self, **values: float) -> Coefficients:
         return replace(self, **values)
+
+    def allocator_slack(self, peak: float) -> float:
+        """Bytes the caching allocator reserves beyond the allocated peak: a share of it, capped, plus a constant."""
+        return (
+            min(peak * self.allocator_reserve_fraction, self.allocator_reserve_cap_gib * 2**30)
+            + self.allocator_reserve_gib * 2**30
+        )
 
     def values(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self._VALUE_FIELDS}
@@ -119,6 +132,8 @@ PLAUSIBLE = {
     "attn_time_factor": (0.1, 10.0),
     "attn_block_tokens": (0.0, 1e6),
     "matmul_width_h0": (0.0, 1e6),
+    "attn_head_dim_d0": (0.0, 1e4),
+    "elementwise_efficiency": (0.01, 1.0),
     "ring_overlap": (0.0, 1.0),
     "grad_comm_overlap": (0.0, 1.0),
     "comm_bandwidth_efficiency": (0.01, 1.0),
@@ -129,6 +144,7 @@ PLAUSIBLE = {
     "pinned_alloc_gib_s": (0.01, 1e4),
     "cpu_adam_gparams_per_s": (0.01, 1e4),
     "allocator_reserve_fraction": (0.0, 0.9),
+    "allocator_reserve_cap_gib": (0.0, 1024.0),
     "allocator_reserve_gib": (0.0, 1024.0),
     "cuda_context_gib": (0.0, 64.0),
     "nccl_buffer_gib_per_group": (0.0, 64.0),

@@ -29,9 +29,9 @@ Time of one window per data-parallel group (the terms of seqpar.advisor.throughp
 * linear: 2 N_lin FLOPs per token (the layers and the LM head, whose logits the chunked loss computes once): a third of
   training's 6 N_lin; at the measured matmul rate x the width efficiency x the fitted linear factor.
 * attention: the causal forward 2 S^2 a d per layer, divided by sp_degree: 1/3.5 of training's forward + backward, at
-  the measured attention rate x eff(n) x the fitted attention factor.
+  the measured attention rate x eff(n) x the head-width efficiency x the fitted attention factor.
 * elementwise traffic (the model's own norms, RoPE, SwiGLU: eval applies neither fused_ops nor tiled_mlp): one forward
-  pass of bytes over HBM bandwidth.
+  pass of bytes over the HBM bandwidth those kernels reach (elementwise_efficiency).
 * sequence-parallel communication: the forward pass only (ring: P-1 K,V blocks per layer against each step's
   attention, partly hidden; Ulysses: one set of all-to-alls per layer; dist flash: P/2 helper steps). No gradient or
   optimizer traffic. tokens/s (cluster) = seq_len x dp_degree / that time.
@@ -47,11 +47,12 @@ from typing import Optional
 from seqpar.advisor.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.memory import mode_buffers, ring_ranks, ulysses_ranks
 from seqpar.advisor.throughput import (
-    REF_CALL_TOKENS,
     _bw,
     _hidden,
+    call_efficiency,
     call_tokens,
     elementwise_bytes_per_token,
+    head_dim_efficiency,
     width_efficiency,
 )
 from seqpar.flops import attention_fwd_flops, matmul_params
@@ -112,10 +113,7 @@ def estimate_eval_memory(m: ModelSpec, seq_len: int, cluster: ClusterSpec, s: St
     phase = max(totals, key=totals.get)
     peak = totals[phase]
     groups = 0 if s.world_size == 1 else 1 + (s.sp_degree > 1) + (s.mode == "usp_attn")
-    reserved = (
-        peak * (1 + c.allocator_reserve_fraction)
-        + (c.allocator_reserve_gib + c.cuda_context_gib + c.nccl_buffer_gib_per_group * groups) * GIB
-    )
+    reserved = peak + c.allocator_slack(peak) + (c.cuda_context_gib + c.nccl_buffer_gib_per_group * groups) * GIB
     capacity = cluster.gpu.memory_gib * GIB
     reason = ""
     if reserved + c.headroom_gib * GIB > capacity:
@@ -144,12 +142,12 @@ def estimate_eval_time(m: ModelSpec, seq_len: int, cluster: ClusterSpec, s: Stra
     lin_factor, attn_factor = c.factors(cluster)
     linear = t * 2.0 * matmul_params(m) / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
     linear = linear / width_efficiency(m.hidden_size, c.matmul_width_h0) * lin_factor
-    n, n0 = call_tokens(s, S), c.attn_block_tokens
-    eff = (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0))
+    eff = call_efficiency(call_tokens(s, S), c) * head_dim_efficiency(d, c.attn_head_dim_d0)
     attn_rate = c.kernel_rate_tflops(cluster, c.attention_backend(cluster)) * 1e12
     attention = attention_fwd_flops(m, S) / P / attn_rate / eff * attn_factor
     # the model's own norms, RoPE and SwiGLU: eval applies neither the plan's fused_ops nor its tiled MLP
-    elementwise = t * L * elementwise_bytes_per_token(m, "none")[0] / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
+    hbm = cluster.gpu.hbm_bandwidth_gb_s * 1e9 * c.elementwise_efficiency
+    elementwise = t * L * elementwise_bytes_per_token(m, "none")[0] / hbm
 
     comm = 0.0
     u, r = ulysses_ranks(s), ring_ranks(s)

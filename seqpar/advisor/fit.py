@@ -7,12 +7,18 @@ The fit: step time is linear in the fitted factors once the rest is held fixed,
   T = linear_time_factor * T_linear(h0) + attn_time_factor * T_attn(n0) + cpu_work / cpu_adam_rate + T_rest,
 (T_rest: the parts no factor scales: elementwise HBM traffic of norms, RoPE and SwiGLU, exposed communication, offload,
 the GPU optimizer step; throughput.py's ``parts_s["rest"]``)
-so relative least squares (minimise sum((T_pred - T_meas)/T_meas)^2) over those three, grids over the matmul width
-saturation h0 (matmul_width_h0) and, when asked, the attention saturation n0 (attn_block_tokens), and two fixed-point
-passes for the overlap terms that depend on the compute time. The two time factors are fitted once on all rows (the
-global fallback) and again per GPU profile on that GPU's rows (``time_factors``): A100 + ZeRO-3 offload overheads do not
-carry over to an H200. h0 is shared by all GPUs and is fitted only when the rows span more than one model width.
-A coefficient no row informs (e.g. CPU Adam without ZeRO-3 offload rows) keeps its value. Pure Python.
+so relative least squares (minimise sum((T_pred - T_meas)/T_meas)^2) over those three, and two fixed-point passes for
+the overlap terms that depend on the compute time. The shape terms are searched on grids around that least squares,
+one coordinate at a time until none moves (three passes at most): the matmul width saturation h0 (matmul_width_h0), the
+attention head-width saturation d0 (attn_head_dim_d0) and the share of HBM bandwidth the elementwise kernels reach
+(elementwise_efficiency); and, when asked, the attention call saturation n0 (attn_block_tokens) as an outer grid. The two
+time factors are fitted once on all rows (the global fallback) and again per GPU profile on that GPU's rows
+(``time_factors``): A100 + ZeRO-3 offload overheads do not carry over to an H200. The shape terms are shared by all
+GPUs, and each is searched only when the rows can tell it from the factors: h0 when they span two model widths, d0 two
+head widths, the elementwise efficiency both fused (Liger) and unfused layers, whose elementwise bytes differ ~5x at the
+same matmul work. A coefficient no row informs (e.g. CPU Adam without ZeRO-3 offload rows) keeps its value.
+The leave-one-out errors refit the factors and h0 without the row; d0 and the elementwise efficiency stay at the full
+fit's values (searching all three per row would take minutes). Pure Python.
 """
 
 from __future__ import annotations
@@ -34,7 +40,11 @@ from seqpar.schema import write_atomic
 N0_GRID = (0.0, 512.0, 1024.0, 2048.0, 3072.0, 4096.0, 6144.0, 8192.0)
 BOUNDS = {"linear_time_factor": (0.5, 4.0), "attn_time_factor": (0.5, 4.0), "cpu_adam_gparams_per_s": (0.2, 50.0)}
 # h0 of the matmul width efficiency h / (h + h0): a grid, informed only by rows of models of different widths.
-H0_GRID = (0.0, 512.0, 1024.0, 2048.0, 3072.0, 4096.0, 6144.0, 8192.0)
+H0_GRID = (0.0, 256.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 3072.0, 4096.0, 6144.0, 8192.0)
+# d0 of the attention head-width efficiency d / (d + d0): informed only by rows of different head widths.
+D0_GRID = (0.0, 16.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0)
+# achieved / datasheet HBM bandwidth of the norm, RoPE and SwiGLU kernels: informed by fused and unfused rows together.
+EW_GRID = (1.0, 0.85, 0.75, 0.67, 0.6, 0.5, 0.4, 0.33)
 FITTED = ("linear_time_factor", "attn_time_factor")  # cpu_adam_gparams_per_s joins when asked (needs many offload rows)
 
 
@@ -125,28 +135,70 @@ def _fit_per_gpu(timed: list[Measurement], c: Coefficients, fitted: tuple[str, .
     return c.with_values(time_factors=own)
 
 
+def shape_grids(
+    timed: list[Measurement],
+    h0_grid: Optional[Iterable[float]] = H0_GRID,
+    d0_grid: Optional[Iterable[float]] = D0_GRID,
+    ew_grid: Optional[Iterable[float]] = EW_GRID,
+) -> dict[str, tuple[float, ...]]:
+    """The shape terms these rows can tell from the time factors, with their grids (module docstring)."""
+    grids = {}
+    if h0_grid is not None and len({r.workload.model.hidden_size for r in timed}) > 1:
+        grids["matmul_width_h0"] = tuple(h0_grid)
+    if d0_grid is not None and len({r.workload.model.head_dim for r in timed}) > 1:
+        grids["attn_head_dim_d0"] = tuple(d0_grid)
+    if ew_grid is not None and len({r.strategy.fused_ops for r in timed}) > 1:
+        grids["elementwise_efficiency"] = tuple(ew_grid)
+    return grids
+
+
+def _search(timed: list[Measurement], start: Coefficients, grids: dict, fitted: tuple[str, ...]) -> tuple[Coefficients, float]:
+    """Coordinate search over the grids (each term in turn, the others held), the factors refitted at every point."""
+    cache: dict[tuple, tuple[Coefficients, float]] = {}
+
+    def score(point: dict) -> tuple[Coefficients, float]:
+        key = tuple(sorted(point.items()))
+        if key not in cache:
+            c = _fit_per_gpu(timed, start.with_values(**point), fitted)
+            cache[key] = (c, sum(e * e for e in _rel_errors(timed, c)))
+        return cache[key]
+
+    point = {name: getattr(start, name) for name in grids}
+    best, best_err = score(point)
+    for _ in range(3):
+        moved = False
+        for name, grid in grids.items():
+            for v in grid:
+                c, err = score({**point, name: v})
+                if err < best_err - 1e-12:
+                    best, best_err, point, moved = c, err, {**point, name: v}, True
+        if not moved:
+            break
+    return best, best_err
+
+
 def fit(
     rows: list[Measurement],
     base: Optional[Coefficients] = None,
     n0_grid: Optional[Iterable[float]] = None,
     fitted: tuple[str, ...] = FITTED,
     h0_grid: Optional[Iterable[float]] = H0_GRID,
+    d0_grid: Optional[Iterable[float]] = D0_GRID,
+    ew_grid: Optional[Iterable[float]] = EW_GRID,
 ) -> Coefficients:
-    """Best coefficients for the rows with a measured tokens/s: per-GPU factors by least squares, n0 and h0 on grids."""
+    """Best coefficients for the rows with a measured tokens/s: per-GPU factors by least squares, the shape terms
+    (h0, d0, elementwise efficiency) by coordinate search on their grids, n0 on its grid when one is given."""
     base = base or load_coefficients()
     n0_grid = (base.attn_block_tokens,) if n0_grid is None else n0_grid
     timed = _timed(rows)
     if not timed:
         return base
-    if h0_grid is None or len({r.workload.model.hidden_size for r in timed}) < 2:  # one width cannot tell h0 from the factor
-        h0_grid = (base.matmul_width_h0,)
+    grids = shape_grids(timed, h0_grid, d0_grid, ew_grid)
     best, best_err = base, float("inf")
     for n0 in n0_grid:
-        for h0 in h0_grid:
-            c = _fit_per_gpu(timed, base.with_values(attn_block_tokens=n0, matmul_width_h0=h0), fitted)
-            err = sum(e * e for e in _rel_errors(timed, c))
-            if err < best_err - 1e-12:
-                best, best_err = c, err
+        c, err = _search(timed, base.with_values(attn_block_tokens=n0), grids, fitted)
+        if err < best_err - 1e-12:
+            best, best_err = c, err
     return best
 
 
@@ -156,6 +208,9 @@ def evaluate(
     """Fit on all rows, then each row's residual and its leave-one-out error (refit without it, predict it)."""
     c = fit(rows, base, h0_grid=h0_grid)
     timed = _timed(rows)
+    loo_base = (base or load_coefficients()).with_values(
+        attn_head_dim_d0=c.attn_head_dim_d0, elementwise_efficiency=c.elementwise_efficiency
+    )
     out = []
     for r in rows:
         p = predict(r.workload, r.cluster, r.strategy, c)
@@ -173,7 +228,8 @@ def evaluate(
             "loo_tokens_error": None,
         }
         if r in timed and len(timed) > 2:
-            loo_c = fit([q for q in timed if q is not r], base, h0_grid=h0_grid)  # h0 refitted too: honest LOO
+            # the factors and h0 refitted without the row; d0 and the elementwise efficiency held (module docstring)
+            loo_c = fit([q for q in timed if q is not r], loo_base, h0_grid=h0_grid, d0_grid=None, ew_grid=None)
             e["loo_tokens_error"] = estimate_time(r.workload, r.cluster, r.strategy, loo_c).tokens_per_s / r.tokens_per_s - 1
         out.append(e)
     res = [abs(e["tokens_residual"]) for e in out if e["tokens_residual"] is not None]
@@ -184,10 +240,10 @@ def evaluate(
 def coefficients_json(c: Coefficients, result: Optional[FitResult] = None, sources: Iterable[str] = ()) -> dict:
     """The coefficients file for ``c``: the shipped file's text with new values, a new version and the fit's report."""
     data = json.loads(COEFFICIENTS_PATH.read_text())
-    data["schema"] = 2  # 2: per-GPU time_factors and matmul_width_h0
+    data["schema"] = 2  # 2: per-GPU time_factors and matmul_width_h0 (attn_head_dim_d0, elementwise_efficiency: new values)
     data["values"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.values().items()}
     data["time_factors"] = {gpu: {k: round(v, 6) for k, v in f.items()} for gpu, f in sorted(c.time_factors.items())}
-    data["fitted"] = [*FITTED, "matmul_width_h0", "time_factors"]
+    data["fitted"] = [*FITTED, "matmul_width_h0", "attn_head_dim_d0", "elementwise_efficiency", "time_factors"]
     stamp = datetime.now(timezone.utc)
     data["version"] = stamp.strftime("%Y-%m-%d.%H%M%S")
     if result is not None:

@@ -9,8 +9,9 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
 * Elementwise traffic (norms, RoPE, SwiGLU), bound by HBM bandwidth, bytes per token and layer per forward:
   unfused (the model's own modules, with autocast's fp32 upcasts) 68h + 24(a+kv)d + 10I, Liger's fused kernels
   8h + 4(a+kv)d + 6I; passes = forward + recompute (the checkpointed layers) + backward (2 forward's worth), and
-  tiled_mlp's extra MLP forward moves the SwiGLU bytes once more: time = t * L * bytes * passes / HBM bandwidth. A fixed,
-  unscaled part of the step, like the communication (the fit's ``rest``).
+  tiled_mlp's extra MLP forward moves the SwiGLU bytes once more: time = t * L * bytes * passes / (HBM bandwidth x
+  elementwise_efficiency, the share of it these small kernels reach: fitted on a grid, as h0 and d0 below). Not scaled by
+  the time factors, like the communication (the fit's ``rest``).
 * Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x
   forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (full and offload; selective
   keeps attention's output and lse, so its recomputation skips attention, LightSeq sec. 3.3: 3.5x instead of 4.5x, and the
@@ -22,8 +23,12 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   layout leaves ranks uneven, and ring / dist flash transfers only where a block shares a document (packed.py).
 * Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors (the
   GPU's own when it has measurement rows, else the global pair); the matmul rate falls with model width, h / (h + h0),
-  normalised to the 8192-wide GEMM it was measured on; the attention rate falls for short kernel calls, eff(n) ~ n/(n+n0) (n = query tokens per call: S for data parallel and Ulysses,
-  S/(2P) for zigzag chunks, S/P for dist flash blocks).
+  normalised to the 8192-wide GEMM it was measured on; the attention rate falls for short kernel calls, eff(n) ~ n/(n+n0)
+  (n = query tokens per call: S for data parallel and Ulysses, S/(2P) for zigzag chunks, S/P for dist flash blocks), and
+  for narrow heads, d / (d + d0), normalised to the 128-wide heads it was measured with. The last two terms are what
+  short sequences and small models showed: warm 16K steps on the H200 (Llama-2-13B, Llama-2-7B, Llama-3.2-1B) were
+  mispredicted by +17%, +8% and -6% by a fit that had only h0 to tell shapes apart; the long rows had let the matmul and
+  attention factors trade against each other (0.70 and 1.19, a matmul rate above the GEMM's own).
 * Communication (bytes per GPU, bandwidth = link datasheet x NCCL efficiency): ring: P-1 K,V blocks per layer and pass
   (plus fp32 dK,dV in backward), each against 1/P of the pass's attention compute, hidden up to ``ring_overlap``; Ulysses:
   four all-to-alls per layer and pass, each moving (u-1)/u of a q/k/v/o tensor, not hidden; dist flash: P/2 helper steps
@@ -52,6 +57,7 @@ from seqpar.units import GIB
 
 REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
 REF_WIDTH = 8192  # the matmul rate of kernel_tflops is an 8192^3 GEMM; the width efficiency is normalised to 1 there
+REF_HEAD_DIM = 128  # the attention rates of kernel_tflops are measured with 128-wide heads (Llama-2-7B's)
 
 
 @dataclass(frozen=True)
@@ -89,13 +95,14 @@ def elementwise_bytes_per_token(m: ModelSpec, fused_ops: str = "none") -> tuple[
     return 68.0 * h + 24.0 * ad + 10.0 * i, 10.0 * i
 
 
-def elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: float) -> float:
+def elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: float, efficiency: float = 1.0) -> float:
     """Seconds of elementwise traffic for ``tokens`` local tokens: forward, recompute (the checkpointed layers),
-    backward (2)."""
+    backward (2), at ``efficiency`` x the GPU's HBM bandwidth (coefficients' elementwise_efficiency; 1 = the bytes
+    alone)."""
     total, swiglu = elementwise_bytes_per_token(m, s.fused_ops)
     recomputed = split(m, s).checkpointed
     moved = (total * 3 + (swiglu if s.tiled_mlp else 0.0)) * m.num_layers + total * recomputed
-    return tokens * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
+    return tokens * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9 * efficiency)
 
 
 def attention_recompute_share(m: ModelSpec, s: Strategy) -> float:
@@ -155,6 +162,13 @@ def call_efficiency(n: float, c: Coefficients) -> float:
     return (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0))
 
 
+def head_dim_efficiency(head_dim: int, d0: float) -> float:
+    """Attention kernel efficiency vs head width, d / (d + d0), relative to the 128-wide heads the kernel rates were
+    measured with: a 64-wide head does half the FLOPs per byte of q, k, v loaded and per softmax element (Llama-3.2-1B's
+    heads; FlashAttention-2's own figures show the same fall, Dao 2023 fig. 4)."""
+    return (head_dim / (head_dim + d0)) / (REF_HEAD_DIM / (REF_HEAD_DIM + d0))
+
+
 def imbalance(s: Strategy) -> float:
     # zigzag and Ulysses are balanced by construction; our dist_flash_attn schedule is too: LightSeq's P/2+1 steps leave
     # the busiest rank P/2+1/2 blocks, but seqpar.runtime.dist_flash_attn splits the last step's blocks by query rows
@@ -198,7 +212,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     eff = call_efficiency(n, c)
     attn_flops = b * attention_fwd_flops(m, S) / P * attention_multiplier(m, s) * imbalance(s)  # dense: packing below
     attn_rate = c.kernel_rate_tflops(cluster, c.attention_backend(cluster)) * 1e12
-    attn_ideal = attn_flops / attn_rate / eff
+    attn_ideal = attn_flops / attn_rate / eff / head_dim_efficiency(d, c.attn_head_dim_d0)
     mix, transfers = w.doc_lens, 1.0
     if mix is not None:  # packed documents: their squares at their own kernel rates, on the busiest rank (packed.py)
         short = c.kernel_rate_tflops(cluster, "flash") * 1e12 / attn_rate  # FA2 varlen runs the short documents
@@ -264,7 +278,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     offload += accum * offload_copy_time(w, cluster, s, c, lin_t + attn_t)
 
     compute = accum * (lin_t + attn_t)
-    elementwise = accum * elementwise_time(m, cluster, s, t)
+    elementwise = accum * elementwise_time(m, cluster, s, t, c.elementwise_efficiency)
     exposed = accum * sp_comm + grad_exposed
     step = compute + elementwise + exposed + offload + opt_t
     tokens = S * b * s.dp_degree * accum
