@@ -189,6 +189,27 @@ def test_search_honours_pins():
     assert "liger" not in " ".join(advise_by_cost(_req(fused_ops="none")).rationale.reasons)
 
 
+def test_tiled_under_a_split_is_explained_by_speed_not_by_a_negative_saving():
+    """At 512K on one H200 with a 125 GiB host the untiled twin fits too, by offloading more layers: tiling buys the
+    layers it keeps on the GPU (speed), and the reason says so with both rates, not a memory saving below zero."""
+    cl = cluster_from_flags("h200", 1, host_ram_gib=125)
+    req = AdviseRequest(
+        model=M7,
+        seq_len=524288,
+        cluster=cl,
+        optimizer="none",
+        mode="data_parallel",
+        checkpointing="offload",
+        fused_ops="liger",
+        sharding="ddp",
+        loss_impl="chunked",
+    )
+    plan = advise_by_cost(req)
+    assert plan.strategy.tiled_mlp and plan.strategy.offload_layers is not None
+    line = next(r for r in plan.rationale.reasons if r.startswith("tiled_mlp: without it"))
+    assert "fits at" in line and f"{plan.prediction.tokens_per_s:,.0f} tokens/s" in line and "saves -" not in line, line
+
+
 def test_tiled_wins_only_where_the_untiled_twin_does_not_fit():
     """At the edge of what offload fits on one H200, the search turns tiling on and says why; max_seq_len honours the pin."""
     pins = dict(optimizer="none", checkpointing="offload", sharding="ddp", loss_impl="chunked")

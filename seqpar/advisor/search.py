@@ -270,7 +270,13 @@ def _option_notes(
             (x for x in cands if x.strategy.model_copy(update=whole) == untiled), key=lambda x: (not x.fits, -x.tokens_per_s)
         )
         twin = twins[0] if twins else None
-        if twin is not None:
+        if twin is not None and twin.fits and twin.peak_gib <= best.peak_gib:  # the twin fits by a split of its own
+            out.append(
+                f"tiled_mlp: without it, {describe(twin.strategy)}: fits at {twin.tokens_per_s:,.0f} tokens/s; the memory "
+                f"the tiles free keeps more of the split on the GPU: {best.tokens_per_s:,.0f} tokens/s "
+                f"({best.tokens_per_s / twin.tokens_per_s - 1:+.0%}) for one more MLP forward"
+            )
+        elif twin is not None:
             out.append(
                 f"tiled_mlp: without it, {describe(twin.strategy)}: {twin.why or 'fits'}; tiling the MLP saves "
                 f"{twin.peak_gib - best.peak_gib:.1f} GiB for one more MLP forward"
