@@ -44,7 +44,16 @@ def main(argv=None) -> int:
         + "; "
         + "; ".join(f"{gpu}: " + ", ".join(f"{k} = {v:.4g}" for k, v in f.items()) for gpu, f in sorted(c.time_factors.items()))
         + "; "
-        + ", ".join(f"{k} = {getattr(c, k):.4g}" for k in ("matmul_width_h0", "attn_head_dim_d0", "elementwise_efficiency", "attn_block_tokens", "cpu_adam_gparams_per_s"))
+        + ", ".join(
+            f"{k} = {getattr(c, k):.4g}"
+            for k in (
+                "matmul_width_h0",
+                "attn_head_dim_d0",
+                "elementwise_efficiency",
+                "attn_block_tokens",
+                "cpu_adam_gparams_per_s",
+            )
+        )
         + "\n"
     )
     print(
