@@ -6,7 +6,7 @@ import pytest
 
 from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.coefficients import load_coefficients
-from seqpar.advisor.fit import calibrate, evaluate, fit
+from seqpar.advisor.fit import D0_GRID, calibrate, evaluate, fit
 from seqpar.advisor.measurements import Measurement, load_measurements, row_from_report
 from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
@@ -74,10 +74,11 @@ def test_fit_recovers_the_shape_terms_from_widths_heads_and_fused_rows():
         for r in _synthetic(true, model=model, fused_ops=ops)
     ]
     start = GLOBAL.with_values(matmul_width_h0=0.0, attn_head_dim_d0=0.0, elementwise_efficiency=1.0)
-    got = fit(rows, start)
+    assert fit(rows, start).attn_head_dim_d0 == 0.0  # d0 is a kernel measurement: searched only when a grid is given
+    got = fit(rows, start, d0_grid=D0_GRID)
     assert (got.matmul_width_h0, got.attn_head_dim_d0, got.elementwise_efficiency) == (1024.0, 48.0, 0.6)
     assert got.linear_time_factor == pytest.approx(1.05, rel=1e-3) and got.attn_time_factor == pytest.approx(1.1, rel=1e-3)
-    one_kind = fit(_synthetic(true) + _synthetic(true, model="llama-2-13b"), start)  # 128-wide heads, unfused only
+    one_kind = fit(_synthetic(true) + _synthetic(true, model="llama-2-13b"), start, d0_grid=D0_GRID)  # 128-wide, unfused
     assert (one_kind.attn_head_dim_d0, one_kind.elementwise_efficiency) == (0.0, 1.0)
 
 

@@ -8,17 +8,19 @@ The fit: step time is linear in the fitted factors once the rest is held fixed,
 (T_rest: the parts no factor scales: elementwise HBM traffic of norms, RoPE and SwiGLU, exposed communication, offload,
 the GPU optimizer step; throughput.py's ``parts_s["rest"]``)
 so relative least squares (minimise sum((T_pred - T_meas)/T_meas)^2) over those three, and two fixed-point passes for
-the overlap terms that depend on the compute time. The shape terms are searched on grids around that least squares,
-one coordinate at a time until none moves (three passes at most): the matmul width saturation h0 (matmul_width_h0), the
-attention head-width saturation d0 (attn_head_dim_d0) and the share of HBM bandwidth the elementwise kernels reach
-(elementwise_efficiency); and, when asked, the attention call saturation n0 (attn_block_tokens) as an outer grid. The two
-time factors are fitted once on all rows (the global fallback) and again per GPU profile on that GPU's rows
-(``time_factors``): A100 + ZeRO-3 offload overheads do not carry over to an H200. The shape terms are shared by all
-GPUs, and each is searched only when the rows can tell it from the factors: h0 when they span two model widths, d0 two
-head widths, the elementwise efficiency both fused (Liger) and unfused layers, whose elementwise bytes differ ~5x at the
-same matmul work. A coefficient no row informs (e.g. CPU Adam without ZeRO-3 offload rows) keeps its value.
-The leave-one-out errors refit the factors and h0 without the row; d0 and the elementwise efficiency stay at the full
-fit's values (searching all three per row would take minutes). Pure Python.
+the overlap terms that depend on the compute time. Two shape terms are searched on grids around that least squares,
+one coordinate at a time until none moves (three passes at most): the matmul width saturation h0 (matmul_width_h0) and
+the share of HBM bandwidth the elementwise kernels reach (elementwise_efficiency). Held at their measured values unless
+a grid is passed: the attention call saturation n0 (attn_block_tokens, an outer grid) and the attention head-width
+saturation d0 (attn_head_dim_d0, searched with the others): both are kernel measurements (bench/attention.py,
+bench/shape_kernels.py), and the rows have one model of each narrow shape to tell them from everything else that model
+does differently. The two time factors are fitted once on all rows (the global fallback) and again per GPU profile on
+that GPU's rows (``time_factors``): A100 + ZeRO-3 offload overheads do not carry over to an H200. The shape terms are
+shared by all GPUs, and each is searched only when the rows can tell it from the factors: h0 when they span two model
+widths, d0 two head widths, the elementwise efficiency both fused (Liger) and unfused layers, whose elementwise bytes
+differ ~5x at the same matmul work. A coefficient no row informs (e.g. CPU Adam without ZeRO-3 offload rows) keeps its
+value. The leave-one-out errors refit the factors and h0 without the row; the elementwise efficiency stays at the full
+fit's value (searching both per row would take minutes). Pure Python.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def _fit_per_gpu(timed: list[Measurement], c: Coefficients, fitted: tuple[str, .
 def shape_grids(
     timed: list[Measurement],
     h0_grid: Optional[Iterable[float]] = H0_GRID,
-    d0_grid: Optional[Iterable[float]] = D0_GRID,
+    d0_grid: Optional[Iterable[float]] = None,
     ew_grid: Optional[Iterable[float]] = EW_GRID,
 ) -> dict[str, tuple[float, ...]]:
     """The shape terms these rows can tell from the time factors, with their grids (module docstring)."""
@@ -183,11 +185,12 @@ def fit(
     n0_grid: Optional[Iterable[float]] = None,
     fitted: tuple[str, ...] = FITTED,
     h0_grid: Optional[Iterable[float]] = H0_GRID,
-    d0_grid: Optional[Iterable[float]] = D0_GRID,
+    d0_grid: Optional[Iterable[float]] = None,
     ew_grid: Optional[Iterable[float]] = EW_GRID,
 ) -> Coefficients:
     """Best coefficients for the rows with a measured tokens/s: per-GPU factors by least squares, the shape terms
-    (h0, d0, elementwise efficiency) by coordinate search on their grids, n0 on its grid when one is given."""
+    (h0, the elementwise efficiency, and d0 when its grid is given) by coordinate search on their grids, n0 on its grid
+    when one is given."""
     base = base or load_coefficients()
     n0_grid = (base.attn_block_tokens,) if n0_grid is None else n0_grid
     timed = _timed(rows)
@@ -208,9 +211,7 @@ def evaluate(
     """Fit on all rows, then each row's residual and its leave-one-out error (refit without it, predict it)."""
     c = fit(rows, base, h0_grid=h0_grid)
     timed = _timed(rows)
-    loo_base = (base or load_coefficients()).with_values(
-        attn_head_dim_d0=c.attn_head_dim_d0, elementwise_efficiency=c.elementwise_efficiency
-    )
+    loo_base = (base or load_coefficients()).with_values(elementwise_efficiency=c.elementwise_efficiency)
     out = []
     for r in rows:
         p = predict(r.workload, r.cluster, r.strategy, c)
@@ -228,8 +229,8 @@ def evaluate(
             "loo_tokens_error": None,
         }
         if r in timed and len(timed) > 2:
-            # the factors and h0 refitted without the row; d0 and the elementwise efficiency held (module docstring)
-            loo_c = fit([q for q in timed if q is not r], loo_base, h0_grid=h0_grid, d0_grid=None, ew_grid=None)
+            # the factors and h0 refitted without the row; the elementwise efficiency held (module docstring)
+            loo_c = fit([q for q in timed if q is not r], loo_base, h0_grid=h0_grid, ew_grid=None)
             e["loo_tokens_error"] = estimate_time(r.workload, r.cluster, r.strategy, loo_c).tokens_per_s / r.tokens_per_s - 1
         out.append(e)
     res = [abs(e["tokens_residual"]) for e in out if e["tokens_residual"] is not None]
@@ -243,7 +244,7 @@ def coefficients_json(c: Coefficients, result: Optional[FitResult] = None, sourc
     data["schema"] = 2  # 2: per-GPU time_factors and matmul_width_h0 (attn_head_dim_d0, elementwise_efficiency: new values)
     data["values"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.values().items()}
     data["time_factors"] = {gpu: {k: round(v, 6) for k, v in f.items()} for gpu, f in sorted(c.time_factors.items())}
-    data["fitted"] = [*FITTED, "matmul_width_h0", "attn_head_dim_d0", "elementwise_efficiency", "time_factors"]
+    data["fitted"] = [*FITTED, "matmul_width_h0", "elementwise_efficiency", "time_factors"]
     stamp = datetime.now(timezone.utc)
     data["version"] = stamp.strftime("%Y-%m-%d.%H%M%S")
     if result is not None:

@@ -157,9 +157,11 @@ def call_tokens(s: Strategy, seq_len: int) -> float:
 
 
 def call_efficiency(n: float, c: Coefficients) -> float:
-    """eff(n) = n / (n + n0) of a kernel call of n query tokens, normalised to 1 at REF_CALL_TOKENS."""
+    """eff(n) = n / (n + n0) of a kernel call of n query tokens, normalised to 1 at REF_CALL_TOKENS and no higher beyond
+    it: the H200's causal kernel runs 553-563 TFLOP/s at 64K and 539-543 from 128K to 1M (bench/results/
+    h200_attention_bench.json, h200_shape_kernels.json), so longer calls gain nothing the curve would give them."""
     n0 = c.attn_block_tokens
-    return (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0))
+    return min(1.0, (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0)))
 
 
 def head_dim_efficiency(head_dim: int, d0: float) -> float:
