@@ -249,7 +249,9 @@ def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tupl
 def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coefficients, r: int) -> dict:
     """Terms at the loss's peak. hf: forward holds bf16 logits + fp32 copy + log_softmax output (10 B/token/vocab), its
     backward the saved output + incoming grad + result (12); seqpar's LossModule returns only the loss, so nothing of the
-    logits outlives the loss. chunked: one (chunk, V) block in both dtypes and its fp32 grads, the fp32 grad of the hidden."""
+    logits outlives the loss. chunked: one (chunk, V) block in both dtypes and its fp32 grads, the fp32 grad of the hidden,
+    and the fp32 (V, h) accumulator of the head's weight gradient (seqpar.runtime.loss sums the chunks' products in fp32:
+    1 GiB for a 128K vocabulary at h 2048, what the 1B's loss-phase peaks were short of)."""
     p, v, h = DTYPE_BYTES[dtype], m.vocab_size, m.hidden_size
     if strategy.fused_ops == "liger":  # Liger's RMSNorm: its input (the last layer's output), fp32 rstd, its output
         final_norm = t * (r * h + 4 + p * h)
@@ -261,7 +263,12 @@ def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coeff
     # one chunk: its logits in the model dtype, their fp32 copy and the fp32 log-softmax (forward), or the fp32 product,
     # its softmax and the gradient in the model dtype (backward): p + 8 bytes per token and vocabulary entry (the 1B
     # shape's 128K vocabulary measured it on the H200: p + 12 over-predicted its 64K peak by 12%)
-    return {"final_norm": final_norm, "hidden_grad_fp32": t * h * 4, "loss_chunk": chunk * v * (p + 8)}
+    return {
+        "final_norm": final_norm,
+        "hidden_grad_fp32": t * h * 4,
+        "head_grad_fp32": v * h * 4,
+        "loss_chunk": chunk * v * (p + 8),
+    }
 
 
 def _nccl_groups(strategy: Strategy, world: int) -> int:
