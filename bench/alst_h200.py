@@ -25,12 +25,25 @@ Adaptations to this machine, each recorded in every row's "settings" (none is si
   (bf16_master_weights_and_grads, bf16_optimizer_states, DeepSpeedCPUAdam fp32_optimizer_states=False): 12 bytes per
   parameter (89.7 GiB), the same bf16 AdamW precision as the stock baseline's.
 
-Each length runs in its own subprocess (an OOM, GPU or host, leaves the next clean). Rows carry the fields
-bench/single_gpu.py writes, plus host memory and the first step's time.
+Expected on this host (first principles, host_need_gib): the states take 89.7 GiB and each token's offloaded checkpoints
+248 KiB (31 layers x 4096 x 2 B), so the host fills at ~121K-129K tokens: 128K borderline, 144K a host OOM. The GPU is
+not the limit (ALST ran 1.2M tokens in 136 GB of an H200). --no-offload-param (10 B/param, params on the GPU): ~185K.
 
-    bash bench/alst_h200.sh --max-seq --start 96k --step 16k --steps 1 --warmup 1 --out $OUT/alst_h200.json
-    python3 bench/alst_h200.py --seq 64k,128k --steps 2 --warmup 1 --budget-s 480 --out $OUT/alst_h200.json
-    python3 bench/alst_h200.py --seq 64k --recipe published --no-preflight    # shows the host OOM
+Each length runs in its own subprocess (an OOM, GPU or host, leaves the next clean); a run starts only if its estimate
+fits in what is left of --budget-s, and is stopped at what is left. Rows carry bench/single_gpu.py's fields, plus host
+memory (peak RSS, machine's used), the first step's time, the checkpoint-offload counters and the predicted host need.
+The results file is rewritten after every run.
+
+On the H200 (device tool, carry=[".whl"]; bench/alst_h200.sh installs DeepSpeed from .whl and builds CPU Adam first,
+~75 s), one command each, ~6 and ~4 minutes:
+
+    bash bench/alst_h200.sh --seq 128k --steps 1 --warmup 1 --budget-s 460 --out $OUT/alst_128k.json
+    bash bench/alst_h200.sh --max-seq --start 144k --step 16k --steps 1 --warmup 0 --budget-s 460 --out $OUT/alst_max.json
+
+The first gives warm tokens/s at ALST's expected longest length (and that it trains); the second the length where it
+stops (a host OOM expected at 144K; if 144K trains, the search goes on). If 128K fails, run --seq 112k the same way.
+Others: --seq 64k --recipe published --no-preflight (the published precision: host OOM at start-up), --no-offload-param,
+--no-ckpt-offload, --loss tiled (DeepSpeed's TiledFusedLogitsLoss instead of Liger's), --attn auto.
 """
 
 from __future__ import annotations
@@ -139,9 +152,11 @@ def max_seq_search(run, start: int, step: int, limit: int) -> tuple[list[dict], 
 
 
 def outcome(returncode: int, tail: str) -> dict:
-    """ok / GPU OOM / host OOM (the kernel's SIGKILL, or an allocator's refusal on the host) / other failure."""
+    """GPU OOM (torch's OutOfMemoryError), host OOM (the kernel's SIGKILL, the CPU allocator's refusal, or a failed
+    pinned allocation: CUDA reports that as "CUDA error: out of memory" with pin_memory in the traceback), other failure."""
     low = tail.lower()
-    host = returncode in (-9, 137) or "defaultcpuallocator" in low or "cannot allocate memory" in low
+    pinned = "out of memory" in low and "pin" in low and "outofmemoryerror" not in low
+    host = returncode in (-9, 137) or "defaultcpuallocator" in low or "cannot allocate memory" in low or pinned
     gpu = not host and ("out of memory" in low or "outofmemoryerror" in low)
     return {"ok": False, "oom": host or gpu, "oom_kind": "host" if host else "gpu" if gpu else None, "error": tail[-1500:]}
 

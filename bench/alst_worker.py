@@ -16,6 +16,7 @@ import resource
 import socket
 import threading
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -197,9 +198,8 @@ def worker(args) -> None:
         s["loss_shards"] = shards
     try:
         row = run_alst(spec, s, args.seq_len, args.steps, args.warmup, shards)
-    except Exception as e:  # an OOM is a result here, not a failure of the bench
-        msg = f"{type(e).__name__}: {e}"
-        row = {"variant": "alst", "seq_len": args.seq_len, "settings": s, **outcome(1, msg)}
+    except Exception:  # an OOM is a result here, not a failure of the bench
+        row = {"variant": "alst", "seq_len": args.seq_len, "settings": s, **outcome(1, traceback.format_exc()[-3000:])}
     from seqpar.schema import ModelSpec
 
     row["predicted_host"] = host_need_gib(ModelSpec.model_validate(spec).num_params, spec, s, args.seq_len)
