@@ -14,6 +14,7 @@ import math
 import os
 import resource
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -124,8 +125,8 @@ def _init_dist() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        os.environ.setdefault(k, v)
+    # always one rank on a fresh port: a MASTER_PORT inherited from a caller (a test process) must not be shared
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     deepspeed.init_distributed(verbose=False)
 
 
@@ -200,7 +201,15 @@ def worker(args) -> None:
         row = run_alst(spec, s, args.seq_len, args.steps, args.warmup, shards)
     except Exception:  # an OOM is a result here, not a failure of the bench
         row = {"variant": "alst", "seq_len": args.seq_len, "settings": s, **outcome(1, traceback.format_exc()[-3000:])}
+        import torch
+
+        if torch.cuda.is_available():  # how far it got: the GPU's peak before the failure
+            row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     from seqpar.schema import ModelSpec
 
     row["predicted_host"] = host_need_gib(ModelSpec.model_validate(spec).num_params, spec, s, args.seq_len)
     print("RESULT " + json.dumps(row), flush=True)
+    sys.stderr.flush()
+    # The row is out: skip the interpreter's teardown (tens of GiB of pinned host memory to unpin, NCCL's group, the CUDA
+    # context), which only costs the next length its start.
+    os._exit(0)

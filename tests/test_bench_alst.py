@@ -205,14 +205,20 @@ def test_tiny_step_on_cpu_matches_transformers(tmp_path, cpu_adam_built):
         ref = float(ref_model(input_ids=ids, labels=ids).loss)
     assert abs(ref - math.log(TINY["vocab_size"])) < 0.2  # random weights: about uniform over the vocabulary
 
-    def run(loss: str) -> dict:
-        out = tmp_path / f"{loss}.json"
+    def run(case: tuple[str, str]) -> dict:
+        loss, attn = case
+        out = tmp_path / f"{loss}-{attn}.json"
         ab.main(["--spec-json", json.dumps(TINY), "--seq", str(seq), "--steps", "1", "--warmup", "1", "--loss", loss,
-                 "--loss-shards", "4", "--budget-s", "200", "--timeout", "200", "--out", str(out)])  # fmt: skip
+                 "--attn", attn, "--loss-shards", "4", "--budget-s", "200", "--timeout", "200", "--out", str(out)])  # fmt: skip
         return json.loads(out.read_text())["rows"][0]
 
-    with ThreadPoolExecutor(2) as pool:  # two worker processes side by side: most of each is imports and start-up
-        rows = dict(zip(("tiled", "hf"), pool.map(run, ("tiled", "hf"))))
+    cases = [("tiled", "sdpa"), ("hf", "sdpa"), ("hf", "no-such-attention")]
+    with ThreadPoolExecutor(len(cases)) as pool:  # worker processes side by side: most of each is imports and start-up
+        *found, broken = pool.map(run, cases)
+    rows = dict(zip(("tiled", "hf"), found))
+    # a failure inside the worker comes back as a row with its traceback, not as a crash of the driver
+    assert (broken["ok"], broken["oom"], broken["oom_kind"]) == (False, False, None)
+    assert "no-such-attention" in broken["error"] and broken["predicted_host"]["bytes_per_param"] == 12
     for loss, row in rows.items():
         assert row["ok"], row.get("error")
         s = row["settings"]
