@@ -13,7 +13,7 @@ The host-memory arithmetic is host_need_gib's docstring.
 Built here from DeepSpeed's ALST components under a DeepSpeed engine, not by running ArcticTraining: arctic-training 0.8.0
 pins transformers<5 (the GPU machine has 5.17) and needs wandb, openai, datasets, peft, loguru, devtools, a tokenizer and
 a dataset from the Hub. The pieces are the ones ArcticTraining calls: deepspeed.runtime.sequence_parallel.ulysses_sp's
-TiledMLP (and TiledFusedLogitsLoss for --loss tiled, the trainer's path without Liger), DeepSpeed's
+TiledMLP (and TiledFusedLogitsLoss for --loss tiled: the trainer's loss without Liger at sp > 1), DeepSpeed's
 CheckpointHiddenStatesOffload for the checkpoint offload (ArcticTraining's own patch replaces the reentrant
 CheckpointFunction, which transformers 5's default use_reentrant=False never calls), DeepSpeedCPUAdam, ZeRO-3.
 

@@ -47,7 +47,8 @@ def _loss_sum(model, x, y):
 
 def compute_loss(engine, ids, s: dict, shards: int):
     """Liger's fused linear cross-entropy (or HF's loss) inside the model's forward; or, for --loss tiled, the trainer's
-    path without Liger: the decoder's hidden states, then DeepSpeed's TiledFusedLogitsLoss over the LM head."""
+    loss without Liger at sp > 1 (at sp = 1 it takes HF's): the decoder's hidden states, then DeepSpeed's
+    TiledFusedLogitsLoss over the LM head."""
     if s["loss"] != "tiled":
         return engine(input_ids=ids, labels=ids, use_cache=False).loss
     import torch
