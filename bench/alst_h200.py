@@ -1,0 +1,307 @@
+"""DeepSpeed ALST's one-GPU recipe for Llama-3.1-8B on one H200: the longest trainable sequence and tokens/s at given lengths.
+
+The recipe, as ArcticTraining publishes it for one H200 (snowflakedb/ArcticTraining, commit b28638e6, file
+projects/sequence-parallelism/run-h200-sp1-llama-8b-liger-offload-tiled-mlp.yml: "max_length: 1_200_000 # ok 136.15 GB";
+the README beside it: `export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`), and as its trainer applies it
+(arctic_training/trainer/trainer.py, sft_trainer.py, model/liger_factory.py, optimizer/adam_factory.py,
+config/trainer.py): DeepSpeed ZeRO-3 with the optimizer and the parameters offloaded to CPU, DeepSpeedCPUAdam (lr 1e-5,
+betas 0.9/0.999, weight decay 0.1 except norms), bf16, gradient clipping 1.0, micro batch 1, sequence_parallel_size 1,
+Liger-Kernel (RoPE, RMSNorm, fused linear cross-entropy; its SwiGLU off because the MLP is tiled), DeepSpeed's TiledMLP
+(ceil(seq / hidden) tiles), activation checkpointing with the checkpointed layer inputs offloaded to CPU, FlashAttention 3.
+The host-memory arithmetic is host_need_gib's docstring.
+
+Built here from DeepSpeed's ALST components under a DeepSpeed engine, not by running ArcticTraining: arctic-training 0.8.0
+pins transformers<5 (the GPU machine has 5.17) and needs wandb, openai, datasets, peft, loguru, devtools, a tokenizer and
+a dataset from the Hub. The pieces are the ones ArcticTraining calls: deepspeed.runtime.sequence_parallel.ulysses_sp's
+TiledMLP (and TiledFusedLogitsLoss for --loss tiled: the trainer's loss without Liger at sp > 1), DeepSpeed's
+CheckpointHiddenStatesOffload for the checkpoint offload (ArcticTraining's own patch replaces the reentrant
+CheckpointFunction, which transformers 5's default use_reentrant=False never calls), DeepSpeedCPUAdam, ZeRO-3.
+
+Adaptations to this machine, each recorded in every row's "settings" (none is silent):
+- attention: sdpa (the machine has no FlashAttention 3 wheel); --attn auto takes FA3 or FA2 where importable.
+- --recipe published keeps fp32 master weights, fp32 gradients and fp32 Adam states on the host: 20 bytes per parameter
+  (149.6 GiB for 8.03B parameters) > the 125 GiB usable here, so it cannot start (a preflight says so; --no-preflight
+  runs it anyway). --recipe alst-bf16 (the default) changes only the precision, with DeepSpeed's own options
+  (bf16_master_weights_and_grads, bf16_optimizer_states, DeepSpeedCPUAdam fp32_optimizer_states=False): 12 bytes per
+  parameter (89.7 GiB), the same bf16 AdamW precision as the stock baseline's.
+
+Expected on this host (first principles, host_need_gib): the states take 89.7 GiB and each token's offloaded checkpoints
+248 KiB (31 layers x 4096 x 2 B), so the host fills at ~121K-129K tokens: 128K borderline, 144K a host OOM. The GPU is
+not the limit (ALST ran 1.2M tokens in 136 GB of an H200). --no-offload-param (10 B/param, params on the GPU): ~185K.
+
+Each length runs in its own subprocess (an OOM, GPU or host, leaves the next clean); a run starts only if its estimate
+fits in what is left of --budget-s, and is stopped at what is left. Rows carry bench/single_gpu.py's fields, plus host
+memory (peak RSS, machine's used), the first step's time, the checkpoint-offload counters and the predicted host need.
+The results file is rewritten after every run.
+
+On the H200 (device tool, carry=[".whl"]; bench/alst_h200.sh installs DeepSpeed from .whl and builds CPU Adam first,
+~75 s), one command each, ~6 and ~4 minutes:
+
+    bash bench/alst_h200.sh --seq 128k --steps 1 --warmup 1 --budget-s 460 --out $OUT/alst_128k.json
+    bash bench/alst_h200.sh --max-seq --start 144k --step 16k --steps 1 --warmup 0 --budget-s 460 --out $OUT/alst_max.json
+
+The first gives warm tokens/s at ALST's expected longest length (and that it trains); the second the length where it
+stops (a host OOM expected at 144K; if 144K trains, the search goes on). If 128K fails, run --seq 112k the same way.
+Others: --seq 64k --recipe published --no-preflight (the published precision: host OOM at start-up), --no-offload-param,
+--no-ckpt-offload, --loss tiled (DeepSpeed's TiledFusedLogitsLoss instead of Liger's), --attn auto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from single_gpu import H200_DATASHEET_TFLOPS, H200_MATMUL_TFLOPS, parse_len, shape_spec  # noqa: E402
+
+HOST_RAM_GIB = 125.0  # usable memory of the nvidia-h200 machine (128 GiB installed): the figure the comparison is held to
+HOST_OVERHEAD_GIB = 6.0  # CUDA context, torch/DeepSpeed/Liger libraries, DeepSpeed's pinned staging buffers: an estimate
+EST_FLOPS = 400e12  # model FLOP/s to estimate a first run: ~40% MFU, as this repo's long 7B runs (BENCHMARKS.md)
+CPU_STEP_S = 15.0  # the CPU Adam step over 8B parameters on 16 cores plus the offload copies: an estimate for the budget
+START_S = 150.0  # subprocess start, 8B random init, ZeRO-3 partition + offload, optimizer states: estimate for the budget
+ALLOC_CONF = "expandable_segments:True"  # ArcticTraining's README, projects/sequence-parallelism
+
+RECIPES = {
+    "published": {"master": "fp32", "offload_param": True, "ckpt_offload": True, "tiled_mlp": True, "loss": "liger"},
+    "alst-bf16": {"master": "bf16", "offload_param": True, "ckpt_offload": True, "tiled_mlp": True, "loss": "liger"},
+}
+
+
+def settings(recipe: str, overrides: dict) -> dict:
+    """The row's full recipe: the named one, edited by the command's flags (each edit stays visible in the row)."""
+    s = {**RECIPES[recipe], **{k: v for k, v in overrides.items() if v is not None}, "recipe": recipe}
+    s.update(zero_stage=3, offload_optimizer="cpu", optimizer="DeepSpeedCPUAdam", lr=1e-5, betas=[0.9, 0.999],
+             weight_decay=0.1, gradient_clipping=1.0, micro_batch=1, sequence_parallel_size=1, alloc_conf=ALLOC_CONF,
+             edits=sorted(k for k, v in overrides.items() if v is not None and RECIPES[recipe].get(k) != v))  # fmt: skip
+    return s
+
+
+def ds_config(s: dict) -> dict:
+    """The DeepSpeed config ArcticTraining builds from the recipe's YAML (config/trainer.py build_deepspeed_config)."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    if s["offload_param"]:
+        zero["offload_param"] = {"device": "cpu"}
+    bf16 = {"enabled": True}
+    if s["master"] == "bf16":  # DeepSpeed's own switches; they need DeepSpeedCPUAdam(fp32_optimizer_states=False)
+        bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "train_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_optimization": zero,
+        "seq_parallel_communication_data_type": "bf16",
+        "bf16": bf16,
+        "gradient_clipping": s["gradient_clipping"],
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+    }
+
+
+def host_need_gib(num_params: int, spec: dict, s: dict, seq_len: int) -> dict:
+    """Host memory of the recipe from first principles (DeepSpeed 0.19.8 runtime/zero/stage3.py with offload_optimizer):
+    master weights (4 or 2 bytes/param), Adam's two moments (8 or 4), the master-precision gradient buffers every sub-group
+    keeps as .grad (4 or 2), the gradient-accumulation partitions in the model dtype (2), and with offload_param the bf16
+    parameters themselves (2, pinned). Then the offloaded checkpoints: every checkpointed layer's input, (S, hidden) bf16,
+    but the last (DeepSpeed's keep_last_count=1 leaves it on the GPU)."""
+    wide = 4 if s["master"] == "fp32" else 2
+    per_param = wide + 2 * wide + wide + 2 + (2 if s["offload_param"] else 0)
+    states = num_params * per_param / 2**30
+    ckpt = (spec["num_layers"] - 1) * seq_len * spec["hidden_size"] * 2 / 2**30 if s["ckpt_offload"] else 0.0
+    return {"bytes_per_param": per_param, "states_gib": states, "ckpt_offload_gib": ckpt,
+            "total_gib": states + ckpt + HOST_OVERHEAD_GIB}  # fmt: skip
+
+
+def loss_shards(seq_len: int, vocab: int) -> int:
+    """TiledFusedLogitsLoss tiles of about 1 GiB of fp32 logits each (ArcticTraining sft_trainer.py's choice)."""
+    return max(1, math.ceil(seq_len * vocab * 4 / 2**30))
+
+
+def est_run_s(seq_len: int, steps: int, done: list[dict], flops) -> float:
+    """Seconds one run should take: start-up plus its steps, scaled from the last finished row by model FLOPs (the CPU
+    Adam step and the offload copies are in that row's step time too); START_S, EST_FLOPS and CPU_STEP_S without one."""
+    ok = [r for r in done if r.get("ok")]
+    if not ok:
+        return START_S + steps * (flops(seq_len) / EST_FLOPS + CPU_STEP_S)
+    last = ok[-1]
+    start = max(30.0, last["wall_s"] - sum(last["all_step_times_s"]))
+    return start + steps * last["step_time_s"] * flops(seq_len) / flops(last["seq_len"])
+
+
+def max_seq_search(run, start: int, step: int, limit: int) -> tuple[list[dict], dict]:
+    """Lengths start, start+step, ... up to limit until one fails; ``run(seq_len)`` returns a row, or None when the budget
+    has no room for it. The result row says whether the best length is the limit (a failure above it) or a lower bound."""
+    rows, best, s, why = [], 0, start, "limit reached"
+    while s <= limit:
+        r = run(s)
+        if r is None:
+            why = "budget ended"
+            break
+        rows.append({**r, "search": "max_seq"})
+        if not r.get("ok"):
+            why = "host out of memory" if r.get("oom_kind") == "host" else "out of memory" if r.get("oom") else "failed"
+            break
+        best, s = s, s + step
+    return rows, {"search": "result", "max_seq_len": best, "step": step, "stopped_by": why, "exact": why != "budget ended"}
+
+
+def outcome(returncode: int, tail: str) -> dict:
+    """GPU OOM (torch's OutOfMemoryError), host OOM (the kernel's SIGKILL, the CPU allocator's refusal, or a failed
+    pinned allocation: CUDA reports that as "CUDA error: out of memory" with pin_memory in the traceback), other failure."""
+    low = tail.lower()
+    pinned = "out of memory" in low and "pin" in low and "outofmemoryerror" not in low
+    host = returncode in (-9, 137) or "defaultcpuallocator" in low or "cannot allocate memory" in low or pinned
+    gpu = not host and ("out of memory" in low or "outofmemoryerror" in low)
+    return {"ok": False, "oom": host or gpu, "oom_kind": "host" if host else "gpu" if gpu else None, "error": tail[-1500:]}
+
+
+def make_row(seq_len: int, model: str, s: dict, losses: list, all_times: list, warmup: int, init_s: float, flops: float,
+             mem: dict) -> dict:  # fmt: skip
+    """A finished run's row, in bench/single_gpu.py's fields: tokens/s of the steps after ``warmup`` (median step; the
+    first step when warmup is 0), MFU of the model FLOPs (seqpar.flops; recompute not counted), GPU peaks from
+    torch.cuda, host peaks, the first step's time and the settings it ran with."""
+    times = all_times[warmup:] or all_times[-1:]
+    t = sorted(times)[len(times) // 2]
+    return {"variant": "alst", "model": model, "seq_len": seq_len, "optimizer": f"deepspeed-cpu-adam-{s['master']}",
+            "settings": s, "ok": True, "oom": False, "loss": losses[-1], "losses": losses, "step_times_s": times,
+            "all_step_times_s": all_times, "step_time_s": t, "tokens_per_s": seq_len / t, "first_step_s": all_times[0],
+            "init_s": init_s,
+            "mfu_datasheet": flops / t / (H200_DATASHEET_TFLOPS * 1e12),
+            "mfu_matmul_ceiling": flops / t / (H200_MATMUL_TFLOPS * 1e12), **mem}  # fmt: skip
+
+
+def summary(r: dict) -> dict:
+    keys = ("seq_len", "ok", "oom_kind", "tokens_per_s", "first_step_s", "peak_memory_gib", "reserved_memory_gib",
+            "host_peak_rss_gib", "host_used_peak_gib", "wall_s")  # fmt: skip
+    return {k: r.get(k) for k in keys}
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def one(seq_len: int, args, timeout: float) -> dict:
+    """One length in its own process, with the recipe's allocator setting; the row it prints, or why there is none."""
+    cmd = [sys.executable, __file__, "--worker", "--seq-len", str(seq_len), *args.passthrough]
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF, "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # its partial output comes back as bytes on Linux
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else b or ""
+        out, rc = text(e.stdout) + text(e.stderr), None
+    row = next((json.loads(x[7:]) for x in out.splitlines() if x.startswith("RESULT ")), None)
+    if row is None:
+        row = {"seq_len": seq_len, **(outcome(rc, out) if rc is not None else {"ok": False, "oom": False, "timeout_s": timeout,
+               "error": f"stopped at the {timeout:.0f} s left of --budget-s/--timeout; " + out[-1000:]})}  # fmt: skip
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--seq-len", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--spec-json", default="", help=argparse.SUPPRESS)  # tests: a tiny ModelSpec instead of --shape
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--recipe", default="alst-bf16", choices=sorted(RECIPES))
+    p.add_argument("--offload-param", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--ckpt-offload", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--loss", choices=["liger", "tiled", "hf"], default=None, help="liger FLCE (recipe), DeepSpeed's tiled, HF's")
+    p.add_argument("--attn", default="sdpa", help="sdpa (default here), flash_attention_3/2, or auto")
+    p.add_argument("--loss-shards", type=int, default=0, help="--loss tiled: tiles (0: ~1 GiB of fp32 logits each)")
+    p.add_argument("--seq", default="64k,128k")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-seq", action="store_true", help="search the longest trainable length in --step increments")
+    p.add_argument("--start", default="96k")
+    p.add_argument("--step", default="16k")
+    p.add_argument("--limit", default="2m")
+    p.add_argument("--budget-s", type=float, default=450.0, help="all runs end inside this; a run starts only if it fits")
+    p.add_argument("--timeout", type=float, default=540.0, help="one run's limit")
+    p.add_argument("--host-ram-gib", type=float, default=HOST_RAM_GIB)
+    p.add_argument("--preflight", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip a recipe whose host states alone exceed --host-ram-gib")  # fmt: skip
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    if args.worker:
+        from alst_worker import worker
+
+        return worker(args)
+    spec = json.loads(args.spec_json) if args.spec_json else shape_spec(args.shape)
+    overrides = {"offload_param": args.offload_param, "ckpt_offload": args.ckpt_offload, "tiled_mlp": args.tiled_mlp,
+                 "loss": args.loss}  # fmt: skip
+    s = settings(args.recipe, overrides)
+    args.passthrough = _passthrough(argv if argv is not None else sys.argv[1:])
+    from seqpar.flops import model_flops_per_sequence
+    from seqpar.schema import ModelSpec
+
+    model = ModelSpec.model_validate(spec)
+    flops = lambda n: model_flops_per_sequence(model, n)
+    result = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["alst_h200.py", *sys.argv[1:]]), "model": model.name,
+              "settings": s, "ds_config": ds_config(s), "host_ram_gib": args.host_ram_gib, "rows": []}  # fmt: skip
+    need0 = host_need_gib(model.num_params, spec, s, 0)
+    t_start, done = time.monotonic(), result["rows"]
+
+    def run(seq_len: int, steps: int) -> dict | None:
+        left = args.budget_s - (time.monotonic() - t_start)
+        need = host_need_gib(model.num_params, spec, s, seq_len)
+        if args.preflight and need0["total_gib"] > args.host_ram_gib:
+            return {"seq_len": seq_len, "ok": False, "oom": True, "oom_kind": "host", "preflight": True, "predicted_host": need,
+                    "error": f"not run: the recipe's host states need {need0['total_gib']:.1f} GiB > {args.host_ram_gib} GiB "
+                    "at any length (--no-preflight runs it)"}  # fmt: skip
+        if est_run_s(seq_len, steps, done, flops) > left:
+            return None
+        row = {**one(seq_len, args, min(args.timeout, left)), "predicted_host": need}
+        print(json.dumps(summary(row)), flush=True)
+        return row
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    if args.max_seq:
+
+        def probe(n: int) -> dict | None:
+            r = run(n, args.steps + args.warmup)
+            if r is not None:  # kept (and saved) as it comes: a command stopped mid-search keeps the rows before it
+                done.append(r)
+                save()
+            return r
+
+        rows, res = max_seq_search(probe, parse_len(args.start), parse_len(args.step), parse_len(args.limit))
+        result["rows"] = [*rows, {**res, "model": model.name}]
+        print(json.dumps(res), flush=True)
+    else:
+        for n in (parse_len(x) for x in args.seq.split(",")):
+            r = run(n, args.steps + args.warmup)
+            done.append(r or {"seq_len": n, "ok": False, "oom": False, "not_run": "no room left in --budget-s"})
+            save()
+    result["runs_s"] = round(time.monotonic() - t_start, 1)
+    save()
+
+
+def _passthrough(argv: list[str]) -> list[str]:
+    """The worker gets the recipe and step flags; the driver's own (lengths, search, budget, output) stay here."""
+    drop_with_value = {"--seq", "--start", "--step", "--limit", "--budget-s", "--timeout", "--out", "--host-ram-gib"}
+    drop = {"--max-seq", "--preflight", "--no-preflight"}
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in drop_with_value:
+            skip = True
+        elif a.split("=", 1)[0] not in drop | drop_with_value:
+            out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    main()
