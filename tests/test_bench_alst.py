@@ -187,6 +187,7 @@ def cpu_adam_built():
     CPUAdamBuilder().load(verbose=False)
 
 
+@pytest.mark.slow  # two DeepSpeed worker processes (~1 min on 2 cores); .ci/run's slow set runs it
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the deepspeed extra is not installed")
 def test_tiny_step_on_cpu_matches_transformers(tmp_path, cpu_adam_built):
     import torch
