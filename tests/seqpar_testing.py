@@ -41,7 +41,8 @@ PRELOAD += [
     "seqpar.runtime.engine",
     "seqpar.runtime.hf",
     "seqpar.runtime.model",
-]
+    "seqpar.runtime.checkpoint",  # torch.distributed.checkpoint
+]  # not transformers.trainer: its import starts a jemalloc thread, and a fork copies no thread
 
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # children inherit it: keep gloo on loopback
