@@ -1,12 +1,18 @@
 """seqpar's test harness (named so it cannot shadow an installed package): run a function on W real gloo ranks
 (separate processes) and collect what each returns; tolerances by dtype; test ids naming the mode and world size.
 
-``run_ranks(fn, world_size, *args, timeout=60)`` spawns W processes (torch.multiprocessing's spawn context), each joins
-a gloo process group on a free localhost port with ``torch.set_num_threads(1)``, calls ``fn(rank, world_size, *args)``
-and sends back its (picklable) result. If any rank raises, or the timeout passes (a broken collective hangs rather than
-fails), every process is killed and one RuntimeError carries every rank's traceback. ``fn`` must be a module-level
-function of an importable module (spawn pickles it by name). Spawn once per world size and loop over cases inside fn:
-starting a process that imports torch costs seconds.
+``run_ranks(fn, world_size, *args, timeout=60)`` starts W fresh processes, each joins a gloo process group on a free
+localhost port with ``torch.set_num_threads(1)``, calls ``fn(rank, world_size, *args)`` and sends back its (picklable)
+result. If any rank raises, or the timeout passes (a broken collective hangs rather than fails), every process is killed
+and one RuntimeError carries every rank's traceback. ``fn`` must be a module-level function of an importable module
+(it is pickled by name). Spawn once per world size and loop over cases inside fn.
+
+The processes come from multiprocessing's forkserver: one server process imports torch, transformers' Llama and the
+trainer once (PRELOAD), and every rank is a fork of it, a new process with nothing of any earlier rank in it, that
+skips the seconds of imports a spawned interpreter pays (most of a small case's time, and the suite runs hundreds of
+ranks). The server starts at the first call, in the environment the session had when this module was imported, so
+what the preloaded modules read from the environment at import is the session's; each rank then takes the caller's
+current environment and working directory, as a spawned one would.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 
@@ -26,9 +33,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results, timeout):
+# What every rank of the suite imports anyway (the trainer pulls in torch.distributed, transformers' Llama, numpy).
+PRELOAD = ["torch", "torch.distributed", "numpy", "transformers.modeling_utils", "transformers.models.llama.modeling_llama"]
+PRELOAD += [
+    "seqpar.runtime.attention",
+    "seqpar.runtime.train",
+    "seqpar.runtime.engine",
+    "seqpar.runtime.hf",
+    "seqpar.runtime.model",
+    "seqpar.runtime.checkpoint",  # torch.distributed.checkpoint
+]  # not transformers.trainer: its import starts a jemalloc thread, and a fork copies no thread
+
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # children inherit it: keep gloo on loopback
+_SESSION_ENV = dict(os.environ)  # as this module was imported (at collection), before any test changed it
+
+
+def _context():
+    """The forkserver context, its server started (once) in the session's environment whatever the caller's is now."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    now = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SESSION_ENV)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(now)
+    return ctx
+
+
+def _worker(rank, world_size, port, fn, args, results, timeout, env, cwd):
     try:
         import datetime
+
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
 
         import torch
         import torch.distributed as dist
@@ -46,15 +90,22 @@ def _worker(rank, world_size, port, fn, args, results, timeout):
         dist.destroy_process_group()
     except BaseException:  # report everything, including assertion failures
         results.put((rank, "error", traceback.format_exc()))
+    # The result is all the parent waits for: hand it over (the queue's feeder thread), then skip the interpreter's
+    # teardown of torch and transformers, seconds of CPU per rank on a busy machine that run_ranks would wait out.
+    results.close()
+    results.join_thread()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 60):
     """fn(rank, world_size, *args) on world_size gloo ranks; returns [result of rank 0, ..., rank W-1]."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    env, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout, env, cwd), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -102,9 +153,6 @@ def tolerances(dtype) -> dict:
     import torch
 
     return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-10)}[dtype]
-
-
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # children inherit it: keep gloo on loopback
 
 
 def case_id(mode: str | None = None, world_size: int | None = None, ulysses_degree: int | None = None) -> str:

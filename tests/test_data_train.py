@@ -8,6 +8,7 @@ own; the loss of a window is its documents' summed cross-entropy over their scor
 average). Every mode reads the 2 windows of a step so (data_parallel: one per rank; the others: sp 2, 2 micro-batches)
 and must reach the reference's losses and gradient norms (fp32, relative 1e-4, test_train's tolerance). The corpus
 mixes text, chats (the assistant's tokens scored), a 1-token document and one longer than the window (split).
+The real launch crashes at step 5 and resumes: its 6 steps must equal the uninterrupted trainer's (relative 1e-6).
 """
 
 from __future__ import annotations
@@ -124,23 +125,33 @@ def _launch(plan_file: Path, out: Path, corpus: str, tok: str, cache: Path, *ext
     return subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, **(env or {})})
 
 
+def _uninterrupted(rank: int, world: int, plan_file: str, out: str, corpus: str, tok: str, cache: str):
+    """The reference: the same plan through the trainer in-process on 2 ranks, uninterrupted (as test_launch's)."""
+    from seqpar.runtime.train import parser, run
+
+    args = ["--plan", plan_file, "--output", out, "--data", corpus, "--tokenizer", tok, "--data-cache", cache]
+    run(parser().parse_args(args + ["--no-final-checkpoint"]))
+    return read_metrics(out) if rank == 0 else None
+
+
 def test_a_launch_that_crashes_resumes_with_the_uninterrupted_losses_and_tokenizes_once(tmp_path):
-    """The launcher tokenizes before the ranks start; the ranks and every later launch read the cache."""
+    """The launcher tokenizes before the ranks start (they read its cache); the resumed launch reads the cache."""
+    from seqpar_testing import run_ranks
+
     tok = make_tokenizer(tmp_path / "tok")  # the plan's tiny model, random weights; text through --tokenizer
     corpus, cache = str(write_corpus(tmp_path / "d.jsonl", seed=1)), tmp_path / "cache"
     plan_file = tmp_path / "plan.json"
     _plan("zigzag_ring_attn", steps=6, checkpoint_every=2).write(plan_file)
 
-    full = _launch(plan_file, tmp_path / "full", corpus, tok, cache)
-    assert full.returncode == 0, full.stderr[-3000:]
-    assert "tokenized into the cache" in full.stderr
     fault = {"SEQPAR_FAULT_RANK": "1", "SEQPAR_FAULT_STEP": "5", "SEQPAR_FAULT_PHASE": "step"}
     crashed = _launch(plan_file, tmp_path / "cut", corpus, tok, cache, env=fault)
     assert crashed.returncode == 1, crashed.stderr[-3000:]
     assert "injected fault on rank 1 at step 5" in crashed.stderr
+    # the launcher's line; rank 0's own data line says it read the cache
+    assert crashed.stderr.count("tokenized into the cache") == 1 and "read from the cache" in crashed.stderr
     resumed = _launch(plan_file, tmp_path / "cut", corpus, tok, cache, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for run in (crashed, resumed):
-        assert "tokenized" not in run.stderr and "read from the cache" in run.stderr
+    assert "tokenized" not in resumed.stderr and "read from the cache" in resumed.stderr
     assert "resuming from" in (tmp_path / "cut" / "train.log").read_text()
-    _close(read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "full"), "crash at step 5 + resume", rtol=1e-6)
+    full = run_ranks(_uninterrupted, 2, str(plan_file), str(tmp_path / "full"), corpus, tok, str(cache), timeout=280)[0]
+    _close(read_metrics(tmp_path / "cut"), full, "crash at step 5 + resume", rtol=1e-6)

@@ -1,7 +1,9 @@
 """`seqpar launch`: refusals before anything runs, the generated commands, and real torchrun jobs that fail and resume.
 
 The end-to-end part starts `seqpar launch` twice on 2 gloo ranks: the first run checkpoints at step 4 and has rank 1 raise
-at step 6 (SEQPAR_FAULT_* hook): every process must exit non-zero within 60 s and the output must name rank 1. The second
+at step 6 (SEQPAR_FAULT_* hook): every process must exit non-zero within 60 s and the output must name rank 1, and
+torchrun's ``@record`` on the trainer must have written rank 1's error file with its traceback (one launch serves both
+tests: a module fixture). The second
 run (`--resume`) continues from step 4; the 8 steps of metrics must equal an uninterrupted in-process run of the same plan.
 That in-process run also checks that a crash while a checkpoint is being written leaves the previous one in place, and that
 an FSDP2 run (sharded optimizer state) resumed from its step-4 checkpoint repeats steps 5-8 exactly.
@@ -190,11 +192,40 @@ def _reference_and_torn_checkpoint(rank, world, plan_file, out):
     return torn_result, (read_metrics(full), read_metrics(cut)) if rank == 0 else None
 
 
-def test_fault_names_the_rank_and_resume_continues_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def failed_job(tmp_path_factory):
+    """`seqpar launch` of the 8-step plan with rank 1 raising before step 6 (SEQPAR_FAULT_* hook), TMPDIR in the test's
+    folder so torchrun's per-rank error files can be read back; what it left, read before anything resumes it."""
+    tmp = tmp_path_factory.mktemp("failed_job")
+    plan_file, out, tmpdir = tmp / "plan.json", tmp / "job", tmp / "tmp"
+    make_plan(2, "zigzag_ring_attn", 2, steps=8, checkpoint_every=4).write(plan_file)
+    tmpdir.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmpdir), SEQPAR_FAULT_RANK="1", SEQPAR_FAULT_STEP="6")
+    cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan_file), "--output", str(out), "--data", "synthetic"]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    # <log dir>/<run>/attempt_0/<local rank>/error.json
+    errors = {f.parent.name: f.read_text() for f in tmpdir.glob("torchelastic_*/*/attempt_0/*/error.json")}
+    peer = out / "failed-rank0.json"
+    return dict(
+        tmp=tmp,
+        plan=plan_file,
+        out=out,
+        cmd=cmd,
+        run=r,
+        elapsed=elapsed,
+        errors=errors,
+        tree=sorted(str(p) for p in tmpdir.rglob("*")),
+        rank0_record=json.loads(peer.read_text()) if peer.is_file() else None,
+        step4=(out / "checkpoints" / "step-000004" / "trainer_state.json").is_file(),
+    )
+
+
+def test_fault_names_the_rank_and_resume_continues_exactly(failed_job):
     from seqpar_testing import run_ranks
 
-    plan_file = tmp_path / "plan.json"
-    make_plan(2, "zigzag_ring_attn", 2, steps=8, checkpoint_every=4).write(plan_file)
+    tmp_path, plan_file, out, r = failed_job["tmp"], failed_job["plan"], failed_job["out"], failed_job["run"]
     ref = tmp_path / "ref"
     make_plan(2, "zigzag_ring_attn", 2, steps=8, checkpoint_every=4, sharding="fsdp").write(tmp_path / "plan-fsdp.json")
     results = run_ranks(_reference_and_torn_checkpoint, 2, str(plan_file), str(ref), timeout=150)
@@ -206,18 +237,13 @@ def test_fault_names_the_rank_and_resume_continues_exactly(tmp_path):
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([m[key] for m in resumed], [m[key] for m in full], rtol=1e-6, err_msg=f"fsdp resume {key}")
 
-    out = tmp_path / "job"
-    env = dict(os.environ, SEQPAR_FAULT_RANK="1", SEQPAR_FAULT_STEP="6")
-    cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan_file), "--output", str(out), "--data", "synthetic"]
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
-    assert time.monotonic() - t0 < 60 + 30  # 60 s to stop after the fault, plus process start-up on a busy machine
+    assert failed_job["elapsed"] < 60 + 30  # 60 s to stop after the fault, plus process start-up on a busy machine
     assert "seqpar launch: the job failed" in r.stderr and "rank 1" in r.stderr.split("first failure:")[1], r.stderr[-2000:]
-    assert (out / "checkpoints" / "step-000004" / "trainer_state.json").is_file()
+    assert failed_job["step4"]
 
-    env.pop("SEQPAR_FAULT_RANK"), env.pop("SEQPAR_FAULT_STEP")
-    r = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQPAR_FAULT_")}
+    r = subprocess.run(failed_job["cmd"] + ["--resume"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = read_metrics(out), read_metrics(ref)
     assert [m["step"] for m in got] == list(range(1, 9))
@@ -227,3 +253,35 @@ def test_fault_names_the_rank_and_resume_continues_exactly(tmp_path):
     assert report["plan"]["strategy"]["mode"] == "zigzag_ring_attn"
     assert set(report["measured"]) >= {"tokens_per_s", "peak_memory_gib", "mfu", "step_time_s"}
     assert len(report["per_rank"]) == 2 and report["measured"]["tokens_per_s"] > 0
+
+
+def test_a_failing_rank_writes_its_traceback_and_the_launch_names_it(failed_job):
+    """torchrun's ``@record`` on the trainer's entry point (seqpar.runtime.train.train): the rank that raises writes its
+    error file (the path torchrun gives it in TORCHELASTIC_ERROR_FILE, kept in its log folder: a ``torchelastic_*`` folder
+    under TMPDIR) with the exception and its traceback, and ``seqpar launch`` names the failing rank and its error."""
+    r = failed_job["run"]
+    assert r.returncode == 1, r.stderr[-3000:]
+    message = "RuntimeError: injected fault on rank 1 at step 6"
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("seqpar launch: the job failed with exit status 1; first failure: rank 1 failed"), last
+    assert message in last, last
+
+    files = failed_job["errors"]  # rank 0 may have one too: its wait for rank 1 broke ("closed by peer"), a consequence
+    assert "1" in files, failed_job["tree"]  # the launcher names after rank 1
+    err = json.loads(files["1"])["message"]
+    assert err["message"].startswith(message)
+    stack = err["extraInfo"]["py_callstack"]
+    assert stack.startswith("Traceback (most recent call last):")
+    # the frames from the entry point down to the raise
+    for frame in (
+        'seqpar/runtime/train.py", line',
+        "in train\n",
+        "in run\n",
+        'seqpar/runtime/checkpoint.py", line',
+        "in fault\n",
+    ):
+        assert frame in stack, (frame, stack)
+    assert stack.rstrip().endswith(message + " (step; SEQPAR_FAULT_* is set)"), stack[-300:]
+    if "0" in files:
+        assert message not in files["0"]
+        assert failed_job["rank0_record"]["kind"] == "peer"

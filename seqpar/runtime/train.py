@@ -613,11 +613,6 @@ def train(args: argparse.Namespace, rank: int) -> int:
     return 0
 
 
-def stopping_exit(code: int) -> bool:
-    """The exit codes of a stop by SIGINT or SIGTERM (seqpar.runtime.stopping: 128 + the signal)."""
-    return code in (130, 143)
-
-
 def signal_name(signum: int) -> str:
     import signal
 
@@ -626,13 +621,12 @@ def signal_name(signum: int) -> str:
 
 if __name__ == "__main__":
     code = main()
-    if stopping_exit(code):
-        # Stopped by a signal, its checkpoint written and recorded: skip the interpreter's teardown, where a C++ thread
-        # of gloo or the heartbeat's store client can still abort the rank ("terminate called without an active
-        # exception", a second line after the launcher's one; seen under load).
-        import logging
+    # Whatever the outcome, everything is written and recorded by now (checkpoint, report, metrics, trackers finished,
+    # torchrun's error file): skip the interpreter's teardown, where a C++ thread of gloo or the heartbeat's store client
+    # can still abort the rank ("terminate called without an active exception", a second line after the launcher's one,
+    # or a finished run's rank killed by SIGABRT; seen under load), and which costs seconds of CPU per rank.
+    import logging
 
-        logging.shutdown()
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
