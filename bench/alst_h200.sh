@@ -5,9 +5,5 @@
 # loads it from TORCH_EXTENSIONS_DIR), then run bench/alst_h200.py with the arguments given. ~1 minute before the runs.
 #   run(command="bash bench/alst_h200.sh --max-seq --start 96k --step 16k --budget-s 460 --out $OUT/alst_h200.json", carry=[".whl"])
 set -euo pipefail
-source bench/h200_env.sh
-t0=$SECONDS
-DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target .site .whl/deepspeed-*.tar.gz
-python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
-echo "deepspeed installed and CPU Adam built in $((SECONDS - t0)) s"
+source bench/h200_deepspeed_env.sh  # bench/h200_env.sh, DeepSpeed from .whl, its CPU Adam built
 python3 bench/alst_h200.py "$@"
