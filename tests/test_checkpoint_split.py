@@ -188,25 +188,15 @@ def test_the_memory_model_counts_what_a_layer_saves():
     RoPE's cos and sin (S x d fp32 each, shared by the batch)."""
     import seqpar
     from seqpar.advisor.memory import saved_bytes_per_token
-    from seqpar.schema import ModelSpec
+    from seqpar.profiles.hf_config import spec_from_config
 
     warnings.filterwarnings("ignore")
     ids, _ = batch()
     model = make_model()
     seqpar.apply(model, "data_parallel", checkpointing="none")
     saved, _, _ = _saved_bytes(model, ids)
-    cfg = model.config
-    spec = ModelSpec(
-        name="tiny",
-        num_layers=L,
-        hidden_size=HIDDEN,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size,
-    )
-    small = B * S * 2 * 4 + 2 * S * cfg.head_dim * 4  # rstd of the two norms; cos and sin
+    spec = spec_from_config(model.config.to_dict(), "tiny", "the test's config", "test")  # as `--model DIR` reads it
+    small = B * S * 2 * 4 + 2 * S * spec.head_dim * 4  # rstd of the two norms; cos and sin
     predicted = saved_bytes_per_token(spec, "fp32", residual=4) * B * S + small
     assert [saved[i] for i in range(L)] == [predicted] * L
 

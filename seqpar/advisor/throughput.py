@@ -10,7 +10,7 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   unfused (the model's own modules, with autocast's fp32 upcasts) 68h + 24(a+kv)d + 10I, Liger's fused kernels
   8h + 4(a+kv)d + 6I; passes = forward + recompute (the checkpointed layers) + backward (2 forward's worth), and
   tiled_mlp's extra MLP forward moves the SwiGLU bytes once more: time = t * L * bytes * passes / (HBM bandwidth x
-  elementwise_efficiency, the share of it these small kernels reach: fitted on a grid, as h0 and d0 below). Not scaled by
+  elementwise_efficiency, the share of it these small kernels reach: fitted on a grid, as h0 below). Not scaled by
   the time factors, like the communication (the fit's ``rest``).
 * Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x
   forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (full and offload; selective
@@ -25,7 +25,8 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   GPU's own when it has measurement rows, else the global pair); the matmul rate falls with model width, h / (h + h0),
   normalised to the 8192-wide GEMM it was measured on; the attention rate falls for short kernel calls, eff(n) ~ n/(n+n0)
   (n = query tokens per call: S for data parallel and Ulysses, S/(2P) for zigzag chunks, S/P for dist flash blocks), and
-  for narrow heads, d / (d + d0), normalised to the 128-wide heads it was measured with. The last two terms are what
+  for narrow heads, d / (d + d0) (d0 measured on the kernel, bench/shape_kernels.py), normalised to the 128-wide heads
+  it was measured with; past 64K-token calls it stays flat. The head-width term and the elementwise efficiency are what
   short sequences and small models showed: warm 16K steps on the H200 (Llama-2-13B, Llama-2-7B, Llama-3.2-1B) were
   mispredicted by +17%, +8% and -6% by a fit that had only h0 to tell shapes apart; the long rows had let the matmul and
   attention factors trade against each other (0.70 and 1.19, a matmul rate above the GEMM's own).
