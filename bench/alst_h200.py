@@ -25,25 +25,31 @@ Adaptations to this machine, each recorded in every row's "settings" (none is si
   (bf16_master_weights_and_grads, bf16_optimizer_states, DeepSpeedCPUAdam fp32_optimizer_states=False): 12 bytes per
   parameter (89.7 GiB), the same bf16 AdamW precision as the stock baseline's.
 
-Expected on this host (first principles, host_need_gib): the states take 89.7 GiB and each token's offloaded checkpoints
-248 KiB (31 layers x 4096 x 2 B), so the host fills at ~121K-129K tokens: 128K borderline, 144K a host OOM. The GPU is
-not the limit (ALST ran 1.2M tokens in 136 GB of an H200). --no-offload-param (10 B/param, params on the GPU): ~185K.
+Measured on this host (one H200, 2026-12-04; BENCHMARKS.md, "Llama-3.1-8B against DeepSpeed ALST"; raw rows
+bench/results/h200_s6_alst_*.json):
+- --recipe published: cannot start (the preflight: its host states alone need 155.6 GiB).
+- --recipe alst-bf16 (parameters offloaded, as published): a host OOM at 64K, 112K and 128K, each killed by the kernel
+  ~100-180 s in. At 64K host_need_gib counts 111 GiB; the machine's used memory (sampled every second) held at ~102 GiB,
+  then reached 117 GiB the second before the kill. With offload_param, host_need_gib is a lower bound.
+- --recipe alst-bf16 --no-offload-param (bf16 parameters on the GPU: 2 bytes/param less on the host, 15 GiB more on a GPU
+  that has room): 128K trains (first step 71.5 s, 59.0 GiB of the GPU, the machine's used memory 112.1 GiB against 111.8
+  predicted); 176K: a host OOM. Its longest on this host is 128K to 160K (144K and 160K not run).
+The GPU is not the limit: the recipe's own comment has 1.2M tokens in 136 GB of an H200 (its host memory not stated).
 
 Each length runs in its own subprocess (an OOM, GPU or host, leaves the next clean); a run starts only if its estimate
-fits in what is left of --budget-s, and is stopped at what is left. Rows carry bench/single_gpu.py's fields, plus host
-memory (peak RSS, machine's used), the first step's time, the checkpoint-offload counters and the predicted host need.
-The results file is rewritten after every run.
+fits in what is left of --budget-s (a run that does not fit prints a not-run row), and is stopped at what is left. Rows
+carry bench/single_gpu.py's fields, plus host memory (peak RSS, machine's used), the first step's time, the
+checkpoint-offload counters and the predicted host need. The results file is rewritten after every run.
 
 On the H200 (device tool, carry=[".whl"]; bench/alst_h200.sh installs DeepSpeed from .whl and builds CPU Adam first,
-~75 s), one command each, ~6 and ~4 minutes:
+~80 s), e.g. (~3 minutes each):
 
-    bash bench/alst_h200.sh --seq 128k --steps 1 --warmup 1 --budget-s 460 --out $OUT/alst_128k.json
-    bash bench/alst_h200.sh --max-seq --start 144k --step 16k --steps 1 --warmup 0 --budget-s 460 --out $OUT/alst_max.json
+    bash bench/alst_h200.sh --seq 128k --no-offload-param --steps 1 --warmup 0 --budget-s 300 --out $OUT/alst_128k.json
+    bash bench/alst_h200.sh --max-seq --no-offload-param --start 144k --step 16k --steps 1 --warmup 0 --budget-s 560 \
+        --out $OUT/alst_max.json
 
-The first gives warm tokens/s at ALST's expected longest length (and that it trains); the second the length where it
-stops (a host OOM expected at 144K; if 144K trains, the search goes on). If 128K fails, run --seq 112k the same way.
-Others: --seq 64k --recipe published --no-preflight (the published precision: host OOM at start-up), --no-offload-param,
---no-ckpt-offload, --loss tiled (DeepSpeed's TiledFusedLogitsLoss instead of Liger's), --attn auto.
+Others: --seq 64k --recipe published --no-preflight (the published precision: host OOM at start-up), --no-ckpt-offload,
+--loss tiled (DeepSpeed's TiledFusedLogitsLoss instead of Liger's), --attn auto.
 """
 
 from __future__ import annotations
@@ -282,7 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for n in (parse_len(x) for x in args.seq.split(",")):
             r = run(n, args.steps + args.warmup)
-            done.append(r or {"seq_len": n, "ok": False, "oom": False, "not_run": "no room left in --budget-s"})
+            if r is None:
+                r = {"seq_len": n, "ok": False, "oom": False, "not_run": f"its estimate ({est_run_s(n, args.steps + args.warmup, done, flops):.0f} s) "
+                     "does not fit in what is left of --budget-s"}  # fmt: skip
+                print(json.dumps(r), flush=True)
+            done.append(r)
             save()
     result["runs_s"] = round(time.monotonic() - t_start, 1)
     save()

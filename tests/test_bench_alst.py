@@ -168,6 +168,17 @@ def test_driver_refuses_the_published_recipe_without_spawning(tmp_path):
     assert (rows[1]["max_seq_len"], rows[1]["stopped_by"], rows[1]["model"]) == (0, "host out of memory", "llama-3.1-8b")
 
 
+def test_a_length_whose_estimate_exceeds_the_budget_is_a_printed_not_run_row(tmp_path, capsys):
+    out = tmp_path / "alst.json"
+    ab.main(["--seq", "176k", "--no-offload-param", "--budget-s", "100", "--out", str(out)])  # start-up alone is START_S
+    row = json.loads(out.read_text())["rows"][0]
+    assert (row["seq_len"], row["ok"], row["oom"]) == (180224, False, False)
+    assert row["not_run"].startswith("its estimate (") and "does not fit in what is left of --budget-s" in row["not_run"]
+    est = float(row["not_run"].split("(")[1].split(" s)")[0])
+    assert est > ab.START_S > 100  # the reason a user sees is the number that kept it from running
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == row
+
+
 def test_a_run_past_its_time_is_stopped_and_recorded():
     args = argparse.Namespace(passthrough=["--shape", "llama-3.1-8b"])
     row = ab.one(65536, args, timeout=0.2)  # the worker cannot even import torch in 0.2 s
