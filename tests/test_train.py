@@ -103,13 +103,22 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, LaunchPlan]], tmp:
 MODES = ["zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"]
 
 
+TIGHT_STEPS = 3  # steps compared at fp32 round-off; later ones carry the optimizer's compounding of it
+
+
 def _compare(results: dict, ref: str = "ref") -> None:
+    """Every run's loss and gradient norm, step by step, against the reference run's. The first steps must agree to fp32
+    round-off (a wrong split, layout or reduction shows there at 1e-2 or more); over 20 steps at lr 1e-2 the different
+    summation orders of the modes compound through the updates (measured up to 1.1e-4 relative by step 20 with
+    transformers 5.25, torch 2.13), so the rest are held to 1e-3."""
     want = results[ref]
     assert len(want) == 20
     for name, got in results.items():
         assert [r["step"] for r in got] == list(range(1, 21)), name
         for key in ("loss", "grad_norm"):
-            np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-4, err_msg=f"{name}: {key}")
+            a, b = [r[key] for r in got], [r[key] for r in want]
+            np.testing.assert_allclose(a[:TIGHT_STEPS], b[:TIGHT_STEPS], rtol=2e-5, err_msg=f"{name}: {key}, first steps")
+            np.testing.assert_allclose(a, b, rtol=1e-3, err_msg=f"{name}: {key}")
     # The run must have learned something, or equality would prove little.
     assert want[-1]["loss"] < want[0]["loss"] - 0.5
 
