@@ -108,7 +108,7 @@ TIGHT_STEPS = 3  # steps compared at fp32 round-off; later ones carry the optimi
 
 def _compare(results: dict, ref: str = "ref") -> None:
     """Every run's loss and gradient norm, step by step, against the reference run's. The first steps must agree to fp32
-    round-off (a wrong split, layout or reduction shows there at 1e-2 or more); over 20 steps at lr 1e-2 the different
+    round-off (a wrong split, layout or reduction shows in the first step); over 20 steps at lr 1e-2 the different
     summation orders of the modes compound through the updates (measured up to 1.1e-4 relative by step 20 with
     transformers 5.25, torch 2.13), so the rest are held to 1e-3."""
     want = results[ref]
