@@ -27,17 +27,20 @@ Adaptations to this machine, each recorded in every row's "settings" (none is si
 
 Measured on this host (one H200, 2026-12-04; BENCHMARKS.md, "Llama-3.1-8B against DeepSpeed ALST"; raw rows
 bench/results/h200_s6_alst_*.json):
-- --recipe published: cannot start (the preflight: its host states alone need 155.6 GiB).
+- --recipe published: not run; the preflight refuses it (its host need at any length: 149.6 GiB of states + the 6 GiB
+  overhead estimate = 155.6 GiB).
 - --recipe alst-bf16 (parameters offloaded, as published): a host OOM at 64K, 112K and 128K, each killed by the kernel
-  ~100-180 s in. At 64K host_need_gib counts 111 GiB; the machine's used memory (sampled every second) held at ~102 GiB,
-  then reached 117 GiB the second before the kill. With offload_param, host_need_gib is a lower bound.
+  110-190 s after launch (start-up included). At 64K host_need_gib counts 111 GiB; the machine's used memory (sampled
+  every second, bench/results/h200_s6_alst_host_used.log) held at ~102 GiB, then reached 117 GiB the second before the
+  kill. With offload_param, host_need_gib is a lower bound.
 - --recipe alst-bf16 --no-offload-param (bf16 parameters on the GPU: 2 bytes/param less on the host, 15 GiB more on a GPU
   that has room): 128K trains (first step 71.5 s, 59.0 GiB of the GPU, the machine's used memory 112.1 GiB against 111.8
-  predicted); 176K: a host OOM. Its longest on this host is 128K to 160K (144K and 160K not run).
+  predicted); 176K: a host OOM. Its longest on this host lies between 128K and 176K (144K and 160K not run).
 The GPU is not the limit: the recipe's own comment has 1.2M tokens in 136 GB of an H200 (its host memory not stated).
 
 Each length runs in its own subprocess (an OOM, GPU or host, leaves the next clean); a run starts only if its estimate
-fits in what is left of --budget-s (a run that does not fit prints a not-run row), and is stopped at what is left. Rows
+fits in what is left of --budget-s (with --seq, one that does not fit is a printed not-run row, with its estimate; with
+--max-seq the search ends there, "budget ended"), and is stopped at what is left. Rows
 carry bench/single_gpu.py's fields, plus host memory (peak RSS, machine's used), the first step's time, the
 checkpoint-offload counters and the predicted host need. The results file is rewritten after every run.
 

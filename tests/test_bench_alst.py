@@ -174,8 +174,12 @@ def test_a_length_whose_estimate_exceeds_the_budget_is_a_printed_not_run_row(tmp
     row = json.loads(out.read_text())["rows"][0]
     assert (row["seq_len"], row["ok"], row["oom"]) == (180224, False, False)
     assert row["not_run"].startswith("its estimate (") and "does not fit in what is left of --budget-s" in row["not_run"]
-    est = float(row["not_run"].split("(")[1].split(" s)")[0])
-    assert est > ab.START_S > 100  # the reason a user sees is the number that kept it from running
+    from seqpar.flops import model_flops_per_sequence
+    from seqpar.profiles import get_model
+
+    flops = lambda n: model_flops_per_sequence(get_model("llama-3.1-8b"), n)
+    want = ab.est_run_s(180224, 2 + 1, [], flops)  # the defaults: 2 steps after 1 warm-up step, no finished row yet
+    assert row["not_run"].startswith(f"its estimate ({want:.0f} s)") and want > 100  # the number that kept it from running
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == row
 
 
