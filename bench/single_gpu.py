@@ -283,10 +283,11 @@ def main() -> None:
     for variant in args.variants.split(","):
         if args.max_seq:
             s, step, best = parse_len(args.start), parse_len(args.step), 0
-            # AdamW creates its moments at the first optimizer step, after the first backward: only a second step's
-            # forward and backward run beside them (two bf16 moments: 30 GiB more for an 8B model), so a trained length
-            # needs two steps.
-            warmup = 0 if args.optimizer == "none" else 1
+            # torch's AdamW creates its moments at the first optimizer step, after the first backward: only a second
+            # step's forward and backward run beside them (two bf16 moments: 30 GiB more for an 8B model), so a baseline's
+            # trained length needs two steps. seqpar launch allocates them before its first step
+            # (seqpar.runtime.engine.allocate_states): one step is the steady state's peak.
+            warmup = 0 if args.optimizer == "none" or variant == "seqpar" else 1
             while s <= parse_len(args.limit):
                 r = one(variant, args.shape, s, argparse.Namespace(**{**vars(args), "steps": 1, "warmup": warmup}))
                 r["search"] = "max_seq"

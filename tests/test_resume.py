@@ -358,6 +358,9 @@ def _setup_memory(rank, world, tmp):
         )
     )
     big = big.model_copy(update={"workload": big.workload.model_copy(update={"model": model})})
+    # optimizer none: setup allocates AdamW's moments up front (engine.allocate_states), two more shards; loading is the
+    # subject here
+    warm, big = (p.model_copy(update={"workload": p.workload.model_copy(update={"optimizer": "none"})}) for p in (warm, big))
     for name, plan in (("warm", warm), ("big", big)):
         if rank == 0:
             plan.write(Path(tmp) / f"{name}.json")
