@@ -185,8 +185,9 @@ def allocate_states(optimizer: torch.optim.Optimizer) -> None:
     peak is the plan's (a plan that does not fit would fail one step late, and one step would under-measure memory).
     DeepSpeed's ZeRO optimizers do the same at start-up. How: torch's own way of initialising states for its checkpoint
     loader (torch.distributed.checkpoint.state_dict): one step() with zero gradients at lr 0, which leaves every
-    parameter bit for bit (AdamW: p * (1 - 0 * wd) + -0 * m / (sqrt(v) + eps), with m = v = 0); then the step counters
-    back to 0, so the first real update is the one a fresh optimizer makes. Nothing to do when states exist."""
+    parameter unchanged bit for bit (AdamW: p * (1 - 0 * wd) + -0 * m / (sqrt(v) + eps), with m = v = 0); then the
+    step counters back to 0, so the first real update is the one a fresh optimizer makes. Nothing to do when states
+    exist."""
     if optimizer.state:
         return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
