@@ -183,23 +183,16 @@ def allocate_states(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's states (AdamW's two moments) allocated now instead of inside the first step(): torch creates them
     lazily, after the first backward, so the first forward and backward run without them and only the second step's
     peak is the plan's (a plan that does not fit would fail one step late, and one step would under-measure memory).
-    DeepSpeed's ZeRO optimizers do the same at start-up. How: torch's own way of initialising states for its checkpoint
-    loader (torch.distributed.checkpoint.state_dict): one step() with zero gradients at lr 0, which leaves every
-    parameter unchanged bit for bit (AdamW: p * (1 - 0 * wd) + -0 * m / (sqrt(v) + eps), with m = v = 0); then the
-    step counters back to 0, so the first real update is the one a fresh optimizer makes. Nothing to do when states
-    exist."""
+    DeepSpeed's ZeRO optimizers do the same at start-up. torch's own initialiser does it, the one its checkpoint loader
+    (set_optimizer_state_dict, which seqpar.runtime.checkpoint's resume calls) runs: one step() with zero gradients at
+    lr 0, which leaves every parameter unchanged bit for bit (AdamW: p * (1 - 0 * wd) + -0 * m / (sqrt(v) + eps), with
+    m = v = 0), then lr put back and the gradients dropped. It leaves the step counters at 1; they go back to 0, so the
+    first real update is the one a fresh optimizer makes. Nothing happens when states exist."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
     if optimizer.state:
         return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
+    _init_optim_state(optimizer)
     for state in optimizer.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"].zero_()
