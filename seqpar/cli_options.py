@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Optional, get_args, get_type_hints
 import typer
 
 from seqpar.options import KEEP_LAST
-from seqpar.schema import Checkpointing, FusedOps, LossImpl, Mode, Optimizer, Sharding, TrainingSpec
+from seqpar.schema import Checkpointing, FusedOps, KeptSaves, LossImpl, Mode, Optimizer, Sharding, TrainingSpec
 
 if TYPE_CHECKING:
     from seqpar.advisor.request import AdviseRequest
@@ -140,6 +140,25 @@ class RequestFlags:
             min=0,
             rich_help_panel=PINS,
             help="checkpointing offload: layers whose input goes to host RAM, from the first (default: as few as fit the GPU).",
+        ),
+    ] = None
+    kept_saves: Annotated[
+        Optional[KeptSaves],
+        typer.Option(
+            "--kept-saves",
+            rich_help_panel=PINS,
+            help="What the layers past the recomputed ones keep: all (every activation; default) or matmuls (only matmul "
+            "outputs and attention's out + lse, the elementwise ops recomputed: about 2/3 of the memory).",
+        ),
+    ] = None
+    kept_host_layers: Annotated[
+        Optional[int],
+        typer.Option(
+            "--kept-host-layers",
+            min=0,
+            rich_help_panel=PINS,
+            help="--kept-saves matmuls: up to this many kept layers hold their matmul outputs in pinned host memory "
+            "(copied on a side stream; default 0).",
         ),
     ] = None
     sharding: Annotated[Optional[Sharding], typer.Option("--sharding", rich_help_panel=PINS, help="Model-state sharding.")] = None

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "offload", "selective")
 
+# What the layers past checkpoint_layers keep for backward (the plan's kept_saves): all = every activation, nothing
+# recomputed; matmuls = the matmul outputs and attention's out + lse, the elementwise ops recomputed
+# (seqpar.runtime.matmul_keep).
+KEPT_SAVES: tuple[str, ...] = ("all", "matmuls")
+
 
 # Share of the host's physical RAM the offloaded checkpoints may hold page-locked (split between the node's ranks):
 # seqpar.runtime.offload pins within it, the time model prices what lies beyond it as pageable copies.
@@ -29,11 +34,18 @@ class LayerSplit:
     ``host`` checkpointed layers whose input waits in host memory (offload), then ``gpu`` checkpointed layers whose input
     (and, under selective, attention's out + lse) stays on the GPU, then ``kept`` layers that keep every activation and
     are not recomputed (memory-budget checkpointing; Megatron's recompute_num_layers with the block method and its
-    cpu_offloading_num_layers)."""
+    cpu_offloading_num_layers). ``matmuls``: the kept layers keep only their matmul outputs and attention's out + lse
+    (kept_saves matmuls), the first ``kept_host`` of them in host memory."""
 
     host: int
     gpu: int
     kept: int
+    matmuls: bool = False
+    kept_host: int = 0
+
+    @property
+    def kept_gpu(self) -> int:
+        return self.kept - self.kept_host
 
     @property
     def checkpointed(self) -> int:
@@ -41,18 +53,26 @@ class LayerSplit:
 
 
 def layer_split(
-    checkpointing: str, num_layers: int, checkpoint_layers: int | None = None, offload_layers: int | None = None
+    checkpointing: str,
+    num_layers: int,
+    checkpoint_layers: int | None = None,
+    offload_layers: int | None = None,
+    kept_saves: str = "all",
+    kept_host_layers: int = 0,
 ) -> LayerSplit:
-    """The split a plan's ``checkpointing``, ``checkpoint_layers`` (None = all) and ``offload_layers`` (None = all the
-    checkpointed ones, offload only) describe for a model of ``num_layers`` decoder layers. Assumes a valid plan
-    (seqpar.schema.plan_problems refuses the rest); counts are clipped to the model so a plan for a deeper model stays safe."""
+    """The split a plan's ``checkpointing``, ``checkpoint_layers`` (None = all), ``offload_layers`` (None = all the
+    checkpointed ones, offload only), ``kept_saves`` and ``kept_host_layers`` describe for a model of ``num_layers``
+    decoder layers. Assumes a valid plan (seqpar.schema.plan_problems refuses the rest); counts are clipped to the model
+    so a plan for a deeper model stays safe."""
     if checkpointing == "none":
         return LayerSplit(0, 0, num_layers)
     ck = num_layers if checkpoint_layers is None else min(checkpoint_layers, num_layers)
     host = 0
     if checkpointing == "offload":
         host = ck if offload_layers is None else min(offload_layers, ck)
-    return LayerSplit(host, ck - host, num_layers - ck)
+    kept = num_layers - ck
+    matmuls = kept_saves == "matmuls" and kept > 0
+    return LayerSplit(host, ck - host, kept, matmuls, min(kept_host_layers or 0, kept) if matmuls else 0)
 
 
 # Training checkpoints kept by default (--keep-last): the newest and the one before it, so a damaged newest still

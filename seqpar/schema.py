@@ -20,13 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from seqpar.errors import SeqparError
 from seqpar.modes import MODES, check_heads, check_split
-from seqpar.options import CHECKPOINTING, KEEP_LAST, layer_split
+from seqpar.options import CHECKPOINTING, KEEP_LAST, KEPT_SAVES, layer_split
 
 SCHEMA_VERSION = 1
 SEED_MAX = 2**32 - 1
 
 Mode = Literal[MODES]  # the names of seqpar.modes.MODES_TABLE
 Checkpointing = Literal[CHECKPOINTING]  # seqpar.options: the runtime reads the same names
+KeptSaves = Literal[KEPT_SAVES]
 Sharding = Literal["ddp", "zero2", "zero3", "zero3_offload", "fsdp"]
 LossImpl = Literal["hf", "chunked"]
 FusedOps = Literal["none", "liger"]
@@ -284,6 +285,20 @@ class Strategy(_Frozen):
         "checkpointed input to host memory (pinned within the budget); the other checkpointed layers keep it on the GPU "
         "(plain full checkpointing; Megatron's cpu_offloading_num_layers). None = every checkpointed layer.",
     )
+    kept_saves: KeptSaves = Field(
+        default="all",
+        description="What the layers past checkpoint_layers keep for backward. all: every activation, nothing recomputed; "
+        "matmuls: only their matmul outputs (all but the MLP's last) and attention's out + lse, the norms, RoPE and the "
+        "SwiGLU product recomputed in backward (op-level selective checkpointing: about 2/3 of the memory of a fully kept "
+        "layer for the same matmul time saved).",
+    )
+    kept_host_layers: int = Field(
+        default=0,
+        ge=0,
+        description="kept_saves matmuls only: of the layers past checkpoint_layers, how many, counted from the first, hold "
+        "their kept matmul outputs in page-locked host memory (copied out during forward, fetched back one layer ahead "
+        "in backward, both on a side stream) instead of on the GPU.",
+    )
     sharding: Sharding = Field(default="ddp", description="Model-state sharding: ddp | zero2 | zero3 | zero3_offload | fsdp.")
     loss_impl: LossImpl = Field(
         default="chunked", description="hf: full fp32 logits as transformers computes them; chunked: logits a chunk at a time."
@@ -405,12 +420,72 @@ def option_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy
             f"{c.accelerator}; use fused_ops none"
         )
     out += split_problems(s.checkpointing, s.checkpoint_layers, s.offload_layers, w.model.num_layers, w.model.name)
+    out += kept_problems(
+        s.checkpointing,
+        s.checkpoint_layers,
+        s.offload_layers,
+        s.kept_saves,
+        s.kept_host_layers,
+        s.tiled_mlp,
+        w.model.num_layers,
+        w.model.name,
+        cuda,
+    )
     if s.tiled_mlp and s.sharding in ZERO3:
         out.append(
             f"tiled_mlp with sharding {s.sharding}: ZeRO-3 gathers parameters through module hooks that the tiles' "
             "recomputation in backward bypasses; use sharding fsdp or ddp, or tiled_mlp false"
         )
     return out
+
+
+def kept_problems(
+    checkpointing: str,
+    checkpoint_layers: Optional[int],
+    offload_layers: Optional[int],
+    kept_saves: str,
+    kept_host_layers: int,
+    tiled_mlp: bool,
+    num_layers: int,
+    owner: str,
+    cuda: bool = True,
+) -> list[str]:
+    """Why kept_saves / kept_host_layers cannot apply to the kept layers (the ones past checkpoint_layers) of ``owner``'s
+    ``num_layers`` decoder layers (empty = they can). The plan (option_problems) and seqpar.apply both ask it."""
+    out = []
+    kept = layer_split(checkpointing, num_layers, checkpoint_layers, offload_layers).kept
+    if kept_saves == "matmuls":
+        if checkpointing == "none" or kept == 0:
+            why = "checkpointing is none" if checkpointing == "none" else f"checkpoint_layers covers every layer of {owner}"
+            out.append(
+                f"kept_saves matmuls applies to the layers past checkpoint_layers, but there are none ({why}); set "
+                f"checkpoint_layers below {num_layers} with checkpointing full, selective or offload, or kept_saves all"
+            )
+        if tiled_mlp:
+            out.append(
+                "kept_saves matmuls with tiled_mlp: the tiled MLP recomputes its own tiles, so its matmul outputs cannot "
+                "be kept; use tiled_mlp false, or kept_saves all"
+            )
+    if kept_host_layers:
+        if kept_saves != "matmuls":
+            out.append(
+                f"kept_host_layers {kept_host_layers} sends kept matmul outputs to host memory, but kept_saves is "
+                f"{kept_saves}; set kept_saves matmuls, or kept_host_layers 0"
+            )
+        elif kept_host_layers > kept:
+            out.append(f"kept_host_layers {kept_host_layers} is more than the {kept} kept layers; use at most {kept}")
+        if not cuda:
+            out.append(
+                f"kept_host_layers {kept_host_layers} copies through page-locked memory on a CUDA GPU, but the cluster "
+                "has none; use kept_host_layers 0"
+            )
+    return out
+
+
+def layers_of(strategy: Strategy, num_layers: int):
+    """The plan's seqpar.options.LayerSplit over ``num_layers`` decoder layers."""
+    s = strategy
+    return layer_split(s.checkpointing, num_layers, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers)
 
 
 def checkpointed_layers(strategy: Strategy, num_layers: int) -> int:
@@ -427,15 +502,18 @@ def split_tag(strategy: Strategy) -> str:
     """The layer split in a strategy's one-line name, e.g. "[18 offloaded]", "[21 checkpointed]"; empty without one."""
     parts = [f"{strategy.offload_layers} offloaded"] if strategy.offload_layers is not None else []
     parts += [f"{strategy.checkpoint_layers} checkpointed"] if strategy.checkpoint_layers is not None else []
+    if strategy.kept_saves != "all":
+        parts += [f"kept {strategy.kept_saves}" + (f", {strategy.kept_host_layers} on host" if strategy.kept_host_layers else "")]
     return f"[{', '.join(parts)}]" if parts else ""
 
 
 def checkpointing_text(strategy: Strategy, num_layers: int) -> str:
     """The policy and its split over the layers (0-based, as the model's layer list), e.g. "offload (layers 0-7: input
-    in host memory; layers 8-23: input on the GPU; layers 24-31: not checkpointed)"; the bare policy name when it
-    applies to every layer alike."""
+    in host memory; layers 8-23: input on the GPU; layers 24-31: not checkpointed)", or under kept_saves matmuls
+    "selective (layers 0-14: checkpointed; layers 15-31: matmul outputs kept)"; the bare policy name when it applies to
+    every layer alike."""
     s, n = strategy, num_layers
-    ck, off = checkpointed_layers(s, n), offloaded_layers(s, n)
+    ck, off, cut = checkpointed_layers(s, n), offloaded_layers(s, n), layers_of(s, n)
     if s.checkpointing == "none" or (ck == n and (s.checkpointing != "offload" or off == n)):
         return s.checkpointing
 
@@ -447,7 +525,11 @@ def checkpointing_text(strategy: Strategy, num_layers: int) -> str:
         parts += [f"{span(off, ck)}: input on the GPU"] if ck > off else []
     else:
         parts = [f"{span(0, ck)}: checkpointed"] if ck else []
-    parts += [f"{span(ck, n)}: not checkpointed"] if n > ck else []
+    if cut.matmuls:
+        parts += [f"{span(ck, ck + cut.kept_host)}: matmul outputs kept in host memory"] if cut.kept_host else []
+        parts += [f"{span(ck + cut.kept_host, n)}: matmul outputs kept"] if cut.kept_gpu else []
+    else:
+        parts += [f"{span(ck, n)}: not checkpointed"] if n > ck else []
     return f"{s.checkpointing} ({'; '.join(parts)})"
 
 

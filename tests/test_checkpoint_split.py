@@ -266,9 +266,10 @@ def _train_and_spy(rank: int, world: int, cases: list, tmp: str, data: str) -> d
 
     seen, real = [], hf.apply_checkpointing
 
-    def spy(model, name, checkpoint_layers=None, offload_layers=None):
-        out = real(model, name, checkpoint_layers, offload_layers)
-        seen.append((name, checkpoint_layers, offload_layers, [layer.gradient_checkpointing for layer in model.model.layers]))
+    def spy(model, name, checkpoint_layers=None, offload_layers=None, kept_saves="all", kept_host_layers=0):
+        out = real(model, name, checkpoint_layers, offload_layers, kept_saves, kept_host_layers)
+        flags = [layer.gradient_checkpointing for layer in model.model.layers]
+        seen.append((name, checkpoint_layers, offload_layers, kept_saves, kept_host_layers, flags))
         return out
 
     hf.apply_checkpointing = spy
@@ -276,8 +277,9 @@ def _train_and_spy(rank: int, world: int, cases: list, tmp: str, data: str) -> d
 
 
 def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
-    """seqpar's trainer on 2 gloo ranks (the tiny profile: 2 layers), 20 steps: a plan's split trains to the losses and
-    gradient norms of the un-checkpointed data_parallel run; train.log states the split and run_report.json records it."""
+    """seqpar's trainer on 2 gloo ranks (the tiny profile: 2 layers), 20 steps: a plan's split (and kept_saves matmuls)
+    trains to the losses and gradient norms of the un-checkpointed data_parallel run; train.log states the split and
+    run_report.json records it."""
     import json
     from pathlib import Path
 
@@ -287,6 +289,7 @@ def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
     split = {
         "offload_split": ("offload", {"checkpoint_layers": 1, "offload_layers": 1}),
         "selective_split": ("selective", {"checkpoint_layers": 1}),
+        "matmuls_split": ("full", {"checkpoint_layers": 1, "kept_saves": "matmuls"}),
     }
     cases = [("ref", make_plan(w))]
     for name, (policy, fields) in split.items():
@@ -296,18 +299,31 @@ def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
     got = run_ranks(_train_and_spy, w, cases, str(tmp_path), data, timeout=170)[0]
     _compare(got["metrics"])
     assert got["applied"] == [
-        ("none", None, None, [False, False]),
-        ("offload", 1, 1, [True, False]),
-        ("selective", 1, None, [True, False]),
+        ("none", None, None, "all", 0, [False, False]),
+        ("offload", 1, 1, "all", 0, [True, False]),
+        ("selective", 1, None, "all", 0, [True, False]),
+        ("full", 1, None, "matmuls", 0, [True, True]),  # the kept layer runs under its MatmulKeep
     ]
     lines = {
         "offload_split": "checkpointing=offload (layer 0: input in host memory; layer 1: not checkpointed)",
         "selective_split": "checkpointing=selective (layer 0: checkpointed; layer 1: not checkpointed)",
+        "matmuls_split": "checkpointing=full (layer 0: checkpointed; layer 1: matmul outputs kept)",
     }
     for name, (_, fields) in split.items():
         assert lines[name] in (tmp_path / name / "train.log").read_text(), name
         report = json.loads(Path(tmp_path / name / "run_report.json").read_text())
         strategy = report["plan"]["strategy"]
+        if name == "matmuls_split":  # the one kept layer's matmul outputs, per step (rank 0's micro-batches), as counted
+            from seqpar.advisor.memory import matmul_bytes_per_token
+            from seqpar.schema import LaunchPlan
+
+            plan = LaunchPlan.model_validate(report["plan"])
+            w, s = plan.workload, plan.strategy
+            local = w.micro_batch_size * w.seq_len / s.sp_degree * s.gradient_accumulation_steps
+            expected = matmul_bytes_per_token(w.model, "fp32") * local
+            assert report["kept_matmuls"] == {"gpu_bytes": expected, "host_bytes": 0.0, "recomputed_bytes": 0.0}
+        else:
+            assert "kept_matmuls" not in report
         assert {k: strategy[k] for k in ("checkpoint_layers", "offload_layers")} == {
             "checkpoint_layers": 1,
             "offload_layers": fields.get("offload_layers"),

@@ -315,3 +315,13 @@ def test_a_layer_split_is_emitted_as_the_whole_model_policy_and_said(runner, tmp
     got = check(runner, files, *H100x8)
     assert got["strategy"] == {**plan["strategy"], "checkpoint_layers": None}
     assert got["prediction"]["peak_memory_gib"] < plan["prediction"]["peak_memory_gib"]
+
+
+@pytest.mark.parametrize("flag", [["--recompute-layers", "20"], ["--kept-saves", "matmuls"], ["--kept-host-layers", "2"]])
+def test_check_refuses_seqpar_only_split_flags_on_a_tool_config(runner, tmp_path, flag):
+    """A DeepSpeed config cannot say a per-layer split or what kept layers save: the flag is refused (exit 2), not
+    silently priced."""
+    plan, _ = advise(runner, tmp_path, ULYSSES, "deepspeed")
+    r = runner.invoke(app, ["check", str(tmp_path / "plan.deepspeed.json"), "--seq-len", "256k", "--gpu", "h100", *flag])
+    assert r.exit_code == 2, r.output
+    assert f"{flag[0]} {flag[1]}: plan.deepspeed.json cannot split checkpointing by layer" in r.output

@@ -36,7 +36,8 @@ def variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]:
     """(what changed, the strategy) for each single change of ``s`` the plan rules accept for req's workload and cluster."""
     w = req.workload()
     changes = [("loss_impl chunked (logits a chunk at a time)", {"loss_impl": "chunked"})]
-    whole = {"checkpoint_layers": None, "offload_layers": None}  # a new policy over every layer; its split is searched in check
+    # a new policy over every layer; its split is searched in check
+    whole = {"checkpoint_layers": None, "offload_layers": None, "kept_saves": "all", "kept_host_layers": 0}
     if s.checkpoint_layers is not None or s.offload_layers is not None:
         changes.append(("every layer checkpointed" + (" and offloaded" if s.checkpointing == "offload" else ""), whole))
     changes += [(f"checkpointing {ck}", {"checkpointing": ck, **whole}) for ck in ("full", "selective", "offload")]

@@ -28,6 +28,10 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   A split (strategy.checkpoint_layers / offload_layers, seqpar.options.layer_split) sums per layer: offloaded inputs
   nothing on the GPU (two in flight only while those layers run), GPU-checkpointed ones their input, the last layers
   everything they save; backward is checked at the top layer, the top checkpointed layer and the bottom one.
+  ``kept_saves matmuls`` (seqpar.runtime.matmul_keep): a kept layer holds its input, attention's out + lse and its
+  matmul outputs but the MLP's last (p (a d + 2 kv d + h + 2 I) per token); its backward rebuilds the rest of what it
+  saves. The first ``kept_host_layers`` hold their matmul outputs in host memory: on the GPU only while their backward
+  runs (their own and the layer below's, fetched one layer ahead), checked at the top one of them.
 * Precision (``precision()``, mirroring seqpar.runtime.engine.compute_dtype): DDP keeps fp32 parameters and autocasts, so
   weights, gradients and the residual stream (hence the checkpointed layer inputs) are fp32 and a bf16 copy of every matmul
   weight is cached while the forward runs; FSDP2 keeps an fp32 sharded master and computes in bf16; ZeRO follows the paper;
@@ -171,6 +175,14 @@ def saved_bytes_per_token(
     return norms + 2 * p * a * d + 2 * p * kv * d + 4 * a + mlp
 
 
+def matmul_bytes_per_token(m: ModelSpec, dtype: str) -> float:
+    """Outputs of a decoder layer's matmuls but the MLP's last (q, k, v, o, gate, up), bytes per token in the model
+    dtype: what a layer under kept_saves matmuls keeps beside its input and attention's out + lse
+    (seqpar.runtime.matmul_keep)."""
+    p, h, d = DTYPE_BYTES[dtype], m.hidden_size, m.head_dim
+    return p * ((m.num_attention_heads + 2 * m.num_key_value_heads) * d + h + 2 * m.intermediate_size)
+
+
 def kept_bytes_per_token(
     m: ModelSpec, dtype: str, strategy: Strategy, residual: int | None = None, policy: str | None = None
 ) -> float:
@@ -196,20 +208,22 @@ def kept_bytes_per_token(
 def split(m: ModelSpec, s: Strategy) -> LayerSplit:
     """The plan's decoder layers by what backward needs of them (seqpar.options.layer_split): host-offloaded inputs,
     GPU-kept checkpoints, layers that are not recomputed."""
-    return layer_split(s.checkpointing, m.num_layers, s.checkpoint_layers, s.offload_layers)
+    return layer_split(s.checkpointing, m.num_layers, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers)
 
 
 def kept_by_layer(m: ModelSpec, dtype: str, s: Strategy, r: int) -> list[float]:
     """Bytes per token each decoder layer keeps on the GPU until its backward, first layer first: the offloaded layers
     nothing, the GPU-checkpointed ones their input (selective: + attention's out and lse), the last ``kept`` layers
-    everything they save."""
+    everything they save; under kept_saves matmuls their input, attention's out + lse and (on the GPU) their matmul
+    outputs, the first ``kept_host`` of them with those in host memory."""
     sp = split(m, s)
     ck = "full" if s.checkpointing == "offload" else s.checkpointing
-    return (
-        [0.0] * sp.host
-        + [kept_bytes_per_token(m, dtype, s, r, ck)] * sp.gpu
-        + [kept_bytes_per_token(m, dtype, s, r, "none")] * sp.kept
-    )
+    if sp.matmuls:
+        around = kept_bytes_per_token(m, dtype, s, r, "selective")
+        kept = [around] * sp.kept_host + [around + matmul_bytes_per_token(m, dtype)] * sp.kept_gpu
+    else:
+        kept = [kept_bytes_per_token(m, dtype, s, r, "none")] * sp.kept
+    return [0.0] * sp.host + [kept_bytes_per_token(m, dtype, s, r, ck)] * sp.gpu + kept
 
 
 def ulysses_ranks(s: Strategy) -> int:
@@ -300,6 +314,11 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     # back); the GPU-kept layers above them move nothing, so with a split the top of the step has none in flight
     offload_inflight = 2 * r * h * t if layers.host else 0.0
     top_inflight = offload_inflight if layers.host == L else 0.0
+    # kept_saves matmuls: a layer's kept matmul outputs; the last host-kept layer's are still on their way out at the end
+    # of the forward when no GPU-kept layer follows it
+    mm = matmul_bytes_per_token(m, dtype) * t if layers.matmuls else 0.0
+    if layers.kept_host and not layers.kept_gpu:
+        top_inflight += mm
     # autocast caches a bf16 copy of every fp32 matmul weight until the forward's autocast region exits (before backward)
     cache = 2 * matmul_params(m) if prec.autocast_cache else 0.0
     fwd_buf, bwd_buf = mode_buffers(m, dtype, s, t)
@@ -312,7 +331,11 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         work_fwd = t * 2 * p * h + tile * 3 * p * i
     else:
         # the last layer's transient activations, unless it is one that keeps them all (counted in kept_cum)
-        work_fwd = t * (2 * p * h + 3 * p * i) if layers.kept == 0 else t * 2 * p * h
+        # (kept_saves matmuls: its gate and up outputs are counted there, the SwiGLU product is not)
+        if layers.kept == 0:
+            work_fwd = t * (2 * p * h + 3 * p * i)
+        else:
+            work_fwd = t * (2 * p * h + (p * i if layers.matmuls else 0))
     forward = {
         **opt,
         "gradients": carried_grads,
@@ -356,15 +379,29 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         grad_flow = t * (2 * r * h + max(mlp_grads, p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim))
         tiled_buffers = 0.0
     per_layer_grad = m.layer_params * share
+    ck, host_top = layers.checkpointed, layers.checkpointed + layers.kept_host
+
+    def rebuilt(j: int) -> float:
+        """What layer j's backward rebuilds: a checkpointed layer everything it saves; a kept_saves matmuls layer what
+        it saves beside its matmul outputs, and a host-kept one also its outputs fetched back and the layer below's
+        (fetched one layer ahead)."""
+        if j < ck:
+            return recompute
+        if not layers.matmuls:
+            return 0.0
+        fetched = (1 + (j - 1 >= ck)) * mm if j < host_top else 0.0
+        return max(recompute - mm, 0.0) + fetched
+
     backward = {}
-    for j in sorted({L - 1, max(layers.checkpointed - 1, 0), 0}, reverse=True):
+    points = {L - 1, max(ck - 1, 0), 0} | ({host_top - 1} if layers.kept_host else set())
+    for j in sorted(points, reverse=True):
         g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (m.layer_params * p if gathered else 0.0))
         cand = {
             **opt,
             "gradients": g,
             "gathered_params": gathered + ds.kept_gathered,
             "checkpointed_activations": kept_cum[j + 1] + (offload_inflight if j < layers.host else 0.0),
-            "layer_recompute": recompute if j < layers.checkpointed else 0.0,
+            "layer_recompute": rebuilt(j),
             "gradient_flow": grad_flow,
             "tiled_mlp_buffers": tiled_buffers,
             "mode_buffers": bwd_buf,
@@ -416,8 +453,10 @@ def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) 
         out += cluster.gpus_per_node * c.host_process_gib * GIB
     if s.sharding == "zero3_offload":
         out += m.num_params * (p + 4 + optimizer_bytes_per_param(w.optimizer, w.dtype)) / cluster.nodes
-    host_layers = split(m, s).host
-    if host_layers:
-        t = w.micro_batch_size * w.seq_len / s.sp_degree
-        out += host_layers * p * m.hidden_size * t * cluster.gpus_per_node
+    layers = split(m, s)
+    t = w.micro_batch_size * w.seq_len / s.sp_degree
+    if layers.host:
+        out += layers.host * p * m.hidden_size * t * cluster.gpus_per_node
+    if layers.kept_host:  # exact-size page-locked blocks (seqpar.runtime.matmul_keep)
+        out += layers.kept_host * matmul_bytes_per_token(m, w.dtype) * t * cluster.gpus_per_node
     return out

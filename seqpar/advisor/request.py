@@ -16,6 +16,7 @@ from seqpar.schema import (
     DocMix,
     DType,
     FusedOps,
+    KeptSaves,
     LossImpl,
     Mode,
     ModelSpec,
@@ -68,6 +69,16 @@ class AdviseRequest(_Frozen):
         ge=0,
         description="Pinned offloaded layers, from the first (None = the search picks how many stay on the GPU).",
     )
+    kept_saves: Optional[KeptSaves] = Field(
+        default=None,
+        description="Pinned kept_saves for the layers past checkpoint_layers (None = all: matmuls is not yet measured on a "
+        "GPU, so it is used only when asked).",
+    )
+    kept_host_layers: Optional[int] = Field(
+        default=None,
+        ge=0,
+        description="kept_saves matmuls: at most this many kept layers hold their matmul outputs in host memory (None = 0).",
+    )
     sharding: Optional[Sharding] = Field(default=None, description="Pinned sharding.")
     loss_impl: Optional[LossImpl] = Field(default=None, description="Pinned loss implementation.")
     fused_ops: Optional[FusedOps] = Field(
@@ -78,6 +89,16 @@ class AdviseRequest(_Frozen):
     @model_validator(mode="after")
     def _runnable(self) -> AdviseRequest:
         check_workload(self.workload(), self.cluster, self.fused_ops)
+        if self.kept_host_layers and self.kept_saves != "matmuls":
+            raise SeqparError(
+                f"--kept-host-layers {self.kept_host_layers} puts kept layers' matmul outputs in host memory, which only "
+                "--kept-saves matmuls keeps; add --kept-saves matmuls, or drop --kept-host-layers"
+            )
+        if self.kept_host_layers and self.cluster.accelerator != "cuda":
+            raise SeqparError(
+                f"--kept-host-layers {self.kept_host_layers} copies through page-locked memory on a CUDA GPU, but the "
+                f"cluster's accelerator is {self.cluster.accelerator}; drop --kept-host-layers"
+            )
         return self
 
     def accumulation_steps(self, dp_degree: int) -> int:

@@ -28,7 +28,7 @@ from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import tree_mode, written_plan
-from seqpar.advisor.throughput import estimate_time
+from seqpar.advisor.throughput import estimate_time, kept_host_matmuls
 from seqpar.errors import SeqparError
 from seqpar.modes import FACTS, MODES, split_multiple
 from seqpar.schema import Alternative, ClusterSpec, LaunchPlan, ModelSpec, Rationale, Strategy, Workload, plan_problems, split_tag
@@ -113,6 +113,8 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
                     fused_ops=fused,
                     tiled_mlp=tiled,
                 )
+                if ckl is not None and ck != "none":
+                    st = st.model_copy(update=kept_fields(req, L - ckl, st))
                 problems = plan_problems(workload, c, st)
                 if problems:
                     invalid.append((st, problems[0]))
@@ -150,20 +152,43 @@ def _first(lo: int, hi: int, ok) -> Optional[int]:
     return lo
 
 
-def layer_split_variant(w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients) -> Optional[Strategy]:
+def kept_fields(req: AdviseRequest, kept: int, s: Strategy) -> dict:
+    """The request's kept_saves / kept_host_layers pins for ``s`` split so that ``kept`` layers are past
+    checkpoint_layers: kept_host_layers is at most that many, and at most as many as the pinned budget holds (the
+    runtime recomputes the matmuls of the rest, so more would only cost); no kept layers: nothing to pin."""
+    if req.kept_saves != "matmuls" or kept <= 0:
+        return {}
+    host = min(req.kept_host_layers or 0, kept)
+    if host:
+        update = {"kept_saves": "matmuls", "kept_host_layers": host, "checkpoint_layers": req.model.num_layers - kept}
+        host = kept_host_matmuls(req.workload(), req.cluster, s.model_copy(update=update))[2]
+    return {"kept_saves": "matmuls", "kept_host_layers": host}
+
+
+def layer_split_variant(
+    w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients, req: Optional[AdviseRequest] = None
+) -> Optional[Strategy]:
     """The strategy's layer split that memory allows, when it differs from all-or-nothing (None otherwise, and when the
     request pinned a split): offload keeps as many layer inputs on the GPU as fit, the rest go to the host (copies the
     time model prices, pageable ones beyond the pinned budget dearest); full and selective let as many of the last layers
     as fit keep all their activations, so backward does not recompute them (Megatron's recompute_num_layers, torchtitan's
-    memory budget). GPU memory grows with each layer moved toward the GPU, so each count is a bisection."""
+    memory budget). GPU memory grows with each layer moved toward the GPU, so each count is a bisection. ``req``'s
+    kept_saves / kept_host_layers pins apply to the layers past checkpoint_layers (kept_fields)."""
     L = w.model.num_layers
     if s.checkpoint_layers is not None or s.offload_layers is not None or s.checkpointing == "none":
         return None
     if s.checkpointing == "offload":
         host = _first(0, L, lambda n: _gpu_fits(w, cl, s.model_copy(update={"offload_layers": n}), c))
         return s.model_copy(update={"offload_layers": host}) if host not in (None, L) and host > 0 else None
-    checkpointed = _first(0, L, lambda n: _gpu_fits(w, cl, s.model_copy(update={"checkpoint_layers": n}), c))
-    return s.model_copy(update={"checkpoint_layers": checkpointed}) if checkpointed not in (None, 0, L) else None
+
+    def at(n: int) -> Strategy:
+        return s.model_copy(update={"checkpoint_layers": n, **(kept_fields(req, L - n, s) if req is not None else {})})
+
+    checkpointed = _first(0, L, lambda n: _gpu_fits(w, cl, at(n), c))
+    if checkpointed is None or checkpointed == L:
+        return None
+    # none checkpointed is the plain policy none, unless the kept layers keep only their matmul outputs
+    return at(checkpointed) if checkpointed > 0 or at(0).kept_saves == "matmuls" else None
 
 
 def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cluster_note: str = "") -> LaunchPlan:
@@ -233,7 +258,9 @@ def _predict_all(req: AdviseRequest, valid: list[Strategy], w: Workload, cl: Clu
     # each checkpointing strategy's layer split, where memory allows one between all and nothing (unless the request pins it)
     if req.checkpoint_layers is not None or req.offload_layers is not None:
         return out
-    variants = (layer_split_variant(w, cl, x.strategy, c) for x in list(out) if x.fits or x.strategy.checkpointing == "offload")
+    variants = (
+        layer_split_variant(w, cl, x.strategy, c, req) for x in list(out) if x.fits or x.strategy.checkpointing == "offload"
+    )
     return out + [evaluate(w, cl, v, c) for v in variants if v is not None]
 
 
@@ -264,7 +291,7 @@ def _option_notes(
     out = []
     s = best.strategy
     if s.tiled_mlp and req.tiled_mlp is None and best.fits:
-        whole = {"checkpoint_layers": None, "offload_layers": None}  # the twin under any layer split of its own
+        whole = {"checkpoint_layers": None, "offload_layers": None, "kept_saves": "all", "kept_host_layers": 0}  # any split
         untiled = s.model_copy(update={"tiled_mlp": False, **whole})
         twins = sorted(
             (x for x in cands if x.strategy.model_copy(update=whole) == untiled), key=lambda x: (not x.fits, -x.tokens_per_s)
@@ -281,6 +308,7 @@ def _option_notes(
                 f"tiled_mlp: without it, {describe(twin.strategy)}: {twin.why or 'fits'}; tiling the MLP saves "
                 f"{twin.peak_gib - best.peak_gib:.1f} GiB for one more MLP forward"
             )
+    out += _kept_matmuls_note(req, best, w, cl, c)
     if req.fused_ops is not None or cl.accelerator != "cuda":
         return out
     if best.fits:
@@ -300,6 +328,30 @@ def _option_notes(
             f"{top.tokens_per_s:,.0f} tokens/s, peak {top.peak_gib:.1f} GiB"
         )
     return out
+
+
+def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: ClusterSpec, c: Coefficients) -> list[str]:
+    """Whether pinning kept_saves matmuls would be faster: the chosen full / selective strategy with its layers past
+    checkpoint_layers keeping only their matmul outputs, re-split for the memory that frees. Not searched unasked: the
+    runtime's exactness is tested on CPU, its speed and memory not yet measured on a GPU."""
+    s = best.strategy
+    if req.kept_saves is not None or not best.fits or s.checkpointing not in ("full", "selective") or s.tiled_mlp:
+        return []
+    if req.checkpoint_layers is not None:
+        return []
+    whole = s.model_copy(update={"checkpoint_layers": None, "kept_saves": "all", "kept_host_layers": 0})
+    alt = layer_split_variant(w, cl, whole, c, req.model_copy(update={"kept_saves": "matmuls"}))
+    if alt is None:
+        return []
+    x = evaluate(w, cl, alt, c)
+    if not x.fits or x.tokens_per_s <= best.tokens_per_s:
+        return []
+    return [
+        f"kept_saves matmuls (the layers past the recomputed ones keep only their matmul outputs and attention's out + "
+        f"lse) would run {x.tokens_per_s:,.0f} tokens/s ({x.tokens_per_s / best.tokens_per_s - 1:+.1%}) with "
+        f"{alt.checkpoint_layers} of {w.model.num_layers} layers recomputed, at a peak of {x.peak_gib:.1f} GiB; not yet "
+        "measured on a GPU: pin --kept-saves matmuls to use it"
+    ]
 
 
 def _liger_alternative(

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from seqpar.advisor import packed
 from seqpar.advisor.coefficients import Coefficients
-from seqpar.advisor.memory import optimizer_bytes_per_param, precision, ring_ranks, split, ulysses_ranks
+from seqpar.advisor.memory import matmul_bytes_per_token, optimizer_bytes_per_param, precision, ring_ranks, split, ulysses_ranks
 from seqpar.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
 from seqpar.modes import split_multiple
 from seqpar.options import PINNED_FRACTION, pinned_block
@@ -97,11 +97,13 @@ def elementwise_bytes_per_token(m: ModelSpec, fused_ops: str = "none") -> tuple[
 
 
 def elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: float, efficiency: float = 1.0) -> float:
-    """Seconds of elementwise traffic for ``tokens`` local tokens: forward, recompute (the checkpointed layers),
+    """Seconds of elementwise traffic for ``tokens`` local tokens: forward, recompute (the checkpointed layers, and the
+    kept ones under kept_saves matmuls),
     backward (2), at ``efficiency`` x the GPU's HBM bandwidth (coefficients' elementwise_efficiency; 1 = the bytes
     alone)."""
     total, swiglu = elementwise_bytes_per_token(m, s.fused_ops)
-    recomputed = split(m, s).checkpointed
+    layers = split(m, s)
+    recomputed = layers.checkpointed + (layers.kept if layers.matmuls else 0)  # kept_saves matmuls: elementwise again
     moved = (total * 3 + (swiglu if s.tiled_mlp else 0.0)) * m.num_layers + total * recomputed
     return tokens * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9 * efficiency)
 
@@ -121,10 +123,25 @@ def attention_multiplier(m: ModelSpec, s: Strategy) -> float:
 
 def first_step_extra_s(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> float:
     """What the first step costs beyond a warm one: a fixed part (kernel selection, allocator growth, lazy init) and the
-    page-locking of the pinned host blocks the checkpoint offload allocates then (the caching host allocator reuses
-    them in later steps)."""
+    page-locking of the pinned host blocks the checkpoint offload and the host-kept matmul outputs allocate then (both
+    reuse them in later steps)."""
     host, layer, pinned = offloaded_inputs(w, cluster, s)
-    return c.first_step_s + pinned * pinned_block(layer) / GIB / c.pinned_alloc_gib_s
+    _, mm_layer, mm_pinned = kept_host_matmuls(w, cluster, s)
+    return c.first_step_s + (pinned * pinned_block(layer) + mm_pinned * mm_layer) / GIB / c.pinned_alloc_gib_s
+
+
+def kept_host_matmuls(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[int, float, int]:
+    """(layers holding their matmul outputs in host memory, bytes of one layer's, how many fit the pinned budget left
+    by the offloaded inputs): seqpar.runtime.matmul_keep takes exact-size page-locked blocks while the budget lasts and
+    recomputes the matmuls of the rest."""
+    layers = split(w.model, s)
+    if not layers.kept_host:
+        return 0, 0.0, 0
+    t = w.micro_batch_size * w.seq_len / s.sp_degree
+    layer = matmul_bytes_per_token(w.model, w.dtype) * t
+    _, inp, pinned = offloaded_inputs(w, cluster, s)
+    budget = PINNED_FRACTION * cluster.host_ram_gib * GIB / cluster.gpus_per_node - pinned * pinned_block(inp)
+    return layers.kept_host, layer, max(0, min(layers.kept_host, int(budget // layer)))
 
 
 def offloaded_inputs(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[int, float, int]:
@@ -143,12 +160,21 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
     """Exposed seconds of one micro-batch's checkpoint offload: each offloaded layer input goes to the host in forward
     and comes back in backward. Within the pinned budget (options.PINNED_FRACTION of the host's RAM per rank, each block
     rounded to a power of two as the caching host allocator does) the copies are asynchronous and mostly hidden under
-    compute; beyond it seqpar.runtime.offload falls back to pageable memory, whose copies are synchronous: exposed."""
+    compute; beyond it seqpar.runtime.offload falls back to pageable memory, whose copies are synchronous: exposed.
+    The host-kept matmul outputs (kept_host_layers) go out and come back the same way, on a side stream."""
     host, layer, pinned = offloaded_inputs(w, cluster, s)
-    if not host:
+    _, mm_layer, mm_pinned = kept_host_matmuls(w, cluster, s)
+    if not host and not mm_pinned:
         return 0.0
-    hidden = _hidden(2 * pinned * layer / (c.pinned_copy_gb_s * 1e9), compute_s, c.grad_comm_overlap)
+    pinned_bytes = 2 * (pinned * layer + mm_pinned * mm_layer)  # out in forward, back in backward
+    hidden = _hidden(pinned_bytes / (c.pinned_copy_gb_s * 1e9), compute_s, c.grad_comm_overlap)
     return hidden + 2 * (host - pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
+
+
+def recomputed_matmul_layers(w: Workload, cluster: ClusterSpec, s: Strategy) -> int:
+    """Layers whose matmuls backward runs again: the checkpointed ones, and host-kept ones beyond the pinned budget."""
+    kept_host, _, fit = kept_host_matmuls(w, cluster, s)
+    return split(w.model, s).checkpointed + kept_host - fit
 
 
 def call_tokens(s: Strategy, seq_len: int) -> float:
@@ -207,7 +233,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     # ---- compute of one micro-batch
     lin_ideal = (
         t
-        * linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp, split(m, s).checkpointed)
+        * linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp, recomputed_matmul_layers(w, cluster, s))
         / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
     )
     lin_ideal /= width_efficiency(m.hidden_size, c.matmul_width_h0)
@@ -225,7 +251,8 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     lin_factor, attn_factor = c.factors(cluster)
     lin_t, attn_t = lin_ideal * lin_factor, attn_ideal * attn_factor
     # forward, (recompute forward), backward; selective's Ulysses backward re-sends q, k, v, out (runtime/ulysses_attn.py head_split_backward)
-    passes = 2 + split(m, s).checkpointed / L
+    layers = split(m, s)
+    passes = 2 + (layers.checkpointed + (layers.kept if layers.matmuls else 0)) / L
     attn_fwd_t = attn_t / attention_multiplier(m, s)  # one forward pass over all layers
     recompute_share = attention_recompute_share(m, s)
 

@@ -47,8 +47,14 @@ def check_configs(paths: list[Path], flags, note=print, coeffs=None) -> ConfigCh
     for name, pin in flags.pins().items():
         if pin is None:
             continue
-        if name in ("checkpoint_layers", "offload_layers"):  # seqpar's own layer split: none of these tools has it
-            flag = {"checkpoint_layers": "--recompute-layers", "offload_layers": "--offload-layers"}[name]
+        own = {
+            "checkpoint_layers": "--recompute-layers",
+            "offload_layers": "--offload-layers",
+            "kept_saves": "--kept-saves",
+            "kept_host_layers": "--kept-host-layers",
+        }
+        if name in own:  # seqpar's own layer split: none of these tools has it
+            flag = own[name]
             raise SeqparError(
                 f"{flag} {pin}: {where} cannot split checkpointing by layer (a seqpar plan field); drop {flag}, "
                 "or check a seqpar plan that has it"

@@ -105,7 +105,14 @@ def nearest(caps: Caps, s: Strategy, w: Workload, cluster: ClusterSpec) -> Itera
             if mode in caps.approx:
                 notes.append(caps.approx[mode])
             if caps.layer_split and cand.checkpointing == s.checkpointing:
-                cand = cand.model_copy(update={"checkpoint_layers": s.checkpoint_layers, "offload_layers": s.offload_layers})
+                cand = cand.model_copy(
+                    update={
+                        "checkpoint_layers": s.checkpoint_layers,
+                        "offload_layers": s.offload_layers,
+                        "kept_saves": s.kept_saves,
+                        "kept_host_layers": s.kept_host_layers,
+                    }
+                )
             else:
                 notes += _split_notes(caps, s, cand, w.model.num_layers)
             yield cand, notes
@@ -119,6 +126,11 @@ def _split_notes(caps: Caps, s: Strategy, cand: Strategy, n: int) -> list[str]:
             f"{caps.tool} checkpoints every decoder layer or none (no checkpoint_layers); emitted checkpointing "
             f"{cand.checkpointing} on all {n} layers instead of the first {ck} (more recomputation, less memory)"
         )
+    if s.kept_saves != "all" and ck < n and cand.checkpointing != "none":
+        out.append(
+            f"{caps.tool} has no kept_saves {s.kept_saves} (the last {n - ck} layers keeping only their matmul outputs); "
+            "emitted those layers checkpointed like the rest"
+        )
     if s.checkpointing == "offload" and off < ck and cand.checkpointing == "offload":
         out.append(
             f"{caps.tool} offloads every checkpointed layer's input or none (no offload_layers); emitted all of them in "
@@ -131,7 +143,7 @@ def expressible(caps: Caps, s: Strategy) -> bool:
     """Does the tool run ``s`` as it is (every choice maps onto itself)?"""
     if caps.adjust is not None and caps.adjust(s)[0] != s:
         return False
-    if not caps.layer_split and (s.checkpoint_layers is not None or s.offload_layers is not None):
+    if not caps.layer_split and (s.checkpoint_layers is not None or s.offload_layers is not None or s.kept_saves != "all"):
         return False
     return (
         s.mode in caps.modes.get(s.mode, ())

@@ -31,8 +31,8 @@ import warnings
 from dataclasses import dataclass
 
 from seqpar.errors import SeqparError
-from seqpar.options import CHECKPOINTING, layer_split
-from seqpar.schema import split_problems
+from seqpar.options import CHECKPOINTING, KEPT_SAVES, layer_split
+from seqpar.schema import kept_problems, split_problems
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,16 @@ def _offloaded_checkpoint(function, *args, **kwargs):
         return checkpoint(function, *args, use_reentrant=True, **kwargs)
 
 
+def _drop_matmul_keeps(model) -> None:
+    """A layer still running under an earlier kept_saves matmuls (seqpar.apply called again) loses its hooks first."""
+    from seqpar.runtime.matmul_keep import MatmulKeep
+
+    for module in model.modules():
+        f = getattr(module, "_gradient_checkpointing_func", None)
+        if isinstance(f, MatmulKeep):
+            f.remove()
+
+
 def decoder_layers(model) -> list:
     """The model's decoder layers in order: transformers' GradientCheckpointingLayer instances in module order (4.52+).
 
@@ -141,20 +151,35 @@ def decoder_layers(model) -> list:
     return layers
 
 
-def apply_checkpointing(model, name: str, checkpoint_layers: int | None = None, offload_layers: int | None = None) -> Policy:
+def apply_checkpointing(
+    model,
+    name: str,
+    checkpoint_layers: int | None = None,
+    offload_layers: int | None = None,
+    kept_saves: str = "all",
+    kept_host_layers: int = 0,
+) -> Policy:
     """Switch the model's activation checkpointing to the policy ``name``; returns the policy.
 
     checkpoint_layers: the policy applies to the first k decoder layers only, the rest keep their activations (None =
     all). offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others
-    keep it on the GPU (None = all). The attention side of ``selective`` (keeping out + lse) is switched by seqpar.apply,
-    which reads the returned policy and the layers' flags. Call it after any gradient_checkpointing_enable() of your
-    own: that call would put back the plain checkpoint function that ``offload`` replaces."""
+    keep it on the GPU (None = all). kept_saves "matmuls": the layers past checkpoint_layers keep only their matmul
+    outputs (seqpar.runtime.matmul_keep), the first ``kept_host_layers`` of them in host memory. The attention side of
+    ``selective`` (keeping out + lse) is switched by seqpar.apply, which reads the returned policy and the layers' flags.
+    Call it after any gradient_checkpointing_enable() of your own: that call would put back the plain checkpoint function
+    that ``offload`` replaces."""
     p = policy(name)
+    if kept_saves not in KEPT_SAVES:
+        raise SeqparError(f"kept_saves {kept_saves!r} is unknown; use one of {', '.join(KEPT_SAVES)}")
     split = checkpoint_layers is not None or offload_layers is not None
-    layers = decoder_layers(model) if split else []
+    layers = decoder_layers(model) if split or kept_saves != "all" or kept_host_layers else []
     problems = split_problems(name, checkpoint_layers, offload_layers, len(layers), type(model).__name__) if split else []
+    if not problems and layers:
+        owner = type(model).__name__
+        problems = kept_problems(name, checkpoint_layers, offload_layers, kept_saves, kept_host_layers, False, len(layers), owner)
     if problems:
         raise SeqparError(problems[0])
+    _drop_matmul_keeps(model)
     if p.use_reentrant is None:
         _stop_checkpointing(model)
         return p
@@ -163,8 +188,16 @@ def apply_checkpointing(model, name: str, checkpoint_layers: int | None = None, 
         for module in model.modules():
             if hasattr(module, "gradient_checkpointing"):
                 module._gradient_checkpointing_func = _offloaded_checkpoint
-    cut = layer_split(name, len(layers), checkpoint_layers, offload_layers)  # host, then GPU-checkpointed, then kept
-    ckpt, off = cut.checkpointed, cut.host
+    cut = layer_split(name, len(layers), checkpoint_layers, offload_layers, kept_saves, kept_host_layers)
+    ckpt, off = cut.checkpointed, cut.host  # host, then GPU-checkpointed, then kept (host-kept matmuls first)
+    if cut.matmuls:
+        from seqpar.runtime.matmul_keep import MatmulKeep
+
+        previous = None
+        for i, layer in enumerate(layers[ckpt:], start=ckpt):
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = previous = MatmulKeep(layer, i < ckpt + cut.kept_host, previous)
+        layers = layers[:ckpt]  # the split below sets the checkpointed ones
     if split:
         from torch.utils.checkpoint import checkpoint
 

@@ -85,3 +85,11 @@ def _cuda_dispatch(fused, plain):
 
     dispatch._seqpar_plain = plain
     return dispatch
+
+
+def rotates_in_place(module: nn.Module) -> bool:
+    """Whether the RoPE that ``module``'s modeling code calls is Liger's, which rotates q and k in place (on CUDA
+    tensors): apply_fused_ops made the module-level ``apply_rotary_pos_emb`` a dispatcher to it."""
+    modeling = sys.modules.get(type(module).__module__)
+    rope = getattr(modeling, "apply_rotary_pos_emb", None)
+    return getattr(rope, "_seqpar_plain", None) is not None

@@ -204,6 +204,8 @@ def apply(
     checkpointing: str | None = None,
     checkpoint_layers: int | None = None,
     offload_layers: int | None = None,
+    kept_saves: str = "all",
+    kept_host_layers: int = 0,
     backend: str | None = None,
     offload_checkpoints: bool | None = None,
     keep_attention: bool | None = None,
@@ -216,16 +218,21 @@ def apply(
     selective keeps each layer's attention out + lse, so backward's recomputation skips attention's forward.
     checkpoint_layers: the policy applies to the first k decoder layers, the rest keep all their activations (None = all);
     offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others keep it
-    on the GPU (None = all).
+    on the GPU (None = all). kept_saves "matmuls": the layers past checkpoint_layers keep only their matmul outputs and
+    attention's out + lse (the elementwise ops recomputed in backward), the first ``kept_host_layers`` of them in
+    page-locked host memory (seqpar.runtime.matmul_keep).
     backend: kernels backend override (see seqpar.runtime.kernels.select_backend). offload_checkpoints=True and
     keep_attention=True are the deprecated spellings of checkpointing="offload" and "selective"."""
     check_mode(mode)
     checkpointing = from_deprecated(checkpointing, offload_checkpoints, keep_attention)
     keep = policy(checkpointing).keep_attention if checkpointing is not None else False  # validates the name first
-    if checkpointing is None and (checkpoint_layers is not None or offload_layers is not None):
+    if checkpointing is None and (
+        checkpoint_layers is not None or offload_layers is not None or kept_saves != "all" or kept_host_layers
+    ):
         raise SeqparError(
-            f"checkpoint_layers={checkpoint_layers}, offload_layers={offload_layers} split the layers between checkpointing "
-            "policies, but checkpointing is None (the model's own setting); pass checkpointing='full', 'selective' or 'offload'"
+            f"checkpoint_layers={checkpoint_layers}, offload_layers={offload_layers}, kept_saves={kept_saves!r}, "
+            f"kept_host_layers={kept_host_layers} split the layers between checkpointing policies, but checkpointing is "
+            "None (the model's own setting); pass checkpointing='full', 'selective' or 'offload'"
         )
     config = getattr(model, "config", None)
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
@@ -268,20 +275,25 @@ def apply(
         model._seqpar_hooked = True
 
     if checkpointing is not None:
-        apply_checkpointing(model, checkpointing, checkpoint_layers, offload_layers)
-        if keep and checkpoint_layers is not None:
+        apply_checkpointing(model, checkpointing, checkpoint_layers, offload_layers, kept_saves, kept_host_layers)
+        if (keep and checkpoint_layers is not None) or kept_saves == "matmuls":
             _keep_where_recomputed(model, ctx)
     return model
 
 
 def _keep_where_recomputed(model: nn.Module, ctx: _Context) -> None:
     """Selective keeps attention's out + lse for a layer's recomputation; a layer past checkpoint_layers recomputes
-    nothing, so its attention runs the plain path: no kept entry, no fingerprint of q (seqpar.runtime.selective)."""
-    plain = replace(ctx, keep_attention=False)
+    nothing, so its attention runs the plain path: no kept entry, no fingerprint of q (seqpar.runtime.selective). A
+    layer that keeps its matmul outputs (kept_saves matmuls) recomputes around attention, so it keeps out + lse under
+    any policy."""
+    from seqpar.runtime.matmul_keep import MatmulKeep
+
+    plain, kept = replace(ctx, keep_attention=False), replace(ctx, keep_attention=True)
     for layer in decoder_layers(model):
-        if not layer.gradient_checkpointing:
+        matmuls = isinstance(getattr(layer, "_gradient_checkpointing_func", None), MatmulKeep)
+        if matmuls or not layer.gradient_checkpointing:
             for module in layer.modules():
-                object.__setattr__(module, "_seqpar_ctx", plain)
+                object.__setattr__(module, "_seqpar_ctx", kept if matmuls else plain)
 
 
 def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -49,7 +49,8 @@ __all__ = ["SeqparArguments", "SeqparTrainerMixin", "with_seqpar"]
 class SeqparArguments:
     """The seqpar side of a Trainer run: the mode, the sequence-parallel degree, usp's Ulysses degree and, optionally,
     seqpar's checkpointing policy (none | full | offload | selective; None leaves the Trainer's gradient_checkpointing)
-    with its split over the layers (checkpoint_layers, offload_layers: the plan's fields, seqpar.apply's arguments)."""
+    with its split over the layers (checkpoint_layers, offload_layers, kept_saves, kept_host_layers: the plan's fields,
+    seqpar.apply's arguments)."""
 
     mode: str
     sp_degree: int = 1
@@ -57,6 +58,8 @@ class SeqparArguments:
     checkpointing: str | None = None
     checkpoint_layers: int | None = None
     offload_layers: int | None = None
+    kept_saves: str = "all"
+    kept_host_layers: int = 0
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -72,7 +75,9 @@ class SeqparArguments:
         p = plan if isinstance(plan, LaunchPlan) else LaunchPlan.load(plan)
         s = p.strategy
         u = s.ulysses_degree if s.mode == "usp_attn" else None
-        return cls(s.mode, s.sp_degree, u, s.checkpointing, s.checkpoint_layers, s.offload_layers)
+        return cls(
+            s.mode, s.sp_degree, u, s.checkpointing, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers
+        )
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -130,6 +135,8 @@ class SeqparTrainerMixin:
             checkpointing=seqpar.checkpointing,
             checkpoint_layers=seqpar.checkpoint_layers,
             offload_layers=seqpar.offload_layers,
+            kept_saves=seqpar.kept_saves,
+            kept_host_layers=seqpar.kept_host_layers,
         )
         self.model_accepts_loss_kwargs = False  # seqpar.loss is a mean over the group's tokens, not a sum over items
         self.loss_is_scaled_for_ga = False  # so the Trainer divides it by the accumulation steps

@@ -229,6 +229,8 @@ def setup(args: argparse.Namespace) -> Run:
         checkpointing=s.checkpointing,
         checkpoint_layers=s.checkpoint_layers,
         offload_layers=s.offload_layers,
+        kept_saves=s.kept_saves,
+        kept_host_layers=s.kept_host_layers,
     )
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
@@ -512,8 +514,28 @@ def run(args: argparse.Namespace) -> dict:
             r.out,
             checkpoints={"predicted_bytes": sizes.checkpoint, "export_predicted_bytes": sizes.export, "written": saver.written},
         )
+        matmuls = _kept_matmuls(r.steps - r.start)
+        if matmuls:
+            update_report(r.out, kept_matmuls=matmuls)
+            r.log.info(
+                "kept matmul outputs per step: %.2f GiB on the GPU, %.2f GiB in host memory, %.2f GiB recomputed "
+                "(beyond the pinned budget, or changed in place)",
+                *(matmuls[k] / 2**30 for k in ("gpu_bytes", "host_bytes", "recomputed_bytes")),
+            )
         r.log.info("done: %d steps; run report %s", r.steps, r.out / "run_report.json")
     return {"losses": losses, "report": result, "output": str(r.out)}
+
+
+def _kept_matmuls(steps: int) -> dict:
+    """kept_saves matmuls: the bytes of matmul outputs kept per step on the GPU, in host memory and recomputed instead
+    (seqpar.runtime.matmul_keep's counts since the process started, over the steps it ran); empty when none were kept."""
+    import sys
+
+    keep = sys.modules.get("seqpar.runtime.matmul_keep")
+    stats = keep.MatmulKeep.stats if keep is not None else {}
+    if not steps or not any(stats.values()):
+        return {}
+    return {f"{k}_bytes": stats.get(k, 0) / steps for k in ("gpu", "host", "recomputed")}
 
 
 def _backend(device, dtype) -> str:

@@ -1,0 +1,139 @@
+"""The advisor's side of kept_saves matmuls and kept_host_layers (seqpar.runtime.matmul_keep): the memory model holds
+each kept layer's matmul outputs instead of everything it saves, the time model drops their matmuls' recomputation but
+not the elementwise one, host-kept layers move those bytes to the host and back (priced as pinned copies, the ones
+beyond the pinned budget recomputed), and the search uses it only when pinned, saying so when it would be faster.
+No torch (the runtime's side, against a real model: tests/test_matmul_keep.py)."""
+
+import pytest
+from test_layer_split_advisor import L7, M7, C, dp, h200, work
+
+from seqpar.advisor.memory import (
+    estimate_memory,
+    host_bytes,
+    kept_by_layer,
+    kept_bytes_per_token,
+    matmul_bytes_per_token,
+    saved_bytes_per_token,
+)
+from seqpar.advisor.request import AdviseRequest
+from seqpar.advisor.search import advise_by_cost
+from seqpar.advisor.throughput import elementwise_bytes_per_token, estimate_time, kept_host_matmuls
+from seqpar.errors import SeqparError
+from seqpar.options import PINNED_FRACTION, layer_split
+from seqpar.schema import LaunchPlan
+from seqpar.units import GIB
+
+S = 65536
+
+
+def sel(ck, saves="all", host=0, **kw):
+    return dp(checkpointing="selective", checkpoint_layers=ck, kept_saves=saves, kept_host_layers=host, fused_ops="liger", **kw)
+
+
+def test_the_split_orders_checkpointed_then_host_then_gpu_kept_layers():
+    cut = layer_split("selective", 32, 15, None, "matmuls", 10)
+    assert (cut.checkpointed, cut.kept, cut.kept_host, cut.kept_gpu, cut.matmuls) == (15, 17, 10, 7, True)
+    assert layer_split("selective", 32, 32, None, "matmuls", 3).matmuls is False  # no kept layer: nothing to keep
+    assert layer_split("full", 32, 30, None, "matmuls", 9).kept_host == 2  # clipped to the kept layers
+
+
+def test_a_matmul_kept_layer_holds_its_projections_instead_of_everything():
+    w, s_all, s_mm, s_host = work(), sel(15), sel(15, "matmuls"), sel(15, "matmuls", 10)
+    p = 2
+    mm = matmul_bytes_per_token(M7, "bf16")
+    h, a, d, i = M7.hidden_size, M7.num_attention_heads, M7.head_dim, M7.intermediate_size
+    assert mm == p * (3 * a * d + h + 2 * i)  # q, k, v (MHA), o, gate, up: 4.69 GiB at 64K for Llama-2-7B
+    assert abs(mm * S / GIB - 4.6875) < 1e-9
+    around = kept_bytes_per_token(M7, "bf16", s_mm, p, "selective")
+    full = kept_bytes_per_token(M7, "bf16", s_all, p, "none")
+    assert full == saved_bytes_per_token(M7, "bf16", p, "liger") + p * h
+    assert kept_by_layer(M7, "bf16", s_all, p)[15:] == [full] * 17
+    assert kept_by_layer(M7, "bf16", s_mm, p)[15:] == [around + mm] * 17
+    assert kept_by_layer(M7, "bf16", s_host, p)[15:] == [around] * 10 + [around + mm] * 7
+    mems = [estimate_memory(w, h200(), s, C) for s in (s_all, s_mm, s_host)]
+    held = [m.phase_terms["forward"]["checkpointed_activations"] for m in mems]
+    assert held[0] - held[1] == 17 * (full - around - mm) * S
+    assert held[1] - held[2] == 10 * mm * S
+    assert mems[0].peak_bytes > mems[1].peak_bytes > mems[2].peak_bytes
+    # the host holds 10 layers' matmul outputs more
+    assert host_bytes(w, h200(), s_host, C) - host_bytes(w, h200(), s_mm, C) == pytest.approx(10 * mm * S)
+
+
+def test_kept_matmuls_are_not_recomputed_but_their_elementwise_ops_are():
+    w = work()
+    t_all, t_mm = estimate_time(w, h200(), sel(15), C), estimate_time(w, h200(), sel(15, "matmuls"), C)
+    assert t_all.parts_s["linear_ideal"] == t_mm.parts_s["linear_ideal"]  # the same 15 layers recompute their matmuls
+    total, _ = elementwise_bytes_per_token(M7, "liger")
+    extra = 17 * total * S / (h200().gpu.hbm_bandwidth_gb_s * 1e9 * C.elementwise_efficiency)
+    assert t_mm.parts_s["elementwise"] - t_all.parts_s["elementwise"] == pytest.approx(extra)
+    # fewer layers recomputed: faster
+    assert estimate_time(w, h200(), sel(10, "matmuls"), C).tokens_per_s > t_mm.tokens_per_s
+
+
+def test_host_kept_layers_beyond_the_pinned_budget_are_recomputed():
+    w, small = work(), h200(host_gib=40.0)  # 40% of 40 GiB: 3 layers of 4.69 GiB
+    kept, layer, fit = kept_host_matmuls(w, small, sel(5, "matmuls", 10))
+    assert (kept, layer, fit) == (10, pytest.approx(4.6875 * GIB), int(PINNED_FRACTION * 40 // 4.6875))
+    roomy = estimate_time(w, h200(), sel(5, "matmuls", 10), C)
+    tight = estimate_time(w, small, sel(5, "matmuls", 10), C)
+    assert tight.parts_s["linear_ideal"] > roomy.parts_s["linear_ideal"]  # 7 layers' matmuls run again
+    assert roomy.breakdown_s["offload"] > 0
+
+
+def _req(**pins):
+    base = {"mode": "data_parallel", "sharding": "ddp", "fused_ops": "liger", "optimizer": "none"}
+    return AdviseRequest(model=M7, seq_len=S, cluster=h200(), **{**base, **pins})
+
+
+def test_the_search_uses_kept_matmuls_only_when_pinned_and_says_when_it_would_be_faster():
+    plain = advise_by_cost(_req())
+    assert plain.strategy.kept_saves == "all"
+    note = [r for r in plain.rationale.reasons if r.startswith("kept_saves matmuls")]
+    assert len(note) == 1 and "pin --kept-saves matmuls" in note[0]
+    pinned = advise_by_cost(_req(kept_saves="matmuls"))
+    s = pinned.strategy
+    assert s.kept_saves == "matmuls" and s.kept_host_layers == 0
+    assert s.checkpoint_layers < plain.strategy.checkpoint_layers  # the memory freed keeps more layers
+    assert pinned.prediction.tokens_per_s > plain.prediction.tokens_per_s
+    assert f"{pinned.prediction.tokens_per_s:,.0f} tokens/s" in note[0]
+    assert not pinned.prediction.oom_risk
+    LaunchPlan.model_validate(pinned.model_dump())  # a valid plan
+
+
+def test_a_pinned_host_count_is_capped_by_the_pinned_budget_and_the_kept_layers():
+    plan = advise_by_cost(_req(kept_saves="matmuls", kept_host_layers=40))
+    s = plan.strategy
+    budget = int(PINNED_FRACTION * 125 // 4.6875)  # 10 layers' 4.69 GiB in 40% of the 125 GiB host
+    assert s.kept_host_layers == budget < L7 - s.checkpoint_layers
+    few = advise_by_cost(_req(kept_saves="matmuls", kept_host_layers=3, checkpoint_layers=30)).strategy
+    assert (few.checkpoint_layers, few.kept_host_layers) == (30, 2)  # 2 kept layers: at most 2 on the host
+    assert plan.prediction.host_memory_gib == pytest.approx(C.host_process_gib + budget * 4.6875)
+
+
+@pytest.mark.parametrize(
+    "pins, words",
+    [({"kept_host_layers": 3}, "only --kept-saves matmuls keeps"), ({"kept_host_layers": 3, "kept_saves": "matmuls"}, None)],
+)
+def test_request_refusals(pins, words):
+    if words is None:
+        _req(**pins)
+        return
+    with pytest.raises((SeqparError, ValueError), match=words):  # pydantic wraps the validator's SeqparError
+        _req(**pins)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"kept_saves": "matmuls"}, "there are none"),
+        ({"checkpoint_layers": 20, "kept_host_layers": 2}, "kept_saves is all"),
+        ({"checkpoint_layers": 20, "kept_saves": "matmuls", "kept_host_layers": 13}, "at most 12"),
+        ({"checkpoint_layers": 20, "kept_saves": "matmuls", "tiled_mlp": True}, "tiled_mlp"),
+    ],
+)
+def test_plan_refusals(fields, words):
+    plan = advise_by_cost(_req())
+    data = plan.model_dump()
+    data["strategy"] = {**data["strategy"], "checkpoint_layers": None, **fields}
+    with pytest.raises(ValueError, match=words):
+        LaunchPlan.model_validate(data)

@@ -1,0 +1,191 @@
+"""kept_saves matmuls (seqpar.runtime.matmul_keep) on a real 4-layer transformers Llama, on CPU.
+
+- Exact: under full, selective and offload, with 1 or 3 checkpointed layers and 0, 1 or all kept layers' matmul outputs
+  in "host" memory (on CPU a plain copy), the loss and every gradient equal the un-checkpointed model's; over two gloo
+  ranks in zigzag_ring_attn too.
+- Nothing but elementwise ops is recomputed: backward runs exactly as many matmuls as with fully kept layers (the
+  checkpointed layers' recomputed matmuls aside), and attention keeps its out + lse in those layers.
+- What is kept: per kept layer, exactly the outputs of q, k, v, o, gate and up projections (not down's), the size the
+  advisor's memory model counts (seqpar.advisor.memory.matmul_bytes_per_token); the checkpoint saves only the layer input.
+- Refusals: kept_saves matmuls without kept layers, kept_host_layers without matmuls or beyond the kept layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from test_checkpoint_split import HIDDEN, B, L, S, _reference, _saved_bytes, batch, make_model
+from test_hf import _compare, _grads
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from seqpar_testing import run_ranks
+
+CASES = [(p, k, h) for p in ("full", "selective", "offload") for k in (1, L - 1) for h in (0, 1, L - k)]
+_MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in _MM
+        return func(*args, **(kwargs or {}))
+
+
+def _apply(model, mode, policy, k, host, saves="matmuls"):
+    import seqpar
+
+    kw = {"offload_layers": 0} if policy == "offload" else {}
+    return seqpar.apply(model, mode, checkpointing=policy, checkpoint_layers=k, kept_saves=saves, kept_host_layers=host, **kw)
+
+
+def test_kept_matmuls_are_exact_on_one_process():
+    from seqpar.runtime import selective
+    from seqpar.runtime.matmul_keep import MatmulKeep
+
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    base, ref_loss, ref_grads = _reference()
+    failures = []
+    for policy, k, host in CASES:
+        model = _apply(copy.deepcopy(base), "data_parallel", policy, k, host)
+        for i, layer in enumerate(model.model.layers):
+            f = layer._gradient_checkpointing_func
+            assert isinstance(f, MatmulKeep) == (i >= k) and layer.gradient_checkpointing, (policy, k, host, i)
+            assert not isinstance(f, MatmulKeep) or f.host == (i < k + host), (policy, k, host, i)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        _compare(failures, f"{policy} k={k} host={host}", loss.detach(), ref_loss, _grads(model), ref_grads)
+        if selective.pending():
+            failures.append(f"{policy} k={k} host={host}: {selective.pending()} kept attention entries left")
+    assert failures == [], "\n".join(failures[:10])
+
+
+def _ranks_main(rank: int, world_size: int) -> list[str]:
+    import torch.distributed as dist
+
+    import seqpar
+
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    base, ref_loss, ref_grads = _reference()
+    part = seqpar.prepare_inputs(ids, "zigzag_ring_attn", rank, world_size, labels=labels)
+    failures = []
+    for policy, k, host in (("selective", 1, 1), ("full", 2, 0)):
+        model = _apply(copy.deepcopy(base), "zigzag_ring_attn", policy, k, host)
+        loss = seqpar.loss(model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits, part["labels"])
+        loss.backward()
+        grads = _grads(model)
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        dist.all_reduce(flat)
+        grads = {n: g.view_as(ref_grads[n]) for n, g in zip(grads, flat.split([g.numel() for g in grads.values()]))}
+        _compare(failures, f"rank {rank} {policy} k={k} host={host}", loss.detach(), ref_loss, grads, ref_grads)
+    return failures
+
+
+def test_kept_matmuls_are_exact_over_two_ranks_in_zigzag_ring_attn():
+    for failures in run_ranks(_ranks_main, 2, timeout=180):
+        assert failures == [], "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("host", [0, 2])
+def test_backward_recomputes_no_kept_matmul(host):
+    """Backward's matmul count: fully kept layers = kept matmuls (only the elementwise ops run again); every layer
+    checkpointed = that plus 6 recomputed projections per layer (down's output is never needed: early stop)."""
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    base = make_model()
+    counts = {}
+    for name, saves, k in (("all", "all", 1), ("matmuls", "matmuls", 1), ("checkpointed", "all", L)):
+        model = _apply(copy.deepcopy(base), "data_parallel", "selective", k, host if saves == "matmuls" else 0, saves)
+        loss = model(input_ids=ids, labels=labels).loss
+        with _CountMatmuls() as mode:
+            loss.backward()
+        counts[name] = mode.n
+    assert counts["matmuls"] == counts["all"], counts
+    assert counts["checkpointed"] == counts["all"] + 6 * (L - 1), counts
+
+
+def test_kept_bytes_are_the_projections_the_memory_model_counts():
+    from seqpar.advisor.memory import matmul_bytes_per_token
+    from seqpar.profiles.hf_config import spec_from_config
+    from seqpar.runtime import selective
+    from seqpar.runtime.matmul_keep import MatmulKeep
+
+    warnings.filterwarnings("ignore")
+    ids, _ = batch()
+    for host in (0, 1):
+        model = _apply(make_model(), "data_parallel", "selective", 1, host)
+        before = MatmulKeep.stats.copy()
+        saved, _, loss = _saved_bytes(model, ids)
+        kept = {k: MatmulKeep.stats[k] - before[k] for k in ("gpu", "host", "recomputed")}
+        spec = spec_from_config(model.config.to_dict(), "tiny", "the test's config", "test")
+        per_layer = matmul_bytes_per_token(spec, "fp32") * B * S
+        assert kept == {"gpu": (L - 1 - host) * per_layer, "host": host * per_layer, "recomputed": 0}, (kept, per_layer)
+        layer_input = B * S * HIDDEN * 4
+        assert all(saved[i] == layer_input for i in range(L)), saved  # the checkpoint saves the layer input alone
+        assert [selective.pending(layer.self_attn) for layer in model.model.layers] == [1] * L
+        loss.backward()
+        assert selective.pending() == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"checkpointing": "selective", "kept_saves": "matmuls"}, "there are none"),
+        ({"checkpointing": "selective", "checkpoint_layers": L, "kept_saves": "matmuls"}, "there are none"),
+        ({"checkpointing": "selective", "checkpoint_layers": 1, "kept_host_layers": 1}, "kept_saves is all"),
+        ({"checkpointing": "full", "checkpoint_layers": 1, "kept_saves": "matmuls", "kept_host_layers": 4}, "at most 3"),
+        ({"checkpointing": "full", "checkpoint_layers": 1, "kept_saves": "some"}, "unknown"),
+        ({"kept_saves": "matmuls"}, "checkpointing is None"),
+    ],
+)
+def test_refusals(kwargs, words):
+    import seqpar
+    from seqpar.errors import SeqparError
+
+    with pytest.raises(SeqparError, match=words):
+        seqpar.apply(make_model(), "data_parallel", **kwargs)
+
+
+@pytest.mark.parametrize("host", [0, 1])
+def test_an_output_changed_in_place_is_recomputed_not_kept(host):
+    """The model's own code scaling q_proj's output in place (an aten op) after it was kept: kept, it would come back
+    scaled twice in the recomputation. That entry is dropped and its matmul recomputed: the gradients stay exact."""
+    from seqpar.runtime.matmul_keep import MatmulKeep
+
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    base = make_model()
+
+    def scale(m, a, out):
+        return out.mul_(0.5)
+
+    base.model.layers[2].self_attn.q_proj.register_forward_hook(scale)
+    ref = copy.deepcopy(base)
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    model = _apply(copy.deepcopy(base), "data_parallel", "selective", 1, host)
+    before = MatmulKeep.stats["recomputed"]
+    loss = model(input_ids=ids, labels=labels).loss
+    dropped = MatmulKeep.stats["recomputed"] - before
+    loss.backward()
+    failures = []
+    _compare(failures, f"host={host}", loss.detach(), ref_loss.detach(), _grads(model), _grads(ref))
+    assert failures == [], failures
+    assert dropped == B * S * HIDDEN * 4  # that one (B, S, hidden) fp32 output, and no other
+
+
+def test_applying_again_takes_the_earlier_hooks_off():
+    """seqpar.apply a second time (kept_saves all now): the layers lose the matmul keeps' hooks and keep everything."""
+    warnings.filterwarnings("ignore")
+    model = _apply(make_model(), "data_parallel", "selective", 1, 0)
+    hooks = lambda m: sum(len(x._forward_hooks) + len(x._forward_pre_hooks) for x in m.model.layers.modules())  # noqa: E731
+    assert hooks(model) == (L - 1) * 4  # down_proj's pre/post pair, q_proj's and k_proj's copy hooks
+    _apply(model, "data_parallel", "selective", 1, 0, saves="all")
+    assert hooks(model) == 0
