@@ -289,11 +289,23 @@ def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
     split = {
         "offload_split": ("offload", {"checkpoint_layers": 1, "offload_layers": 1}),
         "selective_split": ("selective", {"checkpoint_layers": 1}),
-        "matmuls_split": ("full", {"checkpoint_layers": 1, "kept_saves": "matmuls"}),
+        "matmuls_split": ("selective", {"checkpoint_layers": 1, "kept_saves": "matmuls"}),
     }
+    # the kept_saves matmuls case under FSDP2, Ulysses and two accumulated micro-batches: parameters gathered by hooks,
+    # an all-to-all around attention, two forwards' kept outputs in turn
+    other = {"matmuls_split": {"mode": "ulysses_attn", "mbs": 1, "ga": 2, "sharding": "fsdp"}}
     cases = [("ref", make_plan(w))]
     for name, (policy, fields) in split.items():
-        plan = make_plan(w, "zigzag_ring_attn", w, mbs=w, checkpointing=policy)
+        o = other.get(name, {})
+        plan = make_plan(
+            w,
+            o.get("mode", "zigzag_ring_attn"),
+            w,
+            mbs=o.get("mbs", w),
+            ga=o.get("ga", 1),
+            sharding=o.get("sharding", "ddp"),
+            checkpointing=policy,
+        )
         cases.append((name, plan.model_validate({**plan.model_dump(), "strategy": {**plan.strategy.model_dump(), **fields}})))
     data = learnable_tokens(tmp_path / "tokens.npy")
     got = run_ranks(_train_and_spy, w, cases, str(tmp_path), data, timeout=170)[0]
@@ -302,12 +314,12 @@ def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
         ("none", None, None, "all", 0, [False, False]),
         ("offload", 1, 1, "all", 0, [True, False]),
         ("selective", 1, None, "all", 0, [True, False]),
-        ("full", 1, None, "matmuls", 0, [True, True]),  # the kept layer runs under its MatmulKeep
+        ("selective", 1, None, "matmuls", 0, [True, True]),  # the kept layer runs under its MatmulKeep
     ]
     lines = {
         "offload_split": "checkpointing=offload (layer 0: input in host memory; layer 1: not checkpointed)",
         "selective_split": "checkpointing=selective (layer 0: checkpointed; layer 1: not checkpointed)",
-        "matmuls_split": "checkpointing=full (layer 0: checkpointed; layer 1: matmul outputs kept)",
+        "matmuls_split": "checkpointing=selective (layer 0: checkpointed; layer 1: matmul outputs kept)",
     }
     for name, (_, fields) in split.items():
         assert lines[name] in (tmp_path / name / "train.log").read_text(), name
@@ -339,3 +351,7 @@ def test_the_trainer_integration_reads_the_split_from_a_plan():
     plan = plan.model_validate({**plan.model_dump(), "strategy": {**plan.strategy.model_dump(), "checkpoint_layers": 2}})
     args = SeqparArguments.from_plan(plan)
     assert (args.checkpointing, args.checkpoint_layers, args.offload_layers) == ("offload", 2, None)
+    plan = make_plan(2, "zigzag_ring_attn", 2, mbs=2, checkpointing="selective")
+    strategy = {**plan.strategy.model_dump(), "checkpoint_layers": 1, "kept_saves": "matmuls"}
+    args = SeqparArguments.from_plan(plan.model_validate({**plan.model_dump(), "strategy": strategy}))
+    assert (args.checkpointing, args.checkpoint_layers, args.kept_saves, args.kept_host_layers) == ("selective", 1, "matmuls", 0)

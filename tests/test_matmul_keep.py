@@ -189,3 +189,18 @@ def test_applying_again_takes_the_earlier_hooks_off():
     assert hooks(model) == (L - 1) * 4  # down_proj's pre/post pair, q_proj's and k_proj's copy hooks
     _apply(model, "data_parallel", "selective", 1, 0, saves="all")
     assert hooks(model) == 0
+
+
+def test_a_second_backward_recomputes_the_matmuls():
+    """backward(retain_graph=True) twice: the second recomputation finds the kept outputs taken and runs the matmuls
+    again, so the gradients are twice the reference's, as without checkpointing."""
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    base, ref_loss, ref_grads = _reference()
+    model = _apply(copy.deepcopy(base), "data_parallel", "selective", 1, 1)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    failures = []
+    _compare(failures, "twice", loss.detach(), ref_loss, _grads(model), {n: 2 * g for n, g in ref_grads.items()})
+    assert failures == [], failures

@@ -258,6 +258,12 @@ class _Replay(TorchDispatchMode):
         super().__init__()
         self.fwd = fwd
 
+    def __enter__(self):
+        # each recomputation walks the kept outputs from the start: a second backward (retain_graph) finds them
+        # taken (None) and runs the matmuls again
+        self.fwd.next = 0
+        return super().__enter__()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _MM and not self.fwd.keeper.skip.on:
             if not self.fwd.pending:
