@@ -92,9 +92,17 @@ def test_split_is_exact_on_one_process():
     assert failures == [], "\n".join(failures[:10])
 
 
-def _ranks_main(rank: int, world_size: int) -> list[str]:
+def group_grads(model) -> dict[str, torch.Tensor]:
+    """The sequence-parallel group's gradient of every parameter: the sum of its ranks' (one all-reduce)."""
     import torch.distributed as dist
 
+    grads = _grads(model)
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    dist.all_reduce(flat)
+    return {n: g.view_as(grads[n]) for n, g in zip(grads, flat.split([g.numel() for g in grads.values()]))}
+
+
+def _ranks_main(rank: int, world_size: int) -> list[str]:
     import seqpar
     from seqpar.runtime import selective
 
@@ -108,11 +116,7 @@ def _ranks_main(rank: int, world_size: int) -> list[str]:
         seqpar.apply(model, "zigzag_ring_attn", checkpointing=policy, checkpoint_layers=k, offload_layers=off)
         loss = seqpar.loss(model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits, part["labels"])
         loss.backward()
-        grads = _grads(model)
-        flat = torch.cat([g.reshape(-1) for g in grads.values()])
-        dist.all_reduce(flat)  # the group's gradient: the sum over its ranks
-        grads = {n: g.view_as(ref_grads[n]) for n, g in zip(grads, flat.split([g.numel() for g in grads.values()]))}
-        _compare(failures, f"rank {rank} {policy} k={k} off={off}", loss.detach(), ref_loss, grads, ref_grads)
+        _compare(failures, f"rank {rank} {policy} k={k} off={off}", loss.detach(), ref_loss, group_grads(model), ref_grads)
         if selective.pending():
             failures.append(f"rank {rank} {policy} k={k}: {selective.pending()} kept entries left after backward")
     return failures
