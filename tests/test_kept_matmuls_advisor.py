@@ -80,9 +80,9 @@ def test_host_kept_layers_beyond_the_pinned_budget_are_recomputed():
     assert roomy.breakdown_s["offload"] > 0
 
 
-def _req(**pins):
+def _req(seq_len=S, **pins):
     base = {"mode": "data_parallel", "sharding": "ddp", "fused_ops": "liger", "optimizer": "none"}
-    return AdviseRequest(model=M7, seq_len=S, cluster=h200(), **{**base, **pins})
+    return AdviseRequest(model=M7, seq_len=seq_len, cluster=h200(), **{**base, **pins})
 
 
 def test_the_search_uses_kept_matmuls_only_when_pinned_and_says_when_it_would_be_faster():
@@ -112,7 +112,11 @@ def test_a_pinned_host_count_is_capped_by_the_pinned_budget_and_the_kept_layers(
 
 @pytest.mark.parametrize(
     "pins, words",
-    [({"kept_host_layers": 3}, "only --kept-saves matmuls keeps"), ({"kept_host_layers": 3, "kept_saves": "matmuls"}, None)],
+    [
+        ({"kept_host_layers": 3}, "only --kept-saves matmuls keeps"),
+        ({"kept_saves": "matmuls", "tiled_mlp": True}, "drop one of them"),
+        ({"kept_host_layers": 3, "kept_saves": "matmuls"}, None),
+    ],
 )
 def test_request_refusals(pins, words):
     if words is None:
@@ -137,3 +141,27 @@ def test_plan_refusals(fields, words):
     data["strategy"] = {**data["strategy"], "checkpoint_layers": None, **fields}
     with pytest.raises(ValueError, match=words):
         LaunchPlan.model_validate(data)
+
+
+@pytest.mark.parametrize("seq_len", [192 * 1024, 256 * 1024, 512 * 1024])
+def test_pinned_matmuls_at_lengths_where_no_layer_is_kept_give_a_valid_plan_and_say_so(seq_len):
+    """At long lengths the winner may tile its MLP or offload every layer: no layer keeps its matmul outputs then. The
+    plan is valid (tiled + matmuls is never formed) and the rationale says the pin had no effect."""
+    plan = advise_by_cost(_req(seq_len, kept_saves="matmuls"))
+    LaunchPlan.model_validate(plan.model_dump())
+    s = plan.strategy
+    if s.kept_saves == "matmuls":
+        assert not s.tiled_mlp and s.checkpoint_layers < L7
+    else:
+        assert any(r.startswith("kept_saves matmuls was pinned, but") for r in plan.rationale.reasons)
+    for alt in plan.rationale.alternatives:
+        LaunchPlan.model_validate({**plan.model_dump(), "strategy": alt.strategy.model_dump()})
+
+
+def test_the_top_host_kept_layer_backward_counts_its_outputs_and_the_ones_below():
+    """With one GPU-kept layer above the host-kept ones, that layer's backward holds the top host layer's prefetched
+    outputs; the peak does not drop as a GPU-kept layer moves to the host."""
+    w = work()
+    peaks = [estimate_memory(w, h200(), sel(20, "matmuls", kh), C).phase_terms["backward"] for kh in (10, 11, 12)]
+    totals = [sum(p.values()) for p in peaks]
+    assert totals[0] >= totals[1] >= totals[2]

@@ -198,3 +198,30 @@ def test_a_second_backward_recomputes_the_matmuls():
     failures = []
     _compare(failures, "twice", loss.detach(), ref_loss, _grads(model), {n: 2 * g for n, g in ref_grads.items()})
     assert failures == [], failures
+
+
+def test_a_kept_output_changed_after_the_forward_is_refused():
+    """An in-place change of a GPU-kept output between the forward and its backward (outside the layer, where no mode
+    sees it) moves its version counter: the recomputation refuses it instead of using the changed values."""
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    model = _apply(make_model(), "data_parallel", "selective", 1, 0)
+    loss = model(input_ids=ids, labels=labels).loss
+    keeper = model.model.layers[1]._gradient_checkpointing_func
+    kept = keeper.forwards[-1]().entries[0].gpu
+    kept.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place after the forward kept it"):
+        loss.backward()
+
+
+def test_a_recomputation_that_runs_other_matmuls_is_refused():
+    """Entries are handed back by position and checked: a recomputation whose matmul at some position differs from the
+    forward's (here the forward's record of the first one altered) fails loudly instead of mixing outputs up."""
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    model = _apply(make_model(), "data_parallel", "selective", 1, 0)
+    loss = model(input_ids=ids, labels=labels).loss
+    fwd = model.model.layers[3]._gradient_checkpointing_func.forwards[-1]()
+    fwd.ops[0] = (fwd.ops[0][0], (1, 1))  # as if the forward's first matmul had another shape
+    with pytest.raises(RuntimeError, match="must run the same matmuls"):
+        loss.backward()

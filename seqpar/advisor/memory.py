@@ -381,19 +381,26 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     per_layer_grad = m.layer_params * share
     ck, host_top = layers.checkpointed, layers.checkpointed + layers.kept_host
 
+    # a kept_saves matmuls layer's recomputation makes what the layer saves but its kept matmul outputs (v, gate, up)
+    # and attention's kept out + lse: the norms, q and k after RoPE, the SwiGLU product (and silu, unfused)
+    p_m, a, kv, d = DTYPE_BYTES[dtype], m.num_attention_heads, m.num_key_value_heads, m.head_dim
+    elementwise = (recompute / t - p_m * (a * d + kv * d + 2 * i) - 4 * a) * t if layers.matmuls and t else 0.0
+
     def rebuilt(j: int) -> float:
-        """What layer j's backward rebuilds: a checkpointed layer everything it saves; a kept_saves matmuls layer what
-        it saves beside its matmul outputs, and a host-kept one also its outputs fetched back and the layer below's
-        (fetched one layer ahead)."""
+        """What layer j's backward rebuilds: a checkpointed layer everything it saves; a kept_saves matmuls layer its
+        elementwise tensors, plus, for a host-kept one, its outputs fetched back and the layer below's (fetched one
+        layer ahead), which the GPU-kept layer just above the host-kept ones fetches too."""
         if j < ck:
             return recompute
         if not layers.matmuls:
             return 0.0
-        fetched = (1 + (j - 1 >= ck)) * mm if j < host_top else 0.0
-        return max(recompute - mm, 0.0) + fetched
+        fetched = (j < host_top) + (ck <= j - 1 < host_top)
+        return elementwise + fetched * mm
 
     backward = {}
-    points = {L - 1, max(ck - 1, 0), 0} | ({host_top - 1} if layers.kept_host else set())
+    points = {L - 1, max(ck - 1, 0), 0}
+    if layers.kept_host:  # the top host-kept layer, and the GPU-kept one above it
+        points |= {host_top - 1} | ({host_top} if layers.kept_gpu else set())
     for j in sorted(points, reverse=True):
         g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (m.layer_params * p if gathered else 0.0))
         cand = {

@@ -94,6 +94,11 @@ class AdviseRequest(_Frozen):
                 f"--kept-host-layers {self.kept_host_layers} puts kept layers' matmul outputs in host memory, which only "
                 "--kept-saves matmuls keeps; add --kept-saves matmuls, or drop --kept-host-layers"
             )
+        if self.kept_saves == "matmuls" and self.tiled_mlp:
+            raise SeqparError(
+                "--kept-saves matmuls keeps the MLP's matmul outputs, but --tiled-mlp recomputes the MLP a tile at a "
+                "time; drop one of them"
+            )
         if self.kept_host_layers and self.cluster.accelerator != "cuda":
             raise SeqparError(
                 f"--kept-host-layers {self.kept_host_layers} copies through page-locked memory on a CUDA GPU, but the "

@@ -155,8 +155,9 @@ def _first(lo: int, hi: int, ok) -> Optional[int]:
 def kept_fields(req: AdviseRequest, kept: int, s: Strategy) -> dict:
     """The request's kept_saves / kept_host_layers pins for ``s`` split so that ``kept`` layers are past
     checkpoint_layers: kept_host_layers is at most that many, and at most as many as the pinned budget holds (the
-    runtime recomputes the matmuls of the rest, so more would only cost); no kept layers: nothing to pin."""
-    if req.kept_saves != "matmuls" or kept <= 0:
+    runtime recomputes the matmuls of the rest, so more would only cost); no kept layers, or a tiled MLP (which
+    recomputes its own tiles): nothing to pin."""
+    if req.kept_saves != "matmuls" or kept <= 0 or s.tiled_mlp:  # the tiled MLP recomputes its own tiles
         return {}
     host = min(req.kept_host_layers or 0, kept)
     if host:
@@ -308,6 +309,15 @@ def _option_notes(
                 f"tiled_mlp: without it, {describe(twin.strategy)}: {twin.why or 'fits'}; tiling the MLP saves "
                 f"{twin.peak_gib - best.peak_gib:.1f} GiB for one more MLP forward"
             )
+    if req.kept_saves == "matmuls" and s.kept_saves != "matmuls":
+        why = (
+            "a tiled MLP recomputes its own tiles"
+            if s.tiled_mlp
+            else f"checkpointing {s.checkpointing} leaves no layer past the recomputed ones"
+            if s.checkpointing != "offload"
+            else "offload keeps no layer past the checkpointed ones"
+        )
+        out.append(f"kept_saves matmuls was pinned, but the chosen strategy keeps no layer's matmul outputs: {why}")
     out += _kept_matmuls_note(req, best, w, cl, c)
     if req.fused_ops is not None or cl.accelerator != "cuda":
         return out

@@ -87,9 +87,11 @@ def _cuda_dispatch(fused, plain):
     return dispatch
 
 
-def rotates_in_place(module: nn.Module) -> bool:
-    """Whether the RoPE that ``module``'s modeling code calls is Liger's, which rotates q and k in place (on CUDA
-    tensors): apply_fused_ops made the module-level ``apply_rotary_pos_emb`` a dispatcher to it."""
-    modeling = sys.modules.get(type(module).__module__)
+def rope_in_place(modeling) -> bool:
+    """Whether the RoPE that the modeling module ``modeling`` calls (its module-level ``apply_rotary_pos_emb``, looked up
+    at call time) may rotate q and k in place: Liger's does, however it was applied (seqpar's dispatcher to it,
+    Liger's own patch, transformers' use_liger_kernel); so may any function from outside the modeling module."""
     rope = getattr(modeling, "apply_rotary_pos_emb", None)
-    return getattr(rope, "_seqpar_plain", None) is not None
+    if rope is None:
+        return False
+    return getattr(rope, "_seqpar_plain", None) is not None or getattr(rope, "__module__", None) != modeling.__name__

@@ -4,29 +4,35 @@ A decoder layer that keeps every activation (memory-budget checkpointing's kept 
 (tokens, width) for backward, but only the matmul outputs are expensive to make again: the norms, RoPE and the SwiGLU
 product are elementwise passes. Op-level selective activation checkpointing (torchtitan's "op" SAC policy)
 checkpoints the layer and keeps the outputs of its matmuls, so backward's recomputation runs only the elementwise ops; attention's out + lse are kept as under
-``selective`` (seqpar.runtime.selective), so its forward does not run again either. For Llama-2-7B that is 4.7 of the
-7.0 GiB a fully kept layer holds at 64K tokens, for the same matmul time saved.
+``selective`` (seqpar.runtime.selective), so its forward does not run again either. For Llama-2-7B at 64K tokens (bf16,
+Liger) a fully kept layer holds 8.0 GiB, one that keeps its matmul outputs 5.7 (its input, attention's out + lse, and
+4.7 of matmul outputs), for the same matmul time saved.
 
 What is kept, per layer: the layer input (the checkpoint's), attention's out + lse, and every ``aten.mm``/``aten.addmm``
-output except those of the layer's last linear (the MLP's down projection: nothing in the layer's backward needs its
-output, and checkpointing's early stop never recomputes it). The matmuls run inside a forward pre/post hook pair on that
-module, which tells the policy to skip them. The mechanism is torch.utils.checkpoint's selective checkpointing (a
+output except those of the MLP's down projection (``mlp.down_proj``, else the layer's last nn.Linear: nothing in the
+layer's backward needs its output, and checkpointing's early stop never recomputes it). A forward pre/post hook pair on
+that module tells the modes to skip its matmuls. The recomputation checks each matmul it is handed against the
+forward's call at the same position (op and shape). The mechanism is torch.utils.checkpoint's selective checkpointing (a
 TorchDispatchMode pair passed as ``context_fn``: one stores outputs during the forward, one hands them back in the
 recomputation); its own pair (``create_selective_checkpoint_contexts``) keeps them on the device, so seqpar has its
 own, which can also keep them in host memory. An aten op that writes in place into a kept output during the forward
-(the layer's own code scaling a projection, say) drops it: that matmul is recomputed, so the result stays exact; and an
-output whose version counter moved anyway is refused in backward.
+(the layer's own code scaling a projection, say) drops it: that matmul is recomputed, so the result stays exact; and a
+GPU-kept output whose version counter moved after the forward (an in-place change outside it) is refused in backward.
 
 ``host``: the kept matmul outputs wait in page-locked host memory instead (``kept_host_layers``): each is copied out on a
-side stream as soon as it is computed, and comes back one layer ahead in backward (the copy starts when the
-gradient reaches the next layer's output, i.e. when that layer's backward begins), so the copies overlap compute. The
-buffers come from a pool of exact-size page-locked blocks (cudaHostRegister: no power-of-two rounding) that later
-steps reuse; a matmul whose block would exceed the pinned budget (seqpar.runtime.offload.pinned_budget, shared with the
-checkpoint offload) is recomputed instead: exact, only slower (``MatmulKeep.stats`` counts both).
+side stream (one per device, shared by all layers) as soon as it is computed, and comes back one layer ahead in
+backward (the copy starts when the gradient reaches the next layer's output, i.e. when that layer's backward begins),
+so the copies overlap compute. The buffers come from a pool of exact-size page-locked blocks (cudaHostRegister, through
+torch's own helper: no power-of-two rounding) that later steps reuse; a block goes back to the pool when its output is
+taken, dropped, or forgotten (a forward that never reaches backward). A matmul whose block would exceed the pinned
+budget (seqpar.runtime.offload.pinned_budget, shared with the checkpoint offload) is recomputed instead: exact, only
+slower (``MatmulKeep.stats`` counts both).
 
 Liger's RoPE rotates q and k in place, which would rotate a kept q_proj / k_proj output twice (once in forward, once in
-the recomputation): in these layers those projections hand RoPE a copy (a forward hook), when the model's RoPE is a
-fused one (seqpar.runtime.fused.rotates_in_place).
+the recomputation): in these layers those projections hand RoPE a copy (a forward hook) whenever the RoPE the layer's
+modeling module calls is not its own (seqpar.runtime.fused.rope_in_place: Liger applied by seqpar, by Liger's own
+patch or by transformers' use_liger_kernel). The modeling module is read when the layer is set up, before FSDP2 gives
+the layer a class of its own.
 
 Exactness: the recomputation is the same forward with the matmul results handed back, so the saved tensors are the
 first forward's bit for bit (tests/test_matmul_keep.py compares loss and every gradient with fully kept layers).
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
 import weakref
 from functools import partial
 
@@ -44,27 +51,57 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from seqpar.errors import SeqparError
+
 _MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device, shared by every layer's copies
+
+
+def _side(device: torch.device):
+    """The side stream of ``device``: every copy to or from a host block runs on it, so a block reused by a later copy
+    is ordered after the earlier ones (and after the main stream's work, which each copy out waits for)."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    return _SIDE[device]
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _last_linear(layer: nn.Module) -> nn.Module | None:
+def _mm_shape(func, args) -> tuple[int, int]:
+    a, b = (args[0], args[1]) if func is torch.ops.aten.mm.default else (args[1], args[2])
+    return a.shape[0], b.shape[1]
+
+
+def _detach(t: Tensor) -> Tensor:
+    """t.detach() sharing t's version counter (below autograd a plain detach would not: torch's SAC helper does the same)."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
+def _skipped(layer: nn.Module) -> nn.Module | None:
+    """The module whose matmuls are not kept: the MLP's down projection (mlp.down_proj, a PEFT wrapper around it
+    included), else the layer's last nn.Linear in module order."""
+    down = getattr(getattr(layer, "mlp", None), "down_proj", None)
+    if isinstance(down, nn.Module):
+        return down
     linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
     return linears[-1] if linears else None
 
 
-def _copy_for_rope(layer: nn.Module, module, args, out):
-    """q_proj / k_proj's output, copied when the model's RoPE rotates it in place (its kept original stays unrotated)."""
-    from seqpar.runtime.fused import rotates_in_place
+def _copy_for_rope(keeper: MatmulKeep, out):
+    """q_proj / k_proj's output, copied when the model's RoPE rotates it in place (its kept original stays unrotated);
+    only where a backward will follow (no_grad and eval forwards keep nothing)."""
+    from seqpar.runtime.fused import rope_in_place
 
-    return out.clone() if torch.is_tensor(out) and out.is_cuda and rotates_in_place(layer) else out
+    if torch.is_tensor(out) and out.is_cuda and torch.is_grad_enabled() and rope_in_place(keeper.modeling):
+        return out.clone()
+    return out
 
 
 class _Skip:
-    """Set while the layer's last linear runs: its matmul output is not kept."""
+    """Set while the layer's down projection runs: its matmul outputs are not kept."""
 
     __slots__ = ("on",)
 
@@ -73,13 +110,16 @@ class _Skip:
 
 
 class _Pool:
-    """Page-locked host blocks of exact sizes, reused across steps; one per process."""
+    """Page-locked host blocks of exact sizes (cudaHostRegister, through torch's own helper), reused across steps; one
+    per process. Their bytes count in HostOffload.held, the budget the checkpoint offload also pins within."""
 
     def __init__(self):
         self.free: dict[int, list[Tensor]] = collections.defaultdict(list)
-        self.registered = 0  # bytes page-locked by this pool (counted in HostOffload.held too)
+        self.registered = 0
 
     def take(self, nbytes: int) -> Tensor | None:
+        from torch.cuda._pin_memory_utils import pin_memory
+
         from seqpar.runtime.offload import HostOffload, pinned_budget
 
         if self.free[nbytes]:
@@ -87,9 +127,13 @@ class _Pool:
         if HostOffload.held + nbytes > pinned_budget():
             return None
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-        if int(getattr(err, "value", err)) != 0:  # cudaSuccess == 0; fall back to the caching host allocator
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        try:
+            pin_memory(buf.data_ptr(), nbytes)
+        except RuntimeError as e:
+            raise SeqparError(
+                f"page-locking a {nbytes / 2**30:.2f} GiB host block for kept matmul outputs failed ({e}); lower "
+                "kept_host_layers, or SEQPAR_PINNED_BUDGET_GIB, or check the locked-memory limit (ulimit -l)"
+            ) from None
         self.registered += nbytes
         HostOffload.held += nbytes
         return buf
@@ -102,28 +146,29 @@ _POOL = _Pool()
 
 
 class _Entry:
-    """One kept matmul output: on the GPU (``gpu``) or in a host block (``host``) with the events ordering its copies."""
+    """One kept matmul output: on the GPU (``gpu``) or in a host block (``host``) with the events ordering its copies.
+    ``op`` and ``shape`` let the recomputation check it is handed the output of the same call."""
 
-    __slots__ = ("gpu", "host", "shape", "dtype", "device", "copied", "ready", "buf", "version")
+    __slots__ = ("gpu", "host", "op", "shape", "dtype", "device", "copied", "ready", "version", "release", "__weakref__")
 
-    def __init__(self, t: Tensor, host: bool, side):
-        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
-        self.gpu = self.host = self.copied = self.ready = self.buf = None
-        self.version = None
+    def __init__(self, func, t: Tensor, host: bool):
+        self.op, self.shape, self.dtype, self.device = func, tuple(t.shape), t.dtype, t.device
+        self.gpu = self.host = self.copied = self.ready = self.version = self.release = None
         if not host:
-            self.gpu = t.detach()  # shares t's version counter: an in-place op on t shows at take()
+            self.gpu = _detach(t)  # shares t's version counter: an in-place change after the forward shows at take()
             self.version = self.gpu._version
             return
         if t.device.type != "cuda":  # CPU tensors (tests): a plain copy stands for the host block
             self.host = t.detach().clone()
             return
-        nbytes = t.numel() * t.element_size()
-        self.buf = _POOL.take(nbytes)
-        if self.buf is None:
+        buf = _POOL.take(t.numel() * t.element_size())
+        if buf is None:
             return  # over the pinned budget: recomputed in backward
-        self.host = self.buf.view(t.dtype).view(t.shape)
-        main = torch.cuda.current_stream(t.device)
-        side.wait_stream(main)
+        # the block goes back to the pool once this entry is taken, dropped or forgotten (a forward without backward)
+        self.release = weakref.finalize(self, _POOL.give, buf)
+        self.host = buf.view(t.dtype).view(t.shape)
+        side = _side(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(side):
             self.host.copy_(t.detach(), non_blocking=True)
             self.copied = torch.cuda.Event()
@@ -134,26 +179,29 @@ class _Entry:
     def kept(self) -> bool:
         return self.gpu is not None or self.host is not None
 
+    def _free(self) -> None:
+        self.gpu = self.host = None
+        if self.release is not None:
+            self.release()
+
     def drop(self) -> int:
         """Forget the kept output (its matmul is recomputed instead); returns its bytes. A copy out still running only
         delays the block's next use: later copies into it queue behind it on the side stream."""
-        self.gpu = self.host = None
-        if self.buf is not None:
-            _POOL.give(self.buf)
-            self.buf = None
+        self._free()
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def prefetch(self, side) -> None:
+    def prefetch(self) -> None:
         """Start the copy back on the side stream (backward, one layer ahead)."""
         if self.host is None or self.gpu is not None or self.device.type != "cuda":
             return
-        main = torch.cuda.current_stream(self.device)
+        main, side = torch.cuda.current_stream(self.device), _side(self.device)
         gpu = torch.empty(self.shape, dtype=self.dtype, device=self.device)  # allocated in the main stream's order
         side.wait_stream(main)
         with torch.cuda.stream(side):
             gpu.copy_(self.host, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record(side)
+        gpu.record_stream(side)  # freed untaken (a forward without backward): not reused before the copy is done
         self.gpu = gpu
 
     def take(self) -> Tensor:
@@ -172,11 +220,9 @@ class _Entry:
                 "a kept matmul output was modified in place after the forward kept it, so the recomputation would "
                 "see the modified values; use kept_saves all for this model (seqpar kept_saves matmuls)"
             )
-        out, self.gpu, self.host = self.gpu, None, None
-        if self.buf is not None:  # later copies into it are queued after this one's read (same side stream, or
-            _POOL.give(self.buf)  # the side stream waits for the main stream before each copy out)
-            self.buf = None
-        return out
+        out = self.gpu
+        self._free()  # the host block: later copies into it queue behind this one's (the side stream, or the main
+        return out  # stream that each copy out waits for)
 
 
 class _Forward:
@@ -184,8 +230,9 @@ class _Forward:
 
     def __init__(self, keeper: MatmulKeep):
         self.keeper = keeper
+        self.ops: list = []  # every eligible matmul's op, kept or not, in call order
         self.entries: list[_Entry | None] = []
-        self.next = 0  # the recomputation's position in entries
+        self.next = 0  # the recomputation's position
         self.storages: dict[int, tuple[int, StorageWeakRef]] = {}  # storage address -> (entry index, its storage)
         self.prefetched = False
 
@@ -193,21 +240,20 @@ class _Forward:
     def pending(self) -> bool:
         return self.next < len(self.entries)
 
-    def keep(self, out: Tensor) -> None:
-        k = self.keeper
-        e = _Entry(out, k.host, k.side(out.device) if k.host and out.is_cuda else None)
-        nbytes = out.numel() * out.element_size()
+    def keep(self, func, out: Tensor) -> None:
+        host = self.keeper.host
+        e = _Entry(func, out, host)
         if e.kept:
             storage = out.untyped_storage()
             self.storages[storage.data_ptr()] = (len(self.entries), StorageWeakRef(storage))
+        self.ops.append((func, tuple(out.shape)))
         self.entries.append(e if e.kept else None)
-        MatmulKeep.stats[("host" if k.host else "gpu") if e.kept else "recomputed"] += nbytes
+        MatmulKeep.stats[("host" if host else "gpu") if e.kept else "recomputed"] += out.numel() * out.element_size()
 
     def written(self, func, args, kwargs) -> None:
         """An op that writes into a tensor in place: a kept output it writes into is dropped (its matmul is recomputed
         in backward instead), so the recomputation never sees the changed values."""
-        schema = func._schema
-        for i, a in enumerate(schema.arguments):
+        for i, a in enumerate(func._schema.arguments):
             if a.alias_info is None or not a.alias_info.is_write:
                 continue
             t = args[i] if i < len(args) else (kwargs or {}).get(a.name)
@@ -215,15 +261,25 @@ class _Forward:
                 continue
             hit = self.storages.get(t.untyped_storage().data_ptr())
             if hit is not None and not hit[1].expired() and self.entries[hit[0]] is not None:
-                e = self.entries[hit[0]]
-                self.entries[hit[0]] = None
+                e, self.entries[hit[0]] = self.entries[hit[0]], None
                 nbytes = e.drop()
                 MatmulKeep.stats["host" if self.keeper.host else "gpu"] -= nbytes
                 MatmulKeep.stats["recomputed"] += nbytes
 
-    def take(self) -> _Entry | None:
-        e = self.entries[self.next]
-        self.entries[self.next] = None
+    def take(self, func, args) -> _Entry | None:
+        """The entry of this recomputed matmul, checked against the forward's call at the same position."""
+        if not self.pending:
+            raise RuntimeError(
+                f"{func} recomputed in backward beyond the matmuls the layer's forward kept: the layer's forward "
+                "must run the same matmuls each time (seqpar kept_saves matmuls)"
+            )
+        if self.ops[self.next] != (func, _mm_shape(func, args)):
+            raise RuntimeError(
+                f"the recomputation's matmul {self.next} is {func} -> {_mm_shape(func, args)}, but the forward's was "
+                f"{self.ops[self.next][0]} -> {self.ops[self.next][1]}: the layer's forward must run the same matmuls "
+                "each time (seqpar kept_saves matmuls)"
+            )
+        e, self.entries[self.next] = self.entries[self.next], None
         self.next += 1
         return e
 
@@ -231,8 +287,8 @@ class _Forward:
         if not self.prefetched:
             self.prefetched = True
             for e in self.entries[self.next :]:
-                if e is not None and e.device.type == "cuda":
-                    e.prefetch(self.keeper.side(e.device))
+                if e is not None:
+                    e.prefetch()
 
 
 class _Store(TorchDispatchMode):
@@ -247,7 +303,7 @@ class _Store(TorchDispatchMode):
             self.fwd.written(func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         if func in _MM and not self.fwd.keeper.skip.on and torch.is_tensor(out):
-            self.fwd.keep(out)
+            self.fwd.keep(func, out)
         return out
 
 
@@ -266,12 +322,7 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _MM and not self.fwd.keeper.skip.on:
-            if not self.fwd.pending:
-                raise RuntimeError(
-                    f"{func} recomputed in backward beyond the matmuls the layer's forward kept: the layer's forward "
-                    "must run the same matmuls each time (seqpar kept_saves matmuls)"
-                )
-            e = self.fwd.take()
+            e = self.fwd.take(func, args)
             if e is not None:
                 return e.take()
         return func(*args, **(kwargs or {}))
@@ -289,28 +340,25 @@ class MatmulKeep:
         self.host, self.previous = host, previous
         self.skip = _Skip()
         self.forwards: collections.deque[weakref.ref] = collections.deque()  # forwards awaiting their backward
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}  # the side stream, made on the device of the first copy
+        # the modeling module whose RoPE the layer calls: read now, while the layer still has its own class (FSDP2
+        # swaps it for a generated one)
+        self.modeling = sys.modules.get(type(layer).__module__)
         self.handles = []  # its hooks on the layer's modules (remove() takes them off)
-        last = _last_linear(layer)
-        if last is not None:
-            self.handles.append(last.register_forward_pre_hook(lambda *_: setattr(self.skip, "on", True)))
-            self.handles.append(last.register_forward_hook(lambda *_: setattr(self.skip, "on", False), always_call=True))
-        for name in ("q_proj", "k_proj"):  # what RoPE rotates; a fused in-place RoPE gets a copy (module docstring)
+        down = _skipped(layer)
+        if down is not None:
+            self.handles.append(down.register_forward_pre_hook(lambda *_: setattr(self.skip, "on", True)))
+            self.handles.append(down.register_forward_hook(lambda *_: setattr(self.skip, "on", False), always_call=True))
+        for name in ("q_proj", "k_proj"):  # what RoPE rotates; an in-place RoPE gets a copy (module docstring)
             for m in layer.modules():
                 proj = getattr(m, name, None)
                 if isinstance(proj, nn.Module):
-                    self.handles.append(proj.register_forward_hook(partial(_copy_for_rope, layer)))
+                    self.handles.append(proj.register_forward_hook(lambda m, a, out: _copy_for_rope(self, out)))
 
     def remove(self) -> None:
         """Take this layer's hooks off (seqpar.apply again replaces the layer's checkpoint function)."""
         for h in self.handles:
             h.remove()
         self.handles = []
-
-    def side(self, device: torch.device):
-        if device not in self.streams:
-            self.streams[device] = torch.cuda.Stream(device=device)
-        return self.streams[device]
 
     def _contexts(self, fwd: _Forward):
         return _Store(fwd), _Replay(fwd)
@@ -332,6 +380,8 @@ class MatmulKeep:
             return function(*args, **kwargs)
         fwd = _Forward(self)
         out = checkpoint(function, *args, use_reentrant=False, context_fn=partial(self._contexts, fwd), **kwargs)
+        while self.forwards and self.forwards[0]() is None:  # forwards whose backward has run
+            self.forwards.popleft()
         self.forwards.append(weakref.ref(fwd))
         if self.previous is not None and self.previous.host:
             first = out[0] if isinstance(out, tuple) else out
