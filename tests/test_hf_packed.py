@@ -5,7 +5,8 @@ packing documents of 7, 1, 12, 3 and 9 tokens with transformers' packed position
 prompt, through seqpar.prepare_inputs and the model called exactly as for one document per row. The loss and every
 parameter's gradient (summed over the ranks) equal plain transformers running each document on its own (token-weighted
 mean of the cross-entropy), in float32. On zigzag_ring_attn / usp_attn also: boundaries passed as cu_seq_lens_q,
-rows with different boundaries, full and selective checkpointing, balance=True, and the trainer's LossModule. The
+rows with different boundaries, full and selective checkpointing, kept_saves matmuls, balance=True, and the trainer's
+LossModule. The
 same-input guard names the ranks whose batch differs, on every rank; bad packed inputs raise one line.
 """
 
@@ -76,7 +77,10 @@ def _case(rank, W, base, ref, mode, variant, rows, failures, counts):
     model = copy.deepcopy(base)
     if variant == "checkpointed":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    seqpar.apply(model, mode, ulysses_degree=uly, checkpointing="selective" if variant == "selective" else None)
+    if variant == "kept_matmuls":  # layer 0 selective, layer 1 keeping its matmul outputs (seqpar.runtime.matmul_keep)
+        seqpar.apply(model, mode, ulysses_degree=uly, checkpointing="selective", checkpoint_layers=1, kept_saves="matmuls")
+    else:
+        seqpar.apply(model, mode, ulysses_degree=uly, checkpointing="selective" if variant == "selective" else None)
     part = seqpar.prepare_inputs(
         ids, mode, rank, W, labels=labels, position_ids=pos, ulysses_degree=uly, balance=variant == "balanced"
     )
@@ -105,7 +109,7 @@ def ranks_main(rank: int, world_size: int) -> dict:
             _case(rank, world_size, base, ref, mode, "plain", same, failures, done)
         if family == "llama":  # the paths below do not depend on the model
             for mode in ("zigzag_ring_attn", "usp_attn"):
-                for variant in ("cu_kwarg", "checkpointed", "selective", "balanced", "loss_module"):
+                for variant in ("cu_kwarg", "checkpointed", "selective", "kept_matmuls", "balanced", "loss_module"):
                     _case(rank, world_size, base, ref, mode, variant, same, failures, done)
             ids, labels, _ = packed_batch(differ)
             ref_rows = per_document_reference(base, ids, labels, differ)
@@ -144,7 +148,7 @@ def test_packed_documents_through_transformers_match_each_document_alone():
     for r, res in enumerate(results):
         assert res["failures"] == [], f"rank {r}:\n" + "\n".join(res["failures"][:20])
     n_modes = len(MODES)
-    assert len(results[0]["cases"]) == len(families()) * n_modes + 2 * 5 + 2
+    assert len(results[0]["cases"]) == len(families()) * n_modes + 2 * 6 + 2
     msgs = [res["errors"] for res in results]
     assert all(m == msgs[0] for m in msgs), msgs  # the same line on every rank
     fine, guard, positions, silent, disagree = msgs[0]

@@ -165,3 +165,15 @@ def test_the_top_host_kept_layer_backward_counts_its_outputs_and_the_ones_below(
     peaks = [estimate_memory(w, h200(), sel(20, "matmuls", kh), C).phase_terms["backward"] for kh in (10, 11, 12)]
     totals = [sum(p.values()) for p in peaks]
     assert totals[0] >= totals[1] >= totals[2]
+
+
+def test_the_top_host_layers_fetch_is_exposed_when_no_gpu_kept_layer_starts_it():
+    from test_layer_split_advisor import both
+
+    w = work()
+    _, some_gpu = both(w, h200(), sel(22, "matmuls", 9))  # 9 host-kept layers, one GPU-kept above them
+    _, none_gpu = both(w, h200(), sel(22, "matmuls", 10))  # all 10 kept layers on the host
+    extra = none_gpu.breakdown_s["offload"] - some_gpu.breakdown_s["offload"]
+    one_way = 4.6875 * GIB / (C.pinned_copy_gb_s * 1e9)
+    # one more layer's round trip, partly hidden, plus the top layer's copy back in full
+    assert extra == pytest.approx(one_way + 2 * one_way * (1 - C.grad_comm_overlap), rel=1e-6)

@@ -161,14 +161,18 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
     and comes back in backward. Within the pinned budget (options.PINNED_FRACTION of the host's RAM per rank, each block
     rounded to a power of two as the caching host allocator does) the copies are asynchronous and mostly hidden under
     compute; beyond it seqpar.runtime.offload falls back to pageable memory, whose copies are synchronous: exposed.
-    The host-kept matmul outputs (kept_host_layers) go out and come back the same way, on a side stream."""
+    The host-kept matmul outputs (kept_host_layers) go out and come back the same way, on a side stream, each layer's
+    fetched one layer ahead (the top one, with no GPU-kept layer above it to start it, when its own backward begins).
+    The side stream's overlap is not measured yet: it is priced like the checkpoint offload's copies."""
     host, layer, pinned = offloaded_inputs(w, cluster, s)
     _, mm_layer, mm_pinned = kept_host_matmuls(w, cluster, s)
     if not host and not mm_pinned:
         return 0.0
     pinned_bytes = 2 * (pinned * layer + mm_pinned * mm_layer)  # out in forward, back in backward
     hidden = _hidden(pinned_bytes / (c.pinned_copy_gb_s * 1e9), compute_s, c.grad_comm_overlap)
-    return hidden + 2 * (host - pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
+    # no GPU-kept layer above the host-kept ones: the top one's outputs come back when its backward starts, unhidden
+    top = mm_layer / (c.pinned_copy_gb_s * 1e9) if mm_pinned and not split(w.model, s).kept_gpu else 0.0
+    return hidden + top + 2 * (host - pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
 
 
 def recomputed_matmul_layers(w: Workload, cluster: ClusterSpec, s: Strategy) -> int:
