@@ -4,8 +4,9 @@ page-locked host blocks and Liger's in-place RoPE, which the CPU tests cannot re
 - Two accumulated micro-batches, each a forward and a backward, twice (host blocks reused from the pool the second
   time), with the side stream held back by a sleep queued before every copy (so a copy that is not waited for would be
   read too early): the gradients equal those of fully kept layers (kept_saves all), with the matmul outputs kept on the
-  GPU and with some in host memory. Equal means as close as two runs of kept_saves all are to each other (bitwise
-  where the kernels are deterministic).
+  GPU and with some in host memory. Equal means within twice the gap between two runs of kept_saves all (cuDNN's
+  attention backward need not be deterministic), and at least 1e-2 of each gradient's largest entry (~2.5 bf16 ulps);
+  the control below misses by far more.
 - Without the copy q_proj / k_proj hand an in-place RoPE, the kept outputs would be rotated twice: the gradients come
   out wrong, so the guard is what makes the result exact (a control, not a tolerance). Liger applied by seqpar and by
   Liger's own patch are both recognised.
@@ -93,23 +94,39 @@ def _gap(grads, ref) -> float:
     return max(float((grads[n] - r).abs().max() / r.abs().max().clamp_min(1e-12)) for n, r in ref.items())
 
 
+def _tolerance(floor: float) -> float:
+    """Twice the gap between two runs of one plan (cuDNN's attention backward need not be deterministic), and at
+    least ~2.5 bf16 ulps of the largest entry."""
+    return max(2 * floor, 1e-2)
+
+
+def _restore_rope(monkeypatch):
+    """apply_fused_ops leaves seqpar's dispatcher as the modeling module's RoPE: the plain one now, and whatever was
+    there back at teardown."""
+    import transformers.models.llama.modeling_llama as modeling
+
+    rope = modeling.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", getattr(rope, "_seqpar_plain", rope))
+
+
 def test_kept_matmuls_match_fully_kept_layers_with_liger(monkeypatch):
     from seqpar.advisor.memory import matmul_bytes_per_token, saved_bytes_per_token
     from seqpar.profiles.hf_config import spec_from_config
     from seqpar.runtime.matmul_keep import MatmulKeep
 
+    _restore_rope(monkeypatch)
     _slow_side(monkeypatch)
-    ref, held_all = _run("all", 0)
-    again, _ = _run("all", 0)
-    floor = _gap(again, ref)  # two runs of the same plan: 0 with deterministic kernels
+    ref, _ = _run("all", 0)  # the first forward in the process also allocates cuBLAS's workspace: not counted below
+    again, held_all = _run("all", 0)
+    tol = _tolerance(_gap(again, ref))
     grads, held_mm = _run("matmuls", 0)
     before = MatmulKeep.stats["host"]
     grads_h, held_host = _run("matmuls", 2)
     assert MatmulKeep.stats["host"] > before
-    assert _gap(grads, ref) <= 2 * floor, (_gap(grads, ref), floor)
-    assert _gap(grads_h, ref) <= 2 * floor, (_gap(grads_h, ref), floor)
+    assert _gap(grads, ref) <= tol, (_gap(grads, ref), tol)
+    assert _gap(grads_h, ref) <= tol, (_gap(grads_h, ref), tol)
     wrong, _ = _run("matmuls", 0, guard=False, monkeypatch=monkeypatch)
-    assert _gap(wrong, ref) > 0.05 + 2 * floor, "without the copy before RoPE the kept q and k are rotated twice"
+    assert _gap(wrong, ref) > 0.05 + tol, "without the copy before RoPE the kept q and k are rotated twice"
 
     spec = spec_from_config(_model().config.to_dict(), "t", "test", "test")
     mm = matmul_bytes_per_token(spec, "bf16") * S
@@ -120,7 +137,7 @@ def test_kept_matmuls_match_fully_kept_layers_with_liger(monkeypatch):
     assert abs((held_mm - held_host) - 2 * mm) < 0.1 * 2 * mm
 
 
-def test_liger_applied_by_its_own_patch_is_recognised():
+def test_liger_applied_by_its_own_patch_is_recognised(monkeypatch):
     """transformers' use_liger_kernel and Liger's apply_liger_kernel_to_llama rebind the modeling module's RoPE to
     Liger's in-place one; the layers keeping matmul outputs still hand it a copy."""
     import transformers.models.llama.modeling_llama as modeling
@@ -128,19 +145,14 @@ def test_liger_applied_by_its_own_patch_is_recognised():
 
     from seqpar.runtime.fused import rope_in_place
 
-    plain = modeling.apply_rotary_pos_emb
+    _restore_rope(monkeypatch)  # the plain RoPE now, whatever an earlier test left; put back at teardown
     assert not rope_in_place(modeling)
-    try:
-        apply_liger_kernel_to_llama(
-            rope=True, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=False
-        )
-        assert rope_in_place(modeling)
-        ref, _ = _run("all", 0, fused="liger's own")
-        grads, _ = _run("matmuls", 0, fused="liger's own")
-        again, _ = _run("all", 0, fused="liger's own")
-        assert _gap(grads, ref) <= 2 * _gap(again, ref)
-    finally:
-        modeling.apply_rotary_pos_emb = plain
+    apply_liger_kernel_to_llama(rope=True, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=False)
+    assert rope_in_place(modeling)
+    ref, _ = _run("all", 0, fused="liger's own")
+    grads, _ = _run("matmuls", 0, fused="liger's own")
+    again, _ = _run("all", 0, fused="liger's own")
+    assert _gap(grads, ref) <= _tolerance(_gap(again, ref))
 
 
 def test_a_forward_without_backward_gives_its_host_blocks_back():
