@@ -176,4 +176,4 @@ def test_the_top_host_layers_fetch_is_exposed_when_no_gpu_kept_layer_starts_it()
     extra = none_gpu.breakdown_s["offload"] - some_gpu.breakdown_s["offload"]
     one_way = 4.6875 * GIB / (C.pinned_copy_gb_s * 1e9)
     # one more layer's round trip, partly hidden, plus the top layer's copy back in full
-    assert extra == pytest.approx(one_way + 2 * one_way * (1 - C.grad_comm_overlap), rel=1e-6)
+    assert extra == pytest.approx(one_way + 2 * one_way * (1 - C.side_copy_overlap), rel=1e-6)

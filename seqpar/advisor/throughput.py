@@ -163,13 +163,14 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
     compute; beyond it seqpar.runtime.offload falls back to pageable memory, whose copies are synchronous: exposed.
     The host-kept matmul outputs (kept_host_layers) go out and come back the same way, on a side stream, each layer's
     fetched one layer ahead (the top one, with no GPU-kept layer above it to start it, when its own backward begins).
-    The side stream's overlap is not measured yet: it is priced like the checkpoint offload's copies."""
+    Their overlap (coefficients' side_copy_overlap) is not measured yet: set to the checkpoint offload's share."""
     host, layer, pinned = offloaded_inputs(w, cluster, s)
     _, mm_layer, mm_pinned = kept_host_matmuls(w, cluster, s)
     if not host and not mm_pinned:
         return 0.0
-    pinned_bytes = 2 * (pinned * layer + mm_pinned * mm_layer)  # out in forward, back in backward
-    hidden = _hidden(pinned_bytes / (c.pinned_copy_gb_s * 1e9), compute_s, c.grad_comm_overlap)
+    bw = c.pinned_copy_gb_s * 1e9
+    hidden = _hidden(2 * pinned * layer / bw, compute_s, c.grad_comm_overlap)  # out in forward, back in backward
+    hidden += _hidden(2 * mm_pinned * mm_layer / bw, compute_s, c.side_copy_overlap)
     # no GPU-kept layer above the host-kept ones: the top one's outputs come back when its backward starts, unhidden
     top = mm_layer / (c.pinned_copy_gb_s * 1e9) if mm_pinned and not split(w.model, s).kept_gpu else 0.0
     return hidden + top + 2 * (host - pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
