@@ -243,29 +243,16 @@ def one(variant: str, shape: str, seq_len: int, args) -> dict:
     ]
     # Baselines run with the default allocator settings users get; seqpar launch sets its own (expandable segments).
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    failed = {"variant": variant, "model": shape, "seq_len": seq_len, "ok": False, "oom": False}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired as e:  # a row that says so, so the rows before it are still written
-        tail = ((e.stdout or b"") + (e.stderr or b""))[-1500:]
-        return {
-            "variant": variant,
-            "model": shape,
-            "seq_len": seq_len,
-            "ok": False,
-            "oom": False,
-            "error": f"timed out after {args.timeout} s: " + (tail.decode(errors="replace") if isinstance(tail, bytes) else tail),
-        }
+        tail = ((e.stdout or b"") + (e.stderr or b""))[-1500:]  # bytes whatever text= says
+        return {**failed, "error": f"timed out after {args.timeout} s: " + tail.decode(errors="replace")}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    return {
-        "variant": variant,
-        "model": shape,
-        "seq_len": seq_len,
-        "ok": False,
-        "oom": False,
-        "error": (proc.stdout + proc.stderr)[-1500:],
-    }
+    return {**failed, "error": (proc.stdout + proc.stderr)[-1500:]}
 
 
 def main() -> None:

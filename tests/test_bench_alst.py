@@ -247,3 +247,13 @@ def test_tiny_step_on_cpu_matches_transformers(tmp_path, cpu_adam_built):
 
 def test_cli_parses_lengths():
     assert [ab.parse_len(x) for x in ("64k", "1.5m", "96K", "300")] == [65536, 1572864, 98304, 300]
+
+
+def test_single_gpu_records_a_run_past_its_time():
+    """bench/single_gpu.py: a worker past --timeout gives a failed row saying so, and the rows before it are kept."""
+    from single_gpu import one
+
+    args = argparse.Namespace(steps=1, warmup=0, optimizer="none", seqpar_args="", strategy_set="", timeout=0.2)
+    row = one("stock", "llama-2-7b", 1024, args)  # the worker cannot even import torch in 0.2 s
+    assert (row["variant"], row["seq_len"], row["ok"], row["oom"]) == ("stock", 1024, False, False)
+    assert row["error"].startswith("timed out after 0.2 s")
