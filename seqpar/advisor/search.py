@@ -310,13 +310,12 @@ def _option_notes(
                 f"{twin.peak_gib - best.peak_gib:.1f} GiB for one more MLP forward"
             )
     if req.kept_saves == "matmuls" and s.kept_saves != "matmuls":
-        why = (
-            "a tiled MLP recomputes its own tiles"
-            if s.tiled_mlp
-            else f"checkpointing {s.checkpointing} leaves no layer past the recomputed ones"
-            if s.checkpointing != "offload"
-            else "offload keeps no layer past the checkpointed ones"
-        )
+        if s.tiled_mlp:
+            why = "a tiled MLP recomputes its own tiles"
+        elif s.checkpointing == "none":
+            why = "checkpointing none keeps every activation of every layer"
+        else:
+            why = f"checkpointing {s.checkpointing} covers every layer (none is kept)"
         out.append(f"kept_saves matmuls was pinned, but the chosen strategy keeps no layer's matmul outputs: {why}")
     out += _kept_matmuls_note(req, best, w, cl, c)
     if req.fused_ops is not None or cl.accelerator != "cuda":
