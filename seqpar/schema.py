@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from seqpar.errors import SeqparError
 from seqpar.modes import MODES, check_heads, check_split
-from seqpar.options import CHECKPOINTING, KEEP_LAST, KEPT_SAVES, layer_split
+from seqpar.options import CHECKPOINTING, KEEP_LAST, KEPT_SAVES, LayerSplit, layer_split
 
 SCHEMA_VERSION = 1
 SEED_MAX = 2**32 - 1
@@ -482,7 +482,7 @@ def kept_problems(
     return out
 
 
-def layers_of(strategy: Strategy, num_layers: int):
+def layers_of(strategy: Strategy, num_layers: int) -> LayerSplit:
     """The plan's seqpar.options.LayerSplit over ``num_layers`` decoder layers."""
     s = strategy
     return layer_split(s.checkpointing, num_layers, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers)
@@ -490,12 +490,17 @@ def layers_of(strategy: Strategy, num_layers: int):
 
 def checkpointed_layers(strategy: Strategy, num_layers: int) -> int:
     """How many decoder layers the checkpointing policy applies to (0 under none); the rest keep their activations."""
-    return layer_split(strategy.checkpointing, num_layers, strategy.checkpoint_layers, strategy.offload_layers).checkpointed
+    return layers_of(strategy, num_layers).checkpointed
 
 
 def offloaded_layers(strategy: Strategy, num_layers: int) -> int:
     """How many checkpointed layers send their input to host memory (0 unless checkpointing offload)."""
-    return layer_split(strategy.checkpointing, num_layers, strategy.checkpoint_layers, strategy.offload_layers).host
+    return layers_of(strategy, num_layers).host
+
+
+# The strategy fields that split the decoder layers between policies, at the values that mean "the policy on every
+# layer, no split": a strategy updated with these is its whole-model twin (the advisor's search and fixes start there).
+NO_SPLIT: dict = {"checkpoint_layers": None, "offload_layers": None, "kept_saves": "all", "kept_host_layers": 0}
 
 
 def split_tag(strategy: Strategy) -> str:

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from test_hf import _compare, _grads
+from test_hf import _compare, _grads, group_grads
 
 from seqpar_testing import run_ranks
 
@@ -90,16 +90,6 @@ def test_split_is_exact_on_one_process():
         loss.backward()
         _compare(failures, f"{policy} k={k} off={off}", loss.detach(), ref_loss, _grads(model), ref_grads)
     assert failures == [], "\n".join(failures[:10])
-
-
-def group_grads(model) -> dict[str, torch.Tensor]:
-    """The sequence-parallel group's gradient of every parameter: the sum of its ranks' (one all-reduce)."""
-    import torch.distributed as dist
-
-    grads = _grads(model)
-    flat = torch.cat([g.reshape(-1) for g in grads.values()])
-    dist.all_reduce(flat)
-    return {n: g.view_as(grads[n]) for n, g in zip(grads, flat.split([g.numel() for g in grads.values()]))}
 
 
 def _ranks_main(rank: int, world_size: int) -> list[str]:

@@ -77,6 +77,16 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
 
 
+def group_grads(model) -> dict[str, torch.Tensor]:
+    """The sequence-parallel group's gradient of every parameter: the sum of its ranks' (one all-reduce)."""
+    import torch.distributed as dist
+
+    grads = _grads(model)
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    dist.all_reduce(flat)
+    return {n: g.view_as(grads[n]) for n, g in zip(grads, flat.split([g.numel() for g in grads.values()]))}
+
+
 def _compare(failures: list, case: str, loss, ref_loss, grads: dict, ref_grads: dict) -> None:
     try:
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -104,8 +114,6 @@ def _run(model, batch_, group_loss, how: str, chunk: int | None = None):
 def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
     """Every case on this rank; returns {"failures": [...], "cases": n, "calls": {...}}."""
     import importlib
-
-    import torch.distributed as dist
 
     import seqpar
 
@@ -144,11 +152,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
                 loss = _run(model, part, seqpar.loss, how, chunk=7 if how == "chunk" else None)
                 loss.backward()
                 call_counts[f"{family}/{mode}/{label}"] = calls["n"]
-                grads = _grads(model)
-                flat = torch.cat([g.reshape(-1) for g in grads.values()])
-                dist.all_reduce(flat)  # the group's gradient: the sum over its ranks
-                grads = dict(zip(grads, flat.split([g.numel() for g in grads.values()])))
-                grads = {n: g.view_as(ref_grads[n]) for n, g in grads.items()}
+                grads = group_grads(model)
                 _compare(failures, f"W={world_size} {family}/{mode}/{label}", loss.detach(), ref_loss, grads, ref_grads)
                 cases += 1
     return {"failures": failures, "cases": cases, "calls": call_counts}

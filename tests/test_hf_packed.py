@@ -17,7 +17,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from test_hf import _compare, _grads, families, make_model
+from test_hf import _compare, _grads, families, group_grads, make_model
 
 from seqpar.modes import MODES
 
@@ -59,15 +59,6 @@ def per_document_reference(base, ids, labels, rows):
     return loss.detach(), _grads(base)
 
 
-def _group_grads(model, ref_grads):
-    import torch.distributed as dist
-
-    grads = _grads(model)
-    flat = torch.cat([g.reshape(-1) for g in grads.values()])
-    dist.all_reduce(flat)
-    return {n: g.view_as(ref_grads[n]) for n, g in zip(grads, flat.split([g.numel() for g in grads.values()]))}
-
-
 def _case(rank, W, base, ref, mode, variant, rows, failures, counts):
     import seqpar
     from seqpar.runtime.engine import LossModule
@@ -92,7 +83,7 @@ def _case(rank, W, base, ref, mode, variant, rows, failures, counts):
         logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"], **extra).logits
         loss = seqpar.loss(logits, part["labels"])
     loss.backward()
-    _compare(failures, f"W={W} {mode}/{variant}", loss.detach(), ref[0], _group_grads(model, ref[1]), ref[1])
+    _compare(failures, f"W={W} {mode}/{variant}", loss.detach(), ref[0], group_grads(model), ref[1])
     counts.append(f"{mode}/{variant}")
 
 

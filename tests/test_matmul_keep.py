@@ -17,8 +17,8 @@ import warnings
 
 import pytest
 import torch
-from test_checkpoint_split import HIDDEN, B, L, S, _reference, _saved_bytes, batch, group_grads, make_model
-from test_hf import _compare, _grads
+from test_checkpoint_split import HIDDEN, B, L, S, _reference, _saved_bytes, batch, make_model
+from test_hf import _compare, _grads, group_grads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqpar_testing import run_ranks

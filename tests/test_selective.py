@@ -14,20 +14,16 @@ import warnings
 
 import pytest
 import torch
-from test_hf import _compare, _grads, available_modes, batch, make_model
+from test_hf import _compare, _grads, available_modes, batch, group_grads, make_model
 
 from seqpar_testing import run_ranks, world_ids
 
 MICRO = 2  # accumulated micro-batches (the same batch twice: the gradient doubles)
 
 
-def _group_grads(model, ref_grads: dict) -> dict:
-    import torch.distributed as dist
-
-    grads = _grads(model)
-    flat = torch.cat([g.reshape(-1) for g in grads.values()])
-    dist.all_reduce(flat)  # the group's gradient: the sum over its ranks
-    return {n: g.view_as(ref_grads[n]) / MICRO for n, g in zip(grads, flat.split([g.numel() for g in grads.values()]))}
+def _group_grads(model) -> dict:
+    """The group's gradient over the MICRO accumulated micro-batches of the same batch, per micro-batch."""
+    return {n: g / MICRO for n, g in group_grads(model).items()}
 
 
 def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
@@ -76,9 +72,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
             counts[f"{mode}/{label}"] = calls["n"]
             if selective.pending():
                 failures.append(f"W={world_size} {mode}/{label}: {selective.pending()} kept entries left after backward")
-            _compare(
-                failures, f"W={world_size} {mode}/{label}", loss.detach(), ref_loss, _group_grads(model, ref_grads), ref_grads
-            )
+            _compare(failures, f"W={world_size} {mode}/{label}", loss.detach(), ref_loss, _group_grads(model), ref_grads)
     return {"failures": failures, "counts": counts}
 
 

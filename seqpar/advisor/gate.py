@@ -17,7 +17,16 @@ from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, evaluate, layer_split_variant
 from seqpar.errors import SeqparError
-from seqpar.schema import ClusterSpec, LaunchPlan, Prediction, Strategy, checkpointing_text, format_tokens, plan_problems
+from seqpar.schema import (
+    NO_SPLIT,
+    ClusterSpec,
+    LaunchPlan,
+    Prediction,
+    Strategy,
+    checkpointing_text,
+    format_tokens,
+    plan_problems,
+)
 
 
 @dataclass
@@ -36,8 +45,7 @@ def variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]:
     """(what changed, the strategy) for each single change of ``s`` the plan rules accept for req's workload and cluster."""
     w = req.workload()
     changes = [("loss_impl chunked (logits a chunk at a time)", {"loss_impl": "chunked"})]
-    # a new policy over every layer; its split is searched in check
-    whole = {"checkpoint_layers": None, "offload_layers": None, "kept_saves": "all", "kept_host_layers": 0}
+    whole = NO_SPLIT  # a new policy over every layer; its split is searched in check
     if s.checkpoint_layers is not None or s.offload_layers is not None:
         changes.append(("every layer checkpointed" + (" and offloaded" if s.checkpointing == "offload" else ""), whole))
     changes += [(f"checkpointing {ck}", {"checkpointing": ck, **whole}) for ck in ("full", "selective", "offload")]

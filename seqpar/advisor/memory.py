@@ -59,8 +59,8 @@ from seqpar.advisor import deepspeed_memory
 from seqpar.advisor.coefficients import Coefficients
 from seqpar.flops import matmul_params
 from seqpar.modes import FACTS, degrees, head_degree
-from seqpar.options import LayerSplit, layer_split
-from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
+from seqpar.options import LayerSplit
+from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload, layers_of
 from seqpar.units import GIB
 
 OPTIMIZER_BYTES = {"adamw": 12, "none": 0}  # per parameter: fp32 master + two fp32 moments (ZeRO paper's K = 12)
@@ -208,7 +208,7 @@ def kept_bytes_per_token(
 def split(m: ModelSpec, s: Strategy) -> LayerSplit:
     """The plan's decoder layers by what backward needs of them (seqpar.options.layer_split): host-offloaded inputs,
     GPU-kept checkpoints, layers that are not recomputed."""
-    return layer_split(s.checkpointing, m.num_layers, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers)
+    return layers_of(s, m.num_layers)
 
 
 def kept_by_layer(m: ModelSpec, dtype: str, s: Strategy, r: int) -> list[float]:

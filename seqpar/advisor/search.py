@@ -31,7 +31,18 @@ from seqpar.advisor.rules import tree_mode, written_plan
 from seqpar.advisor.throughput import estimate_time, kept_host_matmuls
 from seqpar.errors import SeqparError
 from seqpar.modes import FACTS, MODES, split_multiple
-from seqpar.schema import Alternative, ClusterSpec, LaunchPlan, ModelSpec, Rationale, Strategy, Workload, plan_problems, split_tag
+from seqpar.schema import (
+    NO_SPLIT,
+    Alternative,
+    ClusterSpec,
+    LaunchPlan,
+    ModelSpec,
+    Rationale,
+    Strategy,
+    Workload,
+    plan_problems,
+    split_tag,
+)
 from seqpar.units import GIB
 
 CHECKPOINTING = ("full", "selective", "none", "offload")
@@ -188,8 +199,8 @@ def layer_split_variant(
     checkpointed = _first(0, L, lambda n: _gpu_fits(w, cl, at(n), c))
     if checkpointed is None or checkpointed == L:
         return None
-    # none checkpointed is the plain policy none, unless the kept layers keep only their matmul outputs
-    return at(checkpointed) if checkpointed > 0 or at(0).kept_saves == "matmuls" else None
+    best = at(checkpointed)  # none checkpointed is the plain policy none, unless the kept layers keep only matmul outputs
+    return best if checkpointed > 0 or best.kept_saves == "matmuls" else None
 
 
 def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cluster_note: str = "") -> LaunchPlan:
@@ -292,7 +303,7 @@ def _option_notes(
     out = []
     s = best.strategy
     if s.tiled_mlp and req.tiled_mlp is None and best.fits:
-        whole = {"checkpoint_layers": None, "offload_layers": None, "kept_saves": "all", "kept_host_layers": 0}  # any split
+        whole = NO_SPLIT  # the twin under any layer split of its own
         untiled = s.model_copy(update={"tiled_mlp": False, **whole})
         twins = sorted(
             (x for x in cands if x.strategy.model_copy(update=whole) == untiled), key=lambda x: (not x.fits, -x.tokens_per_s)
@@ -348,7 +359,7 @@ def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
         return []
     if req.checkpoint_layers is not None:
         return []
-    whole = s.model_copy(update={"checkpoint_layers": None, "kept_saves": "all", "kept_host_layers": 0})
+    whole = s.model_copy(update=NO_SPLIT)
     alt = layer_split_variant(w, cl, whole, c, req.model_copy(update={"kept_saves": "matmuls"}))
     if alt is None:
         return []

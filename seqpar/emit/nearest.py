@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from seqpar.schema import ClusterSpec, Strategy, Workload, checkpointed_layers, layout_problems, offloaded_layers
+from seqpar.schema import NO_SPLIT, ClusterSpec, Strategy, Workload, checkpointed_layers, layout_problems, offloaded_layers
 
 ALL_SHARDINGS = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp")
 DEEPSPEED_ONLY = {"ddp": "zero2", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}
@@ -105,14 +105,7 @@ def nearest(caps: Caps, s: Strategy, w: Workload, cluster: ClusterSpec) -> Itera
             if mode in caps.approx:
                 notes.append(caps.approx[mode])
             if caps.layer_split and cand.checkpointing == s.checkpointing:
-                cand = cand.model_copy(
-                    update={
-                        "checkpoint_layers": s.checkpoint_layers,
-                        "offload_layers": s.offload_layers,
-                        "kept_saves": s.kept_saves,
-                        "kept_host_layers": s.kept_host_layers,
-                    }
-                )
+                cand = cand.model_copy(update={k: getattr(s, k) for k in NO_SPLIT})  # the split as planned
             else:
                 notes += _split_notes(caps, s, cand, w.model.num_layers)
             yield cand, notes

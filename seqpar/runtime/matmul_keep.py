@@ -52,6 +52,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqpar.errors import SeqparError
+from seqpar.runtime.selective import _in_backward
 
 _MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device, shared by every layer's copies
@@ -63,10 +64,6 @@ def _side(device: torch.device):
     if device not in _SIDE:
         _SIDE[device] = torch.cuda.Stream(device=device)
     return _SIDE[device]
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _mm_shape(func, args) -> tuple[int, int]:
@@ -115,7 +112,6 @@ class _Pool:
 
     def __init__(self):
         self.free: dict[int, list[Tensor]] = collections.defaultdict(list)
-        self.registered = 0
 
     def take(self, nbytes: int) -> Tensor | None:
         from torch.cuda._pin_memory_utils import pin_memory
@@ -134,7 +130,6 @@ class _Pool:
                 f"page-locking a {nbytes / 2**30:.2f} GiB host block for kept matmul outputs failed ({e}); lower "
                 "kept_host_layers, or SEQPAR_PINNED_BUDGET_GIB, or check the locked-memory limit (ulimit -l)"
             ) from None
-        self.registered += nbytes
         HostOffload.held += nbytes
         return buf
 
