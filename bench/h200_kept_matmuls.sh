@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # On the H200 (device tool), from the repository root, carrying .whl/ (pydantic's and liger-kernel's wheels, as
 # bench/h200_env.sh installs them): kept_saves matmuls (seqpar/runtime/matmul_keep.py) measured side by side with stock
-# transformers and the advisor's plan without it, Llama-2-7B shape, 64K tokens, optimizer none, Liger, ~9 minutes of
-# device time in all. First the GPU test (the streams, the page-locked blocks and Liger's in-place RoPE the CPU tests cannot
-# reach), then four runs of bench/single_gpu.py, each its own process, rows in $OUT/kept_<tag>.json:
+# transformers and the advisor's plan without it, Llama-2-7B shape, 64K tokens, optimizer none, Liger, ~11 minutes of
+# device time in all. First the GPU test (the streams, the page-locked blocks, a stated pinned budget and Liger's in-place
+# RoPE the CPU tests cannot reach), then five runs of bench/single_gpu.py, each its own process, rows in $OUT/kept_<tag>.json:
 #   host      --kept-saves matmuls --kept-host-layers 10 (10 kept layers' matmul outputs in pinned host memory)
+#   host75    --kept-saves matmuls --kept-host-layers 32 --pinned-host-gib 75: the advisor picks the host count and split
+#             with 75 of the 125 GiB page-lockable (15 host-kept layers, none recomputed, at side_copy_overlap 0.8)
 #   matmuls   the advisor's plan with --kept-saves matmuls (the kept layers keep only their matmul outputs)
 #   split     the advisor's plan as it chooses today (selective, the last layers fully kept)
 #   stock     stock transformers (gradient checkpointing on every layer), the issue's baseline
 # Each seqpar row carries the plan's prediction and the run report's kept_matmuls bytes (GPU / host / recomputed), so
-# the host copies' overlap (coefficients' side_copy_overlap, 0.8 until measured) can be fitted from the host row.
-# Arguments pick the parts, in the order given (default: all five, which may pass one call's 600 s: split in two calls).
-#   run(command="bash bench/h200_kept_matmuls.sh test host matmuls", carry=[".whl"], timeout_s=600)
-#   run(command="bash bench/h200_kept_matmuls.sh split stock", carry=[".whl"], timeout_s=600)
+# the host copies' overlap (coefficients' side_copy_overlap, 0.8 until measured) can be fitted from the host rows.
+# Every plan states its pinned budget (--pinned-host-gib; 50 = the default 40% of the declared 125 GiB host), so the
+# runtime pins what the advisor priced, whatever RAM the VM reports at start.
+# Arguments pick the parts, in the order given (default: all six, which pass one call's 600 s: split in two calls).
+#   run(command="bash bench/h200_kept_matmuls.sh test host host75", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/h200_kept_matmuls.sh matmuls split stock", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 source bench/h200_env.sh
-# the pinned budget the advisor assumes for the declared 125 GiB host (40%), whatever the VM reports at start
-export SEQPAR_PINNED_BUDGET_GIB=50
 SA="--fused-ops liger --host-ram-gib 125"
 run() {
     local tag=$1
@@ -24,15 +26,16 @@ run() {
     python3 bench/single_gpu.py --shape llama-2-7b --seq 64k --optimizer none --steps 2 --warmup 1 --timeout 170 "$@" \
         --out "$OUT/kept_$tag.json" 2>&1 | tail -3
 }
-for part in "${@:-test host matmuls split stock}"; do
+for part in "${@:-test host host75 matmuls split stock}"; do
     for p in $part; do
         case $p in
         test) python3 -m pytest -q -rs tests/test_matmul_keep_gpu.py 2>&1 | tee "$OUT/kept_gpu_test.log" | tail -15 ;;
-        host) run host --variants seqpar --seqpar-args "$SA --kept-saves matmuls --kept-host-layers 10" ;;
-        matmuls) run matmuls --variants seqpar --seqpar-args "$SA --kept-saves matmuls" ;;
-        split) run split --variants seqpar --seqpar-args "$SA" ;;
+        host) run host --variants seqpar --seqpar-args "$SA --pinned-host-gib 50 --kept-saves matmuls --kept-host-layers 10" ;;
+        host75) run host75 --variants seqpar --seqpar-args "$SA --pinned-host-gib 75 --kept-saves matmuls --kept-host-layers 32" ;;
+        matmuls) run matmuls --variants seqpar --seqpar-args "$SA --pinned-host-gib 50 --kept-saves matmuls" ;;
+        split) run split --variants seqpar --seqpar-args "$SA --pinned-host-gib 50" ;;
         stock) run stock --variants stock ;; # its 2026-12-02/03 rows: 4,103-4,165 tokens/s, 54.1 GiB
-        *) echo "unknown part $p: use test, host, matmuls, split, stock" >&2; exit 2 ;;
+        *) echo "unknown part $p: use test, host, host75, matmuls, split, stock" >&2; exit 2 ;;
         esac
     done
 done

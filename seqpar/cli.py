@@ -385,7 +385,7 @@ def check(
     seqpar check sft.yaml accelerate.yaml --gpu h200
     ```
     """
-    from seqpar.advisor.cluster import resolve_cluster
+    from seqpar.advisor.cluster import resolve_cluster, with_pinned_host
     from seqpar.advisor.explain import check_lines
     from seqpar.advisor.gate import check as run_check
     from seqpar.emit.check import is_plan_file
@@ -408,11 +408,16 @@ def check(
             target = target.model_validate({**target.model_dump(), "workload": {**target.workload.model_dump(), "doc_lens": mix}})
         f, c = flags, target.cluster
         declared = any(x is not None for x in (f.gpu, f.gpus, f.nodes, f.cluster))
-        cl = (
-            resolve_cluster(f.gpu, f.gpus or c.gpus_per_node, f.nodes or c.nodes, f.cluster, f.host_ram_gib)[0]
-            if declared
-            else None
-        )
+        if declared:
+            cl = resolve_cluster(
+                f.gpu, f.gpus or c.gpus_per_node, f.nodes or c.nodes, f.cluster, f.host_ram_gib, pinned_host=f.pinned_host_gib
+            )[0]
+        elif f.host_ram_gib is not None or f.pinned_host_gib is not None:  # the plan's cluster with another host
+            ram = c.host_ram_gib if f.host_ram_gib is None else f.host_ram_gib
+            pinned = f.pinned_host_gib if f.pinned_host_gib is not None else c.pinned_host_gib
+            cl = with_pinned_host(c.model_copy(update={"host_ram_gib": ram, "pinned_host_gib": None}), pinned)
+        else:
+            cl = None
     else:
         if flags.seq_len is None:
             raise SeqparError("give a plan file or --seq-len (with the advise flags); e.g. seqpar check plan.json")

@@ -112,6 +112,16 @@ class RequestFlags:
             "--host-ram-gib", min=1, rich_help_panel=CLUSTER, help="Host RAM per node, GiB (default: 2x the node's GPU memory)."
         ),
     ] = None
+    pinned_host_gib: Annotated[
+        Optional[float],
+        typer.Option(
+            "--pinned-host-gib",
+            min=1,
+            rich_help_panel=CLUSTER,
+            help="Host RAM per node that may be page-locked for offloaded checkpoints and host-kept matmul outputs, GiB "
+            "(default: 40% of the host RAM); the plan carries it and seqpar launch pins exactly that.",
+        ),
+    ] = None
     mode: Annotated[Optional[Mode], typer.Option("--mode", rich_help_panel=PINS, help="The sequence-parallel mode.")] = None
     sp_degree: Annotated[
         Optional[int], typer.Option("--sp-degree", min=1, rich_help_panel=PINS, help="The sequence-parallel degree.")
@@ -240,7 +250,9 @@ def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note
     mix = request_doc_mix(flags, seq_len if flags.seq_len is not None else None, model.vocab_size)
     if mix is not None:
         note(f"documents: {mix.source}; attention {100 * mix.at(seq_len).sum_sq_fraction:.2g}% of one document per window")
-    cl, cluster_note = resolve_cluster(flags.gpu, flags.gpus, flags.nodes, flags.cluster, flags.host_ram_gib)
+    cl, cluster_note = resolve_cluster(
+        flags.gpu, flags.gpus, flags.nodes, flags.cluster, flags.host_ram_gib, pinned_host=flags.pinned_host_gib
+    )
     note(f"cluster: {cluster_note}")
     req = AdviseRequest(
         model=model,

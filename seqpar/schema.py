@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from seqpar.errors import SeqparError
 from seqpar.modes import MODES, check_heads, check_split
-from seqpar.options import CHECKPOINTING, KEEP_LAST, KEPT_SAVES, LayerSplit, layer_split
+from seqpar.options import CHECKPOINTING, KEEP_LAST, KEPT_SAVES, PINNED_FRACTION, LayerSplit, layer_split
 
 SCHEMA_VERSION = 1
 SEED_MAX = 2**32 - 1
@@ -114,16 +114,46 @@ class ClusterSpec(_Frozen):
     intra_node_link: LinkSpec = Field(description="GPU-to-GPU link inside a node.")
     inter_node_link: Optional[LinkSpec] = Field(default=None, description="Node-to-node link per GPU; None on one node.")
     host_ram_gib: float = Field(gt=0, description="Host RAM per node, GiB (CPU offload must fit in it).")
+    pinned_host_gib: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description="Host RAM per node that may be page-locked for the checkpoint offload's layer inputs and the host-kept "
+        "matmul outputs, GiB, shared by the node's ranks; None = 40% of host_ram_gib in the cost model and 40% of the "
+        "machine's physical RAM at run time. Stated, the runtime pins exactly this (per rank: / gpus_per_node).",
+    )
     source: str = Field(default="declared", description="'probed' (NVML), 'declared' (flags) or 'default' (built-in).")
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def pinned_gib_per_rank(self) -> float:
+        """Page-locked host GiB one rank may hold: pinned_host_gib (else options.PINNED_FRACTION of host_ram_gib) shared by
+        the node's ranks."""
+        node = self.pinned_host_gib if self.pinned_host_gib is not None else PINNED_FRACTION * self.host_ram_gib
+        return node / self.gpus_per_node
+
+    @property
+    def stated_pinned_gib_per_rank(self) -> Optional[float]:
+        """What the runtime pins per rank: the stated pinned_host_gib's share, else None (the runtime's own default, from
+        the machine's physical RAM, which a declared host_ram_gib may overstate)."""
+        return None if self.pinned_host_gib is None else self.pinned_gib_per_rank
+
     @model_validator(mode="after")
     def _inter_node(self) -> ClusterSpec:
         if self.nodes > 1 and self.inter_node_link is None:
             raise ValueError(f"nodes = {self.nodes} needs an inter_node_link (e.g. ib_ndr); none was given")
+        return self
+
+    @model_validator(mode="after")
+    def _pinned_within_host(self) -> ClusterSpec:
+        if self.pinned_host_gib is not None and self.pinned_host_gib > self.host_ram_gib:
+            raise ValueError(
+                f"pinned_host_gib {self.pinned_host_gib:g} is more than the node's host_ram_gib {self.host_ram_gib:g}: "
+                f"page-locked memory is part of host RAM; pin at most {self.host_ram_gib:g} (the default is "
+                f"{PINNED_FRACTION:.0%}, {PINNED_FRACTION * self.host_ram_gib:g} GiB)"
+            )
         return self
 
 

@@ -262,7 +262,7 @@ def test_advise_and_check_list_the_shared_options_in_panels(cmd, own):
         typing.get_args(hint)[1].default  # in Annotated, typer.Option's first argument is the flag
         for hint in typing.get_type_hints(RequestFlags, include_extras=True).values()
     ]
-    assert len(flags) == len(dataclasses.fields(RequestFlags)) == 26
+    assert len(flags) == len(dataclasses.fields(RequestFlags)) == 27
     for flag in flags + own:
         assert flag.split("/")[0] in r.stdout, flag
     for panel in ("Workload", "Cluster", "Pins", "Output"):

@@ -225,3 +225,41 @@ def test_a_recomputation_that_runs_other_matmuls_is_refused():
     fwd.ops[0] = (fwd.ops[0][0], (1, 1))  # as if the forward's first matmul had another shape
     with pytest.raises(RuntimeError, match="must run the same matmuls"):
         loss.backward()
+
+
+def test_the_stated_pinned_budget_reaches_the_offload_and_every_kept_layer(monkeypatch):
+    """seqpar.apply's pinned_budget_gib (what the trainer passes from the plan's ClusterSpec.stated_pinned_gib_per_rank)
+    is the budget of the offloaded layer inputs and of each kept layer's host blocks; SeqparArguments.from_plan carries
+    the plan's per-rank share. (That it bounds the page-locked blocks: tests/test_matmul_keep_gpu.py.)"""
+    import functools
+
+    from test_train import make_plan
+
+    import seqpar
+    from seqpar.runtime.activation_checkpoint import _offloaded_checkpoint
+    from seqpar.runtime.hf_trainer import SeqparArguments
+    from seqpar.runtime.matmul_keep import MatmulKeep
+    from seqpar.runtime.offload import pinned_budget
+
+    base, _, _ = _reference()
+    model = seqpar.apply(
+        copy.deepcopy(base),
+        "data_parallel",
+        checkpointing="offload",
+        checkpoint_layers=2,
+        offload_layers=1,
+        kept_saves="matmuls",
+        kept_host_layers=1,
+        pinned_budget_gib=0.75,
+    )
+    funcs = [layer._gradient_checkpointing_func for layer in model.model.layers]
+    assert isinstance(funcs[0], functools.partial) and funcs[0].func is _offloaded_checkpoint
+    assert funcs[0].keywords == {"pinned_budget_gib": 0.75}
+    assert [f.pinned_budget_gib for f in funcs[2:]] == [0.75] * (L - 2) and all(isinstance(f, MatmulKeep) for f in funcs[2:])
+    monkeypatch.setenv("SEQPAR_PINNED_BUDGET_GIB", "3")
+    assert pinned_budget(0.75) == int(0.75 * 2**30) and pinned_budget() == 3 * 2**30  # stated > environment > default
+
+    plan = make_plan(2, "zigzag_ring_attn", 2, checkpointing="offload")
+    assert SeqparArguments.from_plan(plan).pinned_budget_gib is None  # unstated: the runtime's default
+    stated = plan.model_validate({**plan.model_dump(), "cluster": {**plan.cluster.model_dump(), "pinned_host_gib": 3.0}})
+    assert SeqparArguments.from_plan(stated).pinned_budget_gib == 1.5  # the node's 3 GiB over its 2 ranks

@@ -11,6 +11,8 @@ page-locked host blocks and Liger's in-place RoPE, which the CPU tests cannot re
   out wrong, so the guard is what makes the result exact (a control, not a tolerance). Liger applied by seqpar and by
   Liger's own patch are both recognised.
 - A forward that never reaches backward gives its host blocks back: the pinned bytes do not grow.
+- A stated pinned budget (seqpar.apply's pinned_budget_gib, a plan's pinned_host_gib per rank) bounds the host blocks:
+  the outputs beyond it are recomputed, and the gradients are still those of fully kept layers.
 - What waits on the GPU after the forward shrinks by the model's per-layer bytes (seqpar.advisor.memory
   matmul_bytes_per_token) for each kept layer: from all to matmuls, and for each layer moved to host memory.
 """
@@ -60,7 +62,7 @@ def _slow_side(monkeypatch):
     monkeypatch.setattr(matmul_keep, "_side", side)
 
 
-def _run(saves: str, host: int, *, fused: str = "seqpar", guard: bool = True, monkeypatch=None):
+def _run(saves: str, host: int, *, fused: str = "seqpar", guard: bool = True, monkeypatch=None, budget=None):
     """Two optimizer-free steps of two accumulated micro-batches; the gradients after them and the bytes the first
     forward left on the GPU."""
     import seqpar
@@ -69,7 +71,15 @@ def _run(saves: str, host: int, *, fused: str = "seqpar", guard: bool = True, mo
 
     warnings.filterwarnings("ignore")
     model = _model()
-    seqpar.apply(model, "data_parallel", checkpointing="selective", checkpoint_layers=1, kept_saves=saves, kept_host_layers=host)
+    seqpar.apply(
+        model,
+        "data_parallel",
+        checkpointing="selective",
+        checkpoint_layers=1,
+        kept_saves=saves,
+        kept_host_layers=host,
+        pinned_budget_gib=budget,
+    )
     if fused == "seqpar":
         apply_fused_ops(model, "liger", "cuda")
     if not guard:
@@ -171,3 +181,30 @@ def test_a_forward_without_backward_gives_its_host_blocks_back():
         model(input_ids=ids, labels=ids).loss.backward()
     torch.cuda.synchronize()
     assert HostOffload.held == held  # the forgotten forward's blocks served the next steps
+
+
+def test_a_stated_pinned_budget_bounds_the_host_blocks(monkeypatch):
+    from seqpar.advisor.memory import matmul_bytes_per_token
+    from seqpar.profiles.hf_config import spec_from_config
+    from seqpar.runtime import matmul_keep
+    from seqpar.runtime.matmul_keep import MatmulKeep
+    from seqpar.runtime.offload import HostOffload
+
+    _restore_rope(monkeypatch)
+    # a pool and a count of its own: the blocks earlier tests left in the pool would be reused without asking the budget
+    monkeypatch.setattr(matmul_keep, "_POOL", matmul_keep._Pool())
+    monkeypatch.setattr(HostOffload, "held", 0)
+    spec = spec_from_config(_model().config.to_dict(), "t", "test", "test")
+    layer = matmul_bytes_per_token(spec, "bf16") * S  # one layer's kept matmul outputs
+    budget = 1.5 * layer / 2**30
+    ref, _ = _run("all", 0)
+    again, _ = _run("all", 0)
+    before = dict(MatmulKeep.stats)
+    grads, _ = _run("matmuls", L - 1, budget=budget)
+    host = MatmulKeep.stats["host"] - before.get("host", 0)
+    recomputed = MatmulKeep.stats["recomputed"] - before.get("recomputed", 0)
+    forwards = 4  # two steps of two micro-batches
+    assert layer <= host / forwards <= 1.5 * layer  # one layer's outputs and part of the next's, per forward
+    assert recomputed / forwards >= (L - 1) * layer - 1.5 * layer  # the rest run their matmuls again
+    assert 0 < HostOffload.held <= budget * 2**30
+    assert _gap(grads, ref) <= _tolerance(_gap(again, ref))

@@ -6,6 +6,7 @@ Every resolution returns a note saying which, for ``rationale.cluster_note`` and
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable, Optional
 
@@ -89,8 +90,31 @@ def resolve_cluster(
     cluster: Optional[str] = None,
     host_ram: Optional[float] = None,
     probe_fn: Optional[Callable] = None,
+    pinned_host: Optional[float] = None,
 ) -> tuple[ClusterSpec, str]:
-    """Flags, else the probe, else the default; returns the cluster and a note saying which (and why)."""
+    """Flags, else the probe, else the default; returns the cluster and a note saying which (and why). ``pinned_host``
+    (--pinned-host-gib) states the page-locked host memory per node of whichever it is."""
+    c, note = _resolve(gpu, gpus, nodes, cluster, host_ram, probe_fn)
+    return with_pinned_host(c, pinned_host), note
+
+
+def with_pinned_host(c: ClusterSpec, gib: Optional[float]) -> ClusterSpec:
+    """``c`` with ``gib`` of its nodes' host RAM page-lockable (--pinned-host-gib; None leaves the default share)."""
+    if gib is None:
+        return c
+    if not math.isfinite(gib) or gib <= 0:
+        raise SeqparError(f"--pinned-host-gib {gib} must be a positive amount of GiB per node; e.g. 75")
+    if gib > c.host_ram_gib:
+        raise SeqparError(
+            f"--pinned-host-gib {gib:g} is more than the node's {c.host_ram_gib:g} GiB of host RAM: page-locked memory is "
+            f"part of it; pin at most {c.host_ram_gib:g} GiB, or declare the node's RAM with --host-ram-gib"
+        )
+    return c.model_copy(update={"pinned_host_gib": float(gib)})
+
+
+def _resolve(
+    gpu: Optional[str], gpus: Optional[int], nodes: Optional[int], cluster: Optional[str], host_ram: Optional[float], probe_fn
+) -> tuple[ClusterSpec, str]:
     if cluster is not None:
         if gpu is not None or gpus is not None or nodes is not None:
             raise SeqparError("--cluster cannot be combined with --gpu/--gpus/--nodes; use one or the other")

@@ -59,7 +59,7 @@ from seqpar.advisor import deepspeed_memory
 from seqpar.advisor.coefficients import Coefficients
 from seqpar.flops import matmul_params
 from seqpar.modes import FACTS, degrees, head_degree
-from seqpar.options import LayerSplit
+from seqpar.options import LayerSplit, pinned_block
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload, layers_of
 from seqpar.units import GIB
 
@@ -464,6 +464,33 @@ def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) 
     t = w.micro_batch_size * w.seq_len / s.sp_degree
     if layers.host:
         out += layers.host * p * m.hidden_size * t * cluster.gpus_per_node
-    if layers.kept_host:  # exact-size page-locked blocks (seqpar.runtime.matmul_keep)
-        out += layers.kept_host * matmul_bytes_per_token(m, w.dtype) * t * cluster.gpus_per_node
-    return out
+    # exact-size page-locked blocks (seqpar.runtime.matmul_keep), those the pinned budget holds: beyond it the outputs
+    # are not kept anywhere (their matmuls run again)
+    _, layer, fit = kept_host_matmuls(w, cluster, s)
+    return out + fit * layer * cluster.gpus_per_node
+
+
+def kept_host_matmuls(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[int, float, int]:
+    """(layers holding their matmul outputs in host memory, bytes of one layer's, how many fit the pinned budget left
+    by the offloaded inputs): seqpar.runtime.matmul_keep takes exact-size page-locked blocks while the budget lasts and
+    recomputes the matmuls of the rest."""
+    layers = split(w.model, s)
+    if not layers.kept_host:
+        return 0, 0.0, 0
+    t = w.micro_batch_size * w.seq_len / s.sp_degree
+    layer = matmul_bytes_per_token(w.model, w.dtype) * t
+    _, inp, pinned = offloaded_inputs(w, cluster, s)
+    budget = cluster.pinned_gib_per_rank * GIB - pinned * pinned_block(inp)
+    return layers.kept_host, layer, max(0, min(layers.kept_host, int(budget // layer)))
+
+
+def offloaded_inputs(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[int, float, int]:
+    """(layers offloaded, bytes of one layer input, how many of them fit the pinned budget): the cluster's pinned host
+    memory per rank (ClusterSpec.pinned_gib_per_rank), each input in a power-of-two block as the caching host allocator takes it; seqpar.runtime.offload
+    pins the first layers' inputs while they fit and puts the rest in pageable memory."""
+    host = split(w.model, s).host
+    if not host:
+        return 0, 0.0, 0
+    layer = precision(w, s, cluster.accelerator).residual * w.model.hidden_size * w.micro_batch_size * w.seq_len / s.sp_degree
+    budget = cluster.pinned_gib_per_rank * GIB
+    return host, layer, min(host, int(budget // pinned_block(layer)))

@@ -18,6 +18,7 @@ from rich.table import Table
 from seqpar.advisor.bill import NOT_COUNTED, bill_lines, plan_bill
 from seqpar.advisor.search import describe
 from seqpar.advisor.training import training_rows
+from seqpar.options import PINNED_FRACTION
 from seqpar.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, Workload, checkpointing_text, format_tokens
 
 
@@ -82,6 +83,11 @@ def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[R
             [
                 ("hardware", cluster_line(c)),
                 ("host RAM per node", f"{c.host_ram_gib:.0f} GiB"),
+                (
+                    "page-locked at most",
+                    f"{c.pinned_gib_per_rank * c.gpus_per_node:.0f} GiB per node"
+                    + (" (stated)" if c.pinned_host_gib is not None else f" ({PINNED_FRACTION:.0%} of host RAM, default)"),
+                ),
                 ("source", c.source),
                 ("note", r.cluster_note or "-"),
             ],

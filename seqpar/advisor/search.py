@@ -163,14 +163,14 @@ def _first(lo: int, hi: int, ok) -> Optional[int]:
     return lo
 
 
-def kept_fields(req: AdviseRequest, kept: int, s: Strategy) -> dict:
+def kept_fields(req: AdviseRequest, kept: int, s: Strategy, host: Optional[int] = None) -> dict:
     """The request's kept_saves / kept_host_layers pins for ``s`` split so that ``kept`` layers are past
-    checkpoint_layers: kept_host_layers is at most that many, and at most as many as the pinned budget holds (the
-    runtime recomputes the matmuls of the rest, so more would only cost); no kept layers, or a tiled MLP (which
-    recomputes its own tiles): nothing to pin."""
+    checkpoint_layers: kept_host_layers is at most ``host`` (default: the pinned count), at most that many, and at most as
+    many as the pinned budget holds (the runtime recomputes the matmuls of the rest, so more would only cost); no kept
+    layers, or a tiled MLP (which recomputes its own tiles): nothing to pin."""
     if req.kept_saves != "matmuls" or kept <= 0 or s.tiled_mlp:  # the tiled MLP recomputes its own tiles
         return {}
-    host = min(req.kept_host_layers or 0, kept)
+    host = min(req.kept_host_layers or 0 if host is None else host, kept)
     if host:
         update = {"kept_saves": "matmuls", "kept_host_layers": host, "checkpoint_layers": req.model.num_layers - kept}
         host = kept_host_matmuls(req.workload(), req.cluster, s.model_copy(update=update))[2]
@@ -193,14 +193,24 @@ def layer_split_variant(
         host = _first(0, L, lambda n: _gpu_fits(w, cl, s.model_copy(update={"offload_layers": n}), c))
         return s.model_copy(update={"offload_layers": host}) if host not in (None, L) and host > 0 else None
 
-    def at(n: int) -> Strategy:
-        return s.model_copy(update={"checkpoint_layers": n, **(kept_fields(req, L - n, s) if req is not None else {})})
+    def at(n: int, host: Optional[int]) -> Strategy:
+        return s.model_copy(update={"checkpoint_layers": n, **(kept_fields(req, L - n, s, host) if req is not None else {})})
 
-    checkpointed = _first(0, L, lambda n: _gpu_fits(w, cl, at(n), c))
-    if checkpointed is None or checkpointed == L:
-        return None
-    best = at(checkpointed)  # none checkpointed is the plain policy none, unless the kept layers keep only matmul outputs
-    return best if checkpointed > 0 or best.kept_saves == "matmuls" else None
+    # a pinned kept_host_layers is a most: each host count from none up to it moves a different share of the kept
+    # layers' matmul outputs to the host (copies against recomputation, host RAM against GPU memory); the fastest wins
+    pin = req.kept_host_layers if req is not None and req.kept_saves == "matmuls" and not s.tiled_mlp else None
+    splits: list[Strategy] = []
+    for host in range(min(pin, L) + 1) if pin else [None]:
+        checkpointed = _first(0, L, lambda n: _gpu_fits(w, cl, at(n, host), c))
+        # none checkpointed is the plain policy none, unless the kept layers keep only matmul outputs
+        if checkpointed is not None and checkpointed < L and (checkpointed > 0 or at(checkpointed, host).kept_saves == "matmuls"):
+            if at(checkpointed, host) not in splits:
+                splits.append(at(checkpointed, host))
+    if len(splits) < 2:
+        return splits[0] if splits else None
+    rated = [evaluate(w, cl, v, c) for v in splits]
+    fitting = [x for x in rated if x.fits]
+    return max(fitting, key=lambda x: x.tokens_per_s).strategy if fitting else splits[-1]
 
 
 def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cluster_note: str = "") -> LaunchPlan:

@@ -49,10 +49,18 @@ from dataclasses import dataclass
 
 from seqpar.advisor import packed
 from seqpar.advisor.coefficients import Coefficients
-from seqpar.advisor.memory import matmul_bytes_per_token, optimizer_bytes_per_param, precision, ring_ranks, split, ulysses_ranks
+from seqpar.advisor.memory import (
+    kept_host_matmuls,
+    offloaded_inputs,
+    optimizer_bytes_per_param,
+    precision,
+    ring_ranks,
+    split,
+    ulysses_ranks,
+)
 from seqpar.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
 from seqpar.modes import split_multiple
-from seqpar.options import PINNED_FRACTION, pinned_block
+from seqpar.options import pinned_block
 from seqpar.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.units import GIB
 
@@ -130,35 +138,9 @@ def first_step_extra_s(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffi
     return c.first_step_s + (pinned * pinned_block(layer) + mm_pinned * mm_layer) / GIB / c.pinned_alloc_gib_s
 
 
-def kept_host_matmuls(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[int, float, int]:
-    """(layers holding their matmul outputs in host memory, bytes of one layer's, how many fit the pinned budget left
-    by the offloaded inputs): seqpar.runtime.matmul_keep takes exact-size page-locked blocks while the budget lasts and
-    recomputes the matmuls of the rest."""
-    layers = split(w.model, s)
-    if not layers.kept_host:
-        return 0, 0.0, 0
-    t = w.micro_batch_size * w.seq_len / s.sp_degree
-    layer = matmul_bytes_per_token(w.model, w.dtype) * t
-    _, inp, pinned = offloaded_inputs(w, cluster, s)
-    budget = PINNED_FRACTION * cluster.host_ram_gib * GIB / cluster.gpus_per_node - pinned * pinned_block(inp)
-    return layers.kept_host, layer, max(0, min(layers.kept_host, int(budget // layer)))
-
-
-def offloaded_inputs(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[int, float, int]:
-    """(layers offloaded, bytes of one layer input, how many of them fit the pinned budget): options.PINNED_FRACTION of
-    the host's RAM per rank, each input in a power-of-two block as the caching host allocator takes it; seqpar.runtime.offload
-    pins the first layers' inputs while they fit and puts the rest in pageable memory."""
-    host = split(w.model, s).host
-    if not host:
-        return 0, 0.0, 0
-    layer = precision(w, s, cluster.accelerator).residual * w.model.hidden_size * w.micro_batch_size * w.seq_len / s.sp_degree
-    budget = PINNED_FRACTION * cluster.host_ram_gib * GIB / cluster.gpus_per_node
-    return host, layer, min(host, int(budget // pinned_block(layer)))
-
-
 def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, compute_s: float) -> float:
     """Exposed seconds of one micro-batch's checkpoint offload: each offloaded layer input goes to the host in forward
-    and comes back in backward. Within the pinned budget (options.PINNED_FRACTION of the host's RAM per rank, each block
+    and comes back in backward. Within the pinned budget (ClusterSpec.pinned_gib_per_rank, each block
     rounded to a power of two as the caching host allocator does) the copies are asynchronous and mostly hidden under
     compute; beyond it seqpar.runtime.offload falls back to pageable memory, whose copies are synchronous: exposed.
     The host-kept matmul outputs (kept_host_layers) go out and come back the same way, on a side stream, each layer's

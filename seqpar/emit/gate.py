@@ -25,8 +25,8 @@ def _cluster(values: dict, flags, where: str):
         gpus = f.gpus or (world // n if world % n == 0 else None)
         if gpus is None or gpus * n != world:
             raise SeqparError(f"{where}: num_processes {world} is not --gpus x --nodes ({f.gpus} x {n}); make them agree")
-        return resolve_cluster(f.gpu, gpus, n, None, f.host_ram_gib)
-    cl, why = resolve_cluster(f.gpu, f.gpus, f.nodes, f.cluster, f.host_ram_gib)
+        return resolve_cluster(f.gpu, gpus, n, None, f.host_ram_gib, pinned_host=f.pinned_host_gib)
+    cl, why = resolve_cluster(f.gpu, f.gpus, f.nodes, f.cluster, f.host_ram_gib, pinned_host=f.pinned_host_gib)
     if world and cl.world_size != world:
         raise SeqparError(f"{where}: num_processes {world} but --cluster {f.cluster} has {cl.world_size} ranks; make them agree")
     return cl, why

@@ -106,18 +106,18 @@ def _stop_checkpointing(model) -> None:
         disable()
 
 
-def _offloaded_checkpoint(function, *args, **kwargs):
+def _offloaded_checkpoint(function, *args, pinned_budget_gib: float | None = None, **kwargs):
     """Checkpoint one layer with its inputs kept in (pinned) host memory until backward (the Unsloth variant).
 
     Reentrant checkpointing saves exactly the layer inputs with save_for_backward, so the offload hooks move just those
-    (B, S, hidden) tensors to the host (pinned within a budget, seqpar.runtime.offload); the recomputation in backward
-    brings them back."""
+    (B, S, hidden) tensors to the host (pinned within a budget, seqpar.runtime.offload.pinned_budget); the recomputation
+    in backward brings them back."""
     from torch.utils.checkpoint import checkpoint
 
-    from seqpar.runtime.offload import HostOffload
+    from seqpar.runtime.offload import HostOffload, pinned_budget
 
     kwargs.pop("use_reentrant", None)
-    with HostOffload():
+    with HostOffload(pinned_budget(pinned_budget_gib)):
         return checkpoint(function, *args, use_reentrant=True, **kwargs)
 
 
@@ -158,13 +158,16 @@ def apply_checkpointing(
     offload_layers: int | None = None,
     kept_saves: str = "all",
     kept_host_layers: int = 0,
+    pinned_budget_gib: float | None = None,
 ) -> Policy:
     """Switch the model's activation checkpointing to the policy ``name``; returns the policy.
 
     checkpoint_layers: the policy applies to the first k decoder layers only, the rest keep their activations (None =
     all). offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others
     keep it on the GPU (None = all). kept_saves "matmuls": the layers past checkpoint_layers keep only their matmul
-    outputs (seqpar.runtime.matmul_keep), the first ``kept_host_layers`` of them in host memory. The attention side of
+    outputs (seqpar.runtime.matmul_keep), the first ``kept_host_layers`` of them in host memory. pinned_budget_gib: the
+    page-locked host GiB this process's offloaded inputs and host-kept outputs may hold together (the plan's
+    ClusterSpec.stated_pinned_gib_per_rank; None = seqpar.runtime.offload.pinned_budget's default). The attention side of
     ``selective`` (keeping out + lse) is switched by seqpar.apply, which reads the returned policy and the layers' flags.
     Call it after any gradient_checkpointing_enable() of your own: that call would put back the plain checkpoint function
     that ``offload`` replaces."""
@@ -187,7 +190,9 @@ def apply_checkpointing(
     if p.offload:
         for module in model.modules():
             if hasattr(module, "gradient_checkpointing"):
-                module._gradient_checkpointing_func = _offloaded_checkpoint
+                module._gradient_checkpointing_func = functools.partial(
+                    _offloaded_checkpoint, pinned_budget_gib=pinned_budget_gib
+                )
     cut = layer_split(name, len(layers), checkpoint_layers, offload_layers, kept_saves, kept_host_layers)
     ckpt, off = cut.checkpointed, cut.host  # host, then GPU-checkpointed, then kept (host-kept matmuls first)
     if cut.matmuls:
@@ -196,7 +201,8 @@ def apply_checkpointing(
         previous = None
         for i, layer in enumerate(layers[ckpt:], start=ckpt):
             layer.gradient_checkpointing = True
-            layer._gradient_checkpointing_func = previous = MatmulKeep(layer, i < ckpt + cut.kept_host, previous)
+            host = i < ckpt + cut.kept_host
+            layer._gradient_checkpointing_func = previous = MatmulKeep(layer, host, previous, pinned_budget_gib)
         layers = layers[:ckpt]  # the split below sets the checkpointed ones
     if split:
         from torch.utils.checkpoint import checkpoint

@@ -206,6 +206,7 @@ def apply(
     offload_layers: int | None = None,
     kept_saves: str = "all",
     kept_host_layers: int = 0,
+    pinned_budget_gib: float | None = None,
     backend: str | None = None,
     offload_checkpoints: bool | None = None,
     keep_attention: bool | None = None,
@@ -220,7 +221,9 @@ def apply(
     offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others keep it
     on the GPU (None = all). kept_saves "matmuls": the layers past checkpoint_layers keep only their matmul outputs and
     attention's out + lse (the elementwise ops recomputed in backward), the first ``kept_host_layers`` of them in
-    page-locked host memory (seqpar.runtime.matmul_keep).
+    page-locked host memory (seqpar.runtime.matmul_keep). pinned_budget_gib: page-locked host GiB this process may hold
+    for both (a plan's ClusterSpec.stated_pinned_gib_per_rank; None = 40% of the host's RAM shared by the node's ranks,
+    or SEQPAR_PINNED_BUDGET_GIB).
     backend: kernels backend override (see seqpar.runtime.kernels.select_backend). offload_checkpoints=True and
     keep_attention=True are the deprecated spellings of checkpointing="offload" and "selective"."""
     check_mode(mode)
@@ -275,7 +278,9 @@ def apply(
         model._seqpar_hooked = True
 
     if checkpointing is not None:
-        apply_checkpointing(model, checkpointing, checkpoint_layers, offload_layers, kept_saves, kept_host_layers)
+        apply_checkpointing(
+            model, checkpointing, checkpoint_layers, offload_layers, kept_saves, kept_host_layers, pinned_budget_gib
+        )
         if (keep and checkpoint_layers is not None) or kept_saves == "matmuls":
             _keep_where_recomputed(model, ctx)
     return model

@@ -50,7 +50,8 @@ class SeqparArguments:
     """The seqpar side of a Trainer run: the mode, the sequence-parallel degree, usp's Ulysses degree and, optionally,
     seqpar's checkpointing policy (none | full | offload | selective; None leaves the Trainer's gradient_checkpointing)
     with its split over the layers (checkpoint_layers, offload_layers, kept_saves, kept_host_layers: the plan's fields,
-    seqpar.apply's arguments)."""
+    seqpar.apply's arguments) and the page-locked host GiB each process may hold for them (pinned_budget_gib: the
+    plan's stated pinned_host_gib per rank; None = seqpar's default)."""
 
     mode: str
     sp_degree: int = 1
@@ -60,6 +61,7 @@ class SeqparArguments:
     offload_layers: int | None = None
     kept_saves: str = "all"
     kept_host_layers: int = 0
+    pinned_budget_gib: float | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -69,14 +71,22 @@ class SeqparArguments:
 
     @classmethod
     def from_plan(cls, plan) -> SeqparArguments:
-        """The mode, degrees and checkpointing (with its split) of a LaunchPlan (or the path of a plan file)."""
+        """The mode, degrees and checkpointing (with its split and pinned budget) of a LaunchPlan (or a plan file's path)."""
         from seqpar.schema import LaunchPlan
 
         p = plan if isinstance(plan, LaunchPlan) else LaunchPlan.load(plan)
         s = p.strategy
         u = s.ulysses_degree if s.mode == "usp_attn" else None
         return cls(
-            s.mode, s.sp_degree, u, s.checkpointing, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers
+            s.mode,
+            s.sp_degree,
+            u,
+            s.checkpointing,
+            s.checkpoint_layers,
+            s.offload_layers,
+            s.kept_saves,
+            s.kept_host_layers,
+            p.cluster.stated_pinned_gib_per_rank,
         )
 
 
@@ -137,6 +147,7 @@ class SeqparTrainerMixin:
             offload_layers=seqpar.offload_layers,
             kept_saves=seqpar.kept_saves,
             kept_host_layers=seqpar.kept_host_layers,
+            pinned_budget_gib=seqpar.pinned_budget_gib,
         )
         self.model_accepts_loss_kwargs = False  # seqpar.loss is a mean over the group's tokens, not a sum over items
         self.loss_is_scaled_for_ga = False  # so the Trainer divides it by the accumulation steps

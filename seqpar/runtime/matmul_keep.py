@@ -113,14 +113,14 @@ class _Pool:
     def __init__(self):
         self.free: dict[int, list[Tensor]] = collections.defaultdict(list)
 
-    def take(self, nbytes: int) -> Tensor | None:
+    def take(self, nbytes: int, budget_gib: float | None) -> Tensor | None:
         from torch.cuda._pin_memory_utils import pin_memory
 
         from seqpar.runtime.offload import HostOffload, pinned_budget
 
         if self.free[nbytes]:
             return self.free[nbytes].pop()
-        if HostOffload.held + nbytes > pinned_budget():
+        if HostOffload.held + nbytes > pinned_budget(budget_gib):
             return None
         buf = torch.empty(nbytes, dtype=torch.uint8)
         try:
@@ -128,7 +128,7 @@ class _Pool:
         except RuntimeError as e:
             raise SeqparError(
                 f"page-locking a {nbytes / 2**30:.2f} GiB host block for kept matmul outputs failed ({e}); lower "
-                "kept_host_layers, or SEQPAR_PINNED_BUDGET_GIB, or check the locked-memory limit (ulimit -l)"
+                "kept_host_layers or the pinned budget (the plan's pinned_host_gib, SEQPAR_PINNED_BUDGET_GIB), or check the locked-memory limit (ulimit -l)"
             ) from None
         HostOffload.held += nbytes
         return buf
@@ -146,7 +146,7 @@ class _Entry:
 
     __slots__ = ("gpu", "host", "op", "shape", "dtype", "device", "copied", "ready", "version", "release", "__weakref__")
 
-    def __init__(self, func, t: Tensor, host: bool):
+    def __init__(self, func, t: Tensor, host: bool, budget_gib: float | None = None):
         self.op, self.shape, self.dtype, self.device = func, tuple(t.shape), t.dtype, t.device
         self.gpu = self.host = self.copied = self.ready = self.version = self.release = None
         if not host:
@@ -156,7 +156,7 @@ class _Entry:
         if t.device.type != "cuda":  # CPU tensors (tests): a plain copy stands for the host block
             self.host = t.detach().clone()
             return
-        buf = _POOL.take(t.numel() * t.element_size())
+        buf = _POOL.take(t.numel() * t.element_size(), budget_gib)
         if buf is None:
             return  # over the pinned budget: recomputed in backward
         # the block goes back to the pool once this entry is taken, dropped or forgotten (a forward without backward)
@@ -237,7 +237,7 @@ class _Forward:
 
     def keep(self, func, out: Tensor) -> None:
         host = self.keeper.host
-        e = _Entry(func, out, host)
+        e = _Entry(func, out, host, self.keeper.pinned_budget_gib)
         if e.kept:
             storage = out.untyped_storage()
             self.storages[storage.data_ptr()] = (len(self.entries), StorageWeakRef(storage))
@@ -327,12 +327,13 @@ class MatmulKeep:
     """The checkpoint function of one decoder layer under ``kept_saves: matmuls`` (its ``_gradient_checkpointing_func``).
 
     ``host``: the kept outputs wait in host memory; ``previous``: the MatmulKeep of the layer before, whose host-kept
-    outputs this layer's backward fetches back ahead of time."""
+    outputs this layer's backward fetches back ahead of time; ``pinned_budget_gib``: the process's page-locked budget
+    (seqpar.runtime.offload.pinned_budget; None = its default)."""
 
     stats: collections.Counter = collections.Counter()  # bytes kept on the GPU / in host memory / recomputed since import
 
-    def __init__(self, layer: nn.Module, host: bool, previous: MatmulKeep | None = None):
-        self.host, self.previous = host, previous
+    def __init__(self, layer: nn.Module, host: bool, previous: MatmulKeep | None = None, pinned_budget_gib: float | None = None):
+        self.host, self.previous, self.pinned_budget_gib = host, previous, pinned_budget_gib
         self.skip = _Skip()
         self.forwards: collections.deque[weakref.ref] = collections.deque()  # forwards awaiting their backward
         # the modeling module whose RoPE the layer calls: read now, while the layer still has its own class (FSDP2

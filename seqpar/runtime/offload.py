@@ -4,7 +4,7 @@
 which rounds each block up to a power of two: a Llama-2-7B layer input at 384K tokens (3 GiB) takes a 4 GiB pinned block,
 so 32 layers would ask for 128 GiB of page-locked host RAM and the run dies far below the host's real capacity.
 ``HostOffload`` pins while the rounded pinned bytes it holds stay within a budget (default: 40% of the host's physical
-RAM shared by the node's ranks, ``SEQPAR_PINNED_BUDGET_GIB`` overrides per process) and puts the rest in ordinary pageable memory: those copies are synchronous
+RAM shared by the node's ranks; the plan's pinned_host_gib or ``SEQPAR_PINNED_BUDGET_GIB`` state another) and puts the rest in ordinary pageable memory: those copies are synchronous
 and slower (pageable PCIe ~10-20 GB/s against ~25-50 pinned), which only the longest sequences reach, where attention
 dominates the step. CPU tensors are kept as they are.
 """
@@ -27,9 +27,12 @@ def _physical_ram() -> int:
         return 64 * GIB
 
 
-def pinned_budget() -> int:
-    """Page-locked bytes this process may hold: SEQPAR_PINNED_BUDGET_GIB (per process), else 40% of the host's RAM
-    shared by the node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
+def pinned_budget(gib: float | None = None) -> int:
+    """Page-locked bytes this process may hold: ``gib`` (the plan's ClusterSpec.stated_pinned_gib_per_rank, seqpar.apply's
+    pinned_budget_gib), else SEQPAR_PINNED_BUDGET_GIB (per process), else 40% of the host's RAM shared by the node's
+    ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    if gib is not None:
+        return int(gib * GIB)
     env = os.environ.get("SEQPAR_PINNED_BUDGET_GIB")
     if env:
         return int(float(env) * GIB)
