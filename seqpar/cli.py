@@ -409,15 +409,16 @@ def check(
         f, c = flags, target.cluster
         declared = any(x is not None for x in (f.gpu, f.gpus, f.nodes, f.cluster))
         if declared:
-            cl = resolve_cluster(
-                f.gpu, f.gpus or c.gpus_per_node, f.nodes or c.nodes, f.cluster, f.host_ram_gib, pinned_host=f.pinned_host_gib
-            )[0]
+            cl = resolve_cluster(f.gpu, f.gpus or c.gpus_per_node, f.nodes or c.nodes, f.cluster, f.host_ram_gib)[0]
         elif f.host_ram_gib is not None or f.pinned_host_gib is not None:  # the plan's cluster with another host
             ram = c.host_ram_gib if f.host_ram_gib is None else f.host_ram_gib
-            pinned = f.pinned_host_gib if f.pinned_host_gib is not None else c.pinned_host_gib
-            cl = with_pinned_host(c.model_copy(update={"host_ram_gib": ram, "pinned_host_gib": None}), pinned)
+            cl = c.model_copy(update={"host_ram_gib": ram, "pinned_host_gib": None})
         else:
             cl = None
+        if cl is not None:  # the flag's budget, else the one the plan states (the one seqpar launch would pin)
+            own = f.pinned_host_gib is None
+            pinned = c.pinned_host_gib if own else f.pinned_host_gib
+            cl = with_pinned_host(cl, pinned, "the plan's pinned_host_gib" if own else "--pinned-host-gib")
     else:
         if flags.seq_len is None:
             raise SeqparError("give a plan file or --seq-len (with the advise flags); e.g. seqpar check plan.json")

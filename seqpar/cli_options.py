@@ -116,10 +116,9 @@ class RequestFlags:
         Optional[float],
         typer.Option(
             "--pinned-host-gib",
-            min=1,
             rich_help_panel=CLUSTER,
-            help="Host RAM per node that may be page-locked for offloaded checkpoints and host-kept matmul outputs, GiB "
-            "(default: 40% of the host RAM); the plan carries it and seqpar launch pins exactly that.",
+            help="Host RAM per node that seqpar's checkpoint offload and host-kept matmul outputs may page-lock, GiB "
+            "(default: 40% of the host RAM); the plan carries it and seqpar launch pins within exactly that.",
         ),
     ] = None
     mode: Annotated[Optional[Mode], typer.Option("--mode", rich_help_panel=PINS, help="The sequence-parallel mode.")] = None
@@ -168,7 +167,7 @@ class RequestFlags:
             min=0,
             rich_help_panel=PINS,
             help="--kept-saves matmuls: up to this many kept layers hold their matmul outputs in pinned host memory "
-            "(copied on a side stream; default 0).",
+            "(copied on a side stream); the advisor tries every count up to it and keeps the fastest (default 0).",
         ),
     ] = None
     sharding: Annotated[Optional[Sharding], typer.Option("--sharding", rich_help_panel=PINS, help="Model-state sharding.")] = None

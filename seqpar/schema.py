@@ -128,11 +128,14 @@ class ClusterSpec(_Frozen):
         return self.nodes * self.gpus_per_node
 
     @property
+    def pinned_gib_per_node(self) -> float:
+        """Page-locked host GiB a node may hold: pinned_host_gib, else options.PINNED_FRACTION of host_ram_gib."""
+        return self.pinned_host_gib if self.pinned_host_gib is not None else PINNED_FRACTION * self.host_ram_gib
+
+    @property
     def pinned_gib_per_rank(self) -> float:
-        """Page-locked host GiB one rank may hold: pinned_host_gib (else options.PINNED_FRACTION of host_ram_gib) shared by
-        the node's ranks."""
-        node = self.pinned_host_gib if self.pinned_host_gib is not None else PINNED_FRACTION * self.host_ram_gib
-        return node / self.gpus_per_node
+        """Page-locked host GiB one rank may hold: the node's, shared by its ranks."""
+        return self.pinned_gib_per_node / self.gpus_per_node
 
     @property
     def stated_pinned_gib_per_rank(self) -> Optional[float]:
@@ -151,8 +154,9 @@ class ClusterSpec(_Frozen):
         if self.pinned_host_gib is not None and self.pinned_host_gib > self.host_ram_gib:
             raise ValueError(
                 f"pinned_host_gib {self.pinned_host_gib:g} is more than the node's host_ram_gib {self.host_ram_gib:g}: "
-                f"page-locked memory is part of host RAM; pin at most {self.host_ram_gib:g} (the default is "
-                f"{PINNED_FRACTION:.0%}, {PINNED_FRACTION * self.host_ram_gib:g} GiB)"
+                f"page-locked memory is part of host RAM; pin at most {self.host_ram_gib:g} GiB (--pinned-host-gib; the "
+                f"default is {PINNED_FRACTION:.0%}, {PINNED_FRACTION * self.host_ram_gib:g} GiB), or declare more host RAM "
+                "(--host-ram-gib)"
             )
         return self
 

@@ -257,7 +257,8 @@ def _checkpointing(model) -> tuple:
 
     layer, on = model.model.layers[0], is_checkpointing(model)
     func = getattr(layer, "_gradient_checkpointing_func", None)
-    how = None if not on else "offload" if func is _offloaded_checkpoint else func.keywords["use_reentrant"]
+    offload = getattr(func, "func", None) is _offloaded_checkpoint  # its partial carries the pinned budget
+    how = None if not on else "offload" if offload else func.keywords["use_reentrant"]
     return on, how, layer.self_attn._seqpar_ctx.keep_attention
 
 

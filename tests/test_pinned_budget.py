@@ -10,10 +10,10 @@ from test_cli import run
 from test_layer_split_advisor import L7, M7, C, dp, h200, work
 
 from seqpar.advisor.cluster import with_pinned_host
-from seqpar.advisor.memory import estimate_memory
+from seqpar.advisor.memory import estimate_memory, kept_host_matmuls, offloaded_inputs
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost
-from seqpar.advisor.throughput import estimate_time, kept_host_matmuls, offloaded_inputs
+from seqpar.advisor.throughput import estimate_time
 from seqpar.errors import SeqparError
 from seqpar.options import PINNED_FRACTION
 from seqpar.schema import ClusterSpec, LaunchPlan
@@ -35,13 +35,19 @@ def test_the_budget_is_the_stated_figure_or_the_default_share_per_rank():
     assert eight.pinned_gib_per_rank == eight.stated_pinned_gib_per_rank == 75.0 / 8  # the node's ranks share it
 
 
-@pytest.mark.parametrize("gib, words", [(126.0, "pin at most 125"), (0.0, "positive"), (float("nan"), "positive")])
+@pytest.mark.parametrize(
+    "gib, words",
+    [
+        (126.0, "--pinned-host-gib 126: pinned_host_gib 126 is more than the node's host_ram_gib 125: .* pin at most 125"),
+        (0.0, "--pinned-host-gib 0: pinned_host_gib: Input should be greater than 0; give a positive, finite amount"),
+        (float("nan"), "--pinned-host-gib nan: pinned_host_gib: Input should be a finite number; give a positive"),
+    ],
+)
 def test_a_budget_beyond_the_host_or_not_positive_is_refused(gib, words):
     with pytest.raises(SeqparError, match=words):
         pinned(gib)
-    if gib > 0:
-        with pytest.raises(ValueError, match="pinned_host_gib 126 is more than the node's host_ram_gib 125"):
-            ClusterSpec.model_validate({**h200().model_dump(), "pinned_host_gib": gib})
+    with pytest.raises(ValueError):  # the rule's one home: the plan refuses it too
+        ClusterSpec.model_validate({**h200().model_dump(), "pinned_host_gib": gib})
 
 
 def test_the_cost_model_pins_within_the_stated_budget():
@@ -94,7 +100,7 @@ def test_cli_writes_the_budget_into_the_plan_and_refuses_one_beyond_the_host(tmp
     assert "75 GiB per node (stated)" in r.output
     bad = tmp_path / "bad.json"
     r = run(*base, "--pinned-host-gib", "200", "-o", bad)
-    assert r.exit_code == 2 and "--pinned-host-gib 200 is more than the node's 125 GiB" in r.output
+    assert r.exit_code == 2 and "--pinned-host-gib 200: pinned_host_gib 200 is more than the node's host_ram_gib 125" in r.output
     assert not bad.exists()
     # seqpar check re-judges the plan on a smaller budget: the host-kept layers beyond 40 GiB keep nothing on the host
     # (their matmuls run again), so the host holds 8 layers' outputs, not all of them, and the step is priced slower
@@ -105,3 +111,50 @@ def test_cli_writes_the_budget_into_the_plan_and_refuses_one_beyond_the_host(tmp
     assert host == pytest.approx(C.host_process_gib + int(40 // LAYER_MM_GIB) * LAYER_MM_GIB, abs=0.01)
     assert wide["prediction"]["host_memory_gib"] == pytest.approx(C.host_process_gib + held * LAYER_MM_GIB, abs=0.01)
     assert tight["prediction"]["tokens_per_s"] < wide["prediction"]["tokens_per_s"]
+
+
+def test_with_the_split_pinned_the_host_count_is_still_a_most():
+    """--recompute-layers 0 --kept-host-layers 32 with 100 GiB pinnable: the budget holds 21 layers, whose 98 GiB and the
+    process's 14.5 overflow the 125 GiB host; a smaller count fits, and the fastest of those is the plan."""
+    cl = pinned(100.0)
+    plan = advise_by_cost(_req(cl, kept_host_layers=32, checkpoint_layers=0, checkpointing="selective"))
+    assert not plan.prediction.oom_risk and plan.strategy.checkpoint_layers == 0
+    best = max(
+        estimate_time(work(), cl, s, C).tokens_per_s
+        for s in (
+            dp(checkpointing="selective", checkpoint_layers=0, kept_saves="matmuls", kept_host_layers=h, fused_ops="liger")
+            for h in range(int(100 // LAYER_MM_GIB) + 1)
+        )
+        if estimate_memory(work(), cl, s, C).fits
+    )
+    assert estimate_time(work(), cl, plan.strategy, C).tokens_per_s == pytest.approx(best, rel=1e-12)
+
+
+def test_when_no_host_count_fits_the_host_the_split_with_the_fewest_is_kept():
+    """A 15 GiB host cannot hold even the training process (14.5 GiB of 13.5 usable): every host count overflows it, and
+    the variant handed back for the OOM report is the one needing the least host RAM."""
+    from seqpar.advisor.search import layer_split_variant
+
+    cl = h200(15.0)
+    whole = dp(checkpointing="selective", fused_ops="liger")
+    v = layer_split_variant(work(), cl, whole, C, _req(cl, kept_host_layers=32))
+    assert v is not None and v.kept_host_layers == 0 and not estimate_memory(work(), cl, v, C).fits
+
+
+def test_check_of_a_plan_keeps_its_stated_budget_and_names_it_when_the_host_shrinks(tmp_path):
+    out = tmp_path / "plan.json"
+    base = ["advise", "--model", "llama-2-7b", "--gpu", "h200", "--gpus", "1", "--seq-len", "64k", "--host-ram-gib", "125"]
+    pins = ["--mode", "data_parallel", "--sharding", "ddp", "--fused-ops", "liger", "--optimizer", "none"]
+    assert (
+        run(*base, *pins, "--kept-saves", "matmuls", "--kept-host-layers", "32", "--pinned-host-gib", "75", "-o", out).exit_code
+        == 0
+    )
+    held = LaunchPlan.load(out).strategy.kept_host_layers
+    # re-declared cluster flags: the plan's 75 GiB still holds every host-kept layer (what seqpar launch would pin)
+    got = json.loads(run("check", out, "--gpu", "h200", "--host-ram-gib", "125", "--json").stdout)
+    assert got["prediction"]["host_memory_gib"] == pytest.approx(C.host_process_gib + held * LAYER_MM_GIB, abs=0.01)
+    r = run("check", out, "--host-ram-gib", "64")
+    assert (
+        r.exit_code == 2
+        and "the plan's pinned_host_gib 75: pinned_host_gib 75 is more than the node's host_ram_gib 64" in r.output
+    )

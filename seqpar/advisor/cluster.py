@@ -6,14 +6,15 @@ Every resolution returns a note saying which, for ``rationale.cluster_note`` and
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Callable, Optional
+
+from pydantic import ValidationError
 
 from seqpar.advisor.probe import probe, read_host_ram_gib
 from seqpar.errors import SeqparError
 from seqpar.profiles import get_link, gpu_profile
-from seqpar.schema import ClusterSpec
+from seqpar.schema import ClusterSpec, first_error
 
 # EasyContext's published hardware: one DGX-style node of 8x A100-80G SXM with NVLink3. EasyContext publishes no host RAM;
 # a DGX A100 ships 1 TB (320 GB model) or 2 TB (640 GB model), so 1 TiB is the conservative choice.
@@ -98,18 +99,17 @@ def resolve_cluster(
     return with_pinned_host(c, pinned_host), note
 
 
-def with_pinned_host(c: ClusterSpec, gib: Optional[float]) -> ClusterSpec:
-    """``c`` with ``gib`` of its nodes' host RAM page-lockable (--pinned-host-gib; None leaves the default share)."""
+def with_pinned_host(c: ClusterSpec, gib: Optional[float], what: str = "--pinned-host-gib") -> ClusterSpec:
+    """``c`` with ``gib`` of its nodes' host RAM page-lockable (None leaves the default share), judged by ClusterSpec's
+    own rules; ``what`` names where the figure came from in the error."""
     if gib is None:
         return c
-    if not math.isfinite(gib) or gib <= 0:
-        raise SeqparError(f"--pinned-host-gib {gib} must be a positive amount of GiB per node; e.g. 75")
-    if gib > c.host_ram_gib:
-        raise SeqparError(
-            f"--pinned-host-gib {gib:g} is more than the node's {c.host_ram_gib:g} GiB of host RAM: page-locked memory is "
-            f"part of it; pin at most {c.host_ram_gib:g} GiB, or declare the node's RAM with --host-ram-gib"
-        )
-    return c.model_copy(update={"pinned_host_gib": float(gib)})
+    try:
+        return ClusterSpec.model_validate({**c.model_dump(), "pinned_host_gib": gib})
+    except ValidationError as e:
+        why = first_error(e)
+        fix = "" if "pin at most" in why else "; give a positive, finite amount of GiB per node, e.g. 75"
+        raise SeqparError(f"{what} {gib:g}: {why}{fix}") from None
 
 
 def _resolve(

@@ -85,7 +85,7 @@ def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[R
                 ("host RAM per node", f"{c.host_ram_gib:.0f} GiB"),
                 (
                     "page-locked at most",
-                    f"{c.pinned_gib_per_rank * c.gpus_per_node:.0f} GiB per node"
+                    f"{c.pinned_gib_per_node:.0f} GiB per node"
                     + (" (stated)" if c.pinned_host_gib is not None else f" ({PINNED_FRACTION:.0%} of host RAM, default)"),
                 ),
                 ("source", c.source),

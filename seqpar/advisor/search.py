@@ -24,11 +24,11 @@ from itertools import product
 from typing import Iterator, Optional
 
 from seqpar.advisor.coefficients import Coefficients, load_coefficients
-from seqpar.advisor.memory import estimate_memory
+from seqpar.advisor.memory import estimate_memory, kept_host_matmuls
 from seqpar.advisor.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import tree_mode, written_plan
-from seqpar.advisor.throughput import estimate_time, kept_host_matmuls
+from seqpar.advisor.throughput import estimate_time
 from seqpar.errors import SeqparError
 from seqpar.modes import FACTS, MODES, split_multiple
 from seqpar.schema import (
@@ -124,13 +124,21 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
                     fused_ops=fused,
                     tiled_mlp=tiled,
                 )
-                if ckl is not None and ck != "none":
-                    st = st.model_copy(update=kept_fields(req, L - ckl, st))
-                problems = plan_problems(workload, c, st)
-                if problems:
-                    invalid.append((st, problems[0]))
-                else:
-                    valid.append(st)
+                variants = [st]
+                if ckl is not None and ck != "none":  # the split is pinned: each host count is a strategy of its own
+                    variants = []
+                    for host in host_counts(req, st):
+                        v = st.model_copy(update=kept_fields(req, L - ckl, st, host))
+                        if v not in variants:
+                            variants.append(v)
+                        if host and v.kept_host_layers < min(host, L - ckl):
+                            break  # the pinned budget is full: larger counts give this strategy again
+                for v in variants:
+                    problems = plan_problems(workload, c, v)
+                    if problems:
+                        invalid.append((v, problems[0]))
+                    else:
+                        valid.append(v)
     return valid, invalid
 
 
@@ -170,11 +178,19 @@ def kept_fields(req: AdviseRequest, kept: int, s: Strategy, host: Optional[int] 
     layers, or a tiled MLP (which recomputes its own tiles): nothing to pin."""
     if req.kept_saves != "matmuls" or kept <= 0 or s.tiled_mlp:  # the tiled MLP recomputes its own tiles
         return {}
-    host = min(req.kept_host_layers or 0 if host is None else host, kept)
+    host = min((req.kept_host_layers or 0) if host is None else host, kept)
     if host:
         update = {"kept_saves": "matmuls", "kept_host_layers": host, "checkpoint_layers": req.model.num_layers - kept}
         host = kept_host_matmuls(req.workload(), req.cluster, s.model_copy(update=update))[2]
     return {"kept_saves": "matmuls", "kept_host_layers": host}
+
+
+def host_counts(req: Optional[AdviseRequest], s: Strategy) -> list[Optional[int]]:
+    """The kept_host_layers to try for ``s``: a pinned kept_host_layers N is a most, so every count from none to N (each
+    moves a different share of the kept layers' matmul outputs to the host: copies against recomputation, host RAM
+    against GPU memory); [None] (kept_fields' default, the request's pins) when there is nothing to choose."""
+    pin = req.kept_host_layers if req is not None and req.kept_saves == "matmuls" and not s.tiled_mlp else None
+    return list(range(min(pin, req.model.num_layers) + 1)) if pin else [None]
 
 
 def layer_split_variant(
@@ -196,21 +212,35 @@ def layer_split_variant(
     def at(n: int, host: Optional[int]) -> Strategy:
         return s.model_copy(update={"checkpoint_layers": n, **(kept_fields(req, L - n, s, host) if req is not None else {})})
 
-    # a pinned kept_host_layers is a most: each host count from none up to it moves a different share of the kept
-    # layers' matmul outputs to the host (copies against recomputation, host RAM against GPU memory); the fastest wins
-    pin = req.kept_host_layers if req is not None and req.kept_saves == "matmuls" and not s.tiled_mlp else None
-    splits: list[Strategy] = []
-    for host in range(min(pin, L) + 1) if pin else [None]:
-        checkpointed = _first(0, L, lambda n: _gpu_fits(w, cl, at(n, host), c))
-        # none checkpointed is the plain policy none, unless the kept layers keep only matmul outputs
-        if checkpointed is not None and checkpointed < L and (checkpointed > 0 or at(checkpointed, host).kept_saves == "matmuls"):
-            if at(checkpointed, host) not in splits:
-                splits.append(at(checkpointed, host))
+    splits: list[Strategy] = []  # each host count's split (host_counts), the fastest that fits wins
+    last = None  # the previous count's split: one more host-kept layer frees GPU memory, so this one's is at most that
+    for host in host_counts(req, s):
+
+        def fits(n: int, host=host) -> bool:
+            return _gpu_fits(w, cl, at(n, host), c)
+
+        if last is not None and fits(last):  # walk down from it (a step or two per count, where a bisection takes ~6)
+            checkpointed = last
+            while checkpointed > 0 and fits(checkpointed - 1):
+                checkpointed -= 1
+        else:
+            checkpointed = _first(0, L, fits)
+        if checkpointed is None:
+            break  # not even every layer recomputed fits, and with no layer kept the host count changes nothing
+        v = at(checkpointed, host)
+        # a count that recomputes as many layers as the one before only adds copies and host RAM: never better; none
+        # checkpointed is the policy none, unless the kept layers keep only their matmul outputs
+        if checkpointed not in (L, last) and (checkpointed > 0 or v.kept_saves == "matmuls"):
+            splits.append(v)
+        last = checkpointed
+        if checkpointed == 0 or (host and v.kept_host_layers < min(host, L - checkpointed)):
+            break  # nothing left to stop recomputing (more host layers only add copies), or the pinned budget is full
+            # (larger counts give the same strategies, so the same split)
     if len(splits) < 2:
         return splits[0] if splits else None
-    rated = [evaluate(w, cl, v, c) for v in splits]
-    fitting = [x for x in rated if x.fits]
-    return max(fitting, key=lambda x: x.tokens_per_s).strategy if fitting else splits[-1]
+    fitting = [x for x in (evaluate(w, cl, v, c) for v in splits) if x.fits]
+    # none fits the host's RAM: the split with the fewest host-kept layers, which needs the least of it
+    return max(fitting, key=lambda x: x.tokens_per_s).strategy if fitting else splits[0]
 
 
 def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cluster_note: str = "") -> LaunchPlan:

@@ -279,7 +279,13 @@ def apply(
 
     if checkpointing is not None:
         apply_checkpointing(
-            model, checkpointing, checkpoint_layers, offload_layers, kept_saves, kept_host_layers, pinned_budget_gib
+            model,
+            checkpointing,
+            checkpoint_layers,
+            offload_layers,
+            kept_saves,
+            kept_host_layers,
+            pinned_budget_gib=pinned_budget_gib,
         )
         if (keep and checkpoint_layers is not None) or kept_saves == "matmuls":
             _keep_where_recomputed(model, ctx)
