@@ -119,7 +119,7 @@ class ClusterSpec(_Frozen):
         gt=0,
         description="Host RAM per node that may be page-locked for the checkpoint offload's layer inputs and the host-kept "
         "matmul outputs, GiB, shared by the node's ranks; None = 40% of host_ram_gib in the cost model and 40% of the "
-        "machine's physical RAM at run time. Stated, the runtime pins exactly this (per rank: / gpus_per_node).",
+        "machine's physical RAM at run time. Stated, the runtime pins within exactly this (per rank: / gpus_per_node).",
     )
     source: str = Field(default="declared", description="'probed' (NVML), 'declared' (flags) or 'default' (built-in).")
 

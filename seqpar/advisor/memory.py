@@ -486,8 +486,8 @@ def kept_host_matmuls(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[i
 
 def offloaded_inputs(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[int, float, int]:
     """(layers offloaded, bytes of one layer input, how many of them fit the pinned budget): the cluster's pinned host
-    memory per rank (ClusterSpec.pinned_gib_per_rank), each input in a power-of-two block as the caching host allocator takes it; seqpar.runtime.offload
-    pins the first layers' inputs while they fit and puts the rest in pageable memory."""
+    memory per rank (ClusterSpec.pinned_gib_per_rank), each input in a power-of-two block as the caching host allocator
+    takes it; seqpar.runtime.offload pins the first layers' inputs while they fit and puts the rest in pageable memory."""
     host = split(w.model, s).host
     if not host:
         return 0, 0.0, 0
