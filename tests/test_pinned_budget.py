@@ -88,18 +88,25 @@ def test_the_host_count_is_the_fastest_of_every_count_and_split_that_fits(gib):
     assert plan.prediction.host_memory_gib <= 125 * C.host_ram_usable_fraction
 
 
+ADVISE = ["advise", "--model", "llama-2-7b", "--gpu", "h200", "--gpus", "1", "--seq-len", "64k", "--host-ram-gib", "125"]
+
+
+def _advise_75(out):
+    """The 64K kept-matmuls plan with 75 GiB of the 125 GiB host page-lockable, written to ``out``."""
+    pins = ["--mode", "data_parallel", "--sharding", "ddp", "--fused-ops", "liger", "--optimizer", "none"]
+    r = run(*ADVISE, *pins, "--kept-saves", "matmuls", "--kept-host-layers", "32", "--pinned-host-gib", "75", "-o", out)
+    assert r.exit_code == 0, r.output
+
+
 def test_cli_writes_the_budget_into_the_plan_and_refuses_one_beyond_the_host(tmp_path):
     out = tmp_path / "plan.json"
-    base = ["advise", "--model", "llama-2-7b", "--gpu", "h200", "--gpus", "1", "--seq-len", "64k", "--host-ram-gib", "125"]
-    pins = ["--mode", "data_parallel", "--sharding", "ddp", "--fused-ops", "liger", "--optimizer", "none"]
-    r = run(*base, *pins, "--kept-saves", "matmuls", "--kept-host-layers", "32", "--pinned-host-gib", "75", "-o", out)
-    assert r.exit_code == 0, r.output
+    _advise_75(out)
     plan = LaunchPlan.load(out)
     assert plan.cluster.pinned_host_gib == 75.0 and plan.strategy.kept_host_layers > 10  # past the default's 10
     r = run("explain", out)
     assert "75 GiB per node (stated)" in r.output
     bad = tmp_path / "bad.json"
-    r = run(*base, "--pinned-host-gib", "200", "-o", bad)
+    r = run(*ADVISE, "--pinned-host-gib", "200", "-o", bad)
     assert r.exit_code == 2 and "--pinned-host-gib 200: pinned_host_gib 200 is more than the node's host_ram_gib 125" in r.output
     assert not bad.exists()
     # seqpar check re-judges the plan on a smaller budget: the host-kept layers beyond 40 GiB keep nothing on the host
@@ -143,12 +150,7 @@ def test_when_no_host_count_fits_the_host_the_split_with_the_fewest_is_kept():
 
 def test_check_of_a_plan_keeps_its_stated_budget_and_names_it_when_the_host_shrinks(tmp_path):
     out = tmp_path / "plan.json"
-    base = ["advise", "--model", "llama-2-7b", "--gpu", "h200", "--gpus", "1", "--seq-len", "64k", "--host-ram-gib", "125"]
-    pins = ["--mode", "data_parallel", "--sharding", "ddp", "--fused-ops", "liger", "--optimizer", "none"]
-    assert (
-        run(*base, *pins, "--kept-saves", "matmuls", "--kept-host-layers", "32", "--pinned-host-gib", "75", "-o", out).exit_code
-        == 0
-    )
+    _advise_75(out)
     held = LaunchPlan.load(out).strategy.kept_host_layers
     # re-declared cluster flags: the plan's 75 GiB still holds every host-kept layer (what seqpar launch would pin)
     got = json.loads(run("check", out, "--gpu", "h200", "--host-ram-gib", "125", "--json").stdout)

@@ -131,8 +131,8 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
                         v = st.model_copy(update=kept_fields(req, L - ckl, st, host))
                         if v not in variants:
                             variants.append(v)
-                        if host and v.kept_host_layers < min(host, L - ckl):
-                            break  # the pinned budget is full: larger counts give this strategy again
+                        if budget_full(v, host, L - ckl):
+                            break  # larger counts give this strategy again
                 for v in variants:
                     problems = plan_problems(workload, c, v)
                     if problems:
@@ -193,6 +193,12 @@ def host_counts(req: Optional[AdviseRequest], s: Strategy) -> list[Optional[int]
     return list(range(min(pin, req.model.num_layers) + 1)) if pin else [None]
 
 
+def budget_full(v: Strategy, host: Optional[int], kept: int) -> bool:
+    """Whether asking ``host`` host-kept layers of ``kept`` got fewer because the pinned budget is full (kept_fields
+    caps the count at what it holds): every larger count gives the same strategy."""
+    return bool(host) and v.kept_host_layers < min(host, kept)
+
+
 def layer_split_variant(
     w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients, req: Optional[AdviseRequest] = None
 ) -> Optional[Strategy]:
@@ -233,9 +239,9 @@ def layer_split_variant(
         if checkpointed not in (L, last) and (checkpointed > 0 or v.kept_saves == "matmuls"):
             splits.append(v)
         last = checkpointed
-        if checkpointed == 0 or (host and v.kept_host_layers < min(host, L - checkpointed)):
-            break  # nothing left to stop recomputing (more host layers only add copies), or the pinned budget is full
-            # (larger counts give the same strategies, so the same split)
+        if checkpointed == 0 or budget_full(v, host, L - checkpointed):
+            break  # nothing left to stop recomputing (more host layers only add copies), or larger counts give the
+            # same strategies, so the same split
     if len(splits) < 2:
         return splits[0] if splits else None
     fitting = [x for x in (evaluate(w, cl, v, c) for v in splits) if x.fits]
