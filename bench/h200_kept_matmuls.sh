@@ -6,12 +6,13 @@
 # RoPE the CPU tests cannot reach), then five runs of bench/single_gpu.py, each its own process, rows in $OUT/kept_<tag>.json:
 #   host      --kept-saves matmuls --kept-host-layers 10 (10 kept layers' matmul outputs in pinned host memory)
 #   host75    --kept-saves matmuls --kept-host-layers 32 --pinned-host-gib 75: the advisor picks the host count and split
-#             with 75 of the 125 GiB page-lockable (15 host-kept layers, none recomputed, at side_copy_overlap 0.8)
+#             with 75 of the 125 GiB page-lockable (15 host-kept layers, none recomputed: 5,536 tokens/s predicted at side_copy_overlap 0.88)
 #   matmuls   the advisor's plan with --kept-saves matmuls (the kept layers keep only their matmul outputs)
 #   split     the advisor's plan as it chooses today (selective, the last layers fully kept)
 #   stock     stock transformers (gradient checkpointing on every layer), the issue's baseline
 # Each seqpar row carries the plan's prediction and the run report's kept_matmuls bytes (GPU / host / recomputed), so
-# the host copies' overlap (coefficients' side_copy_overlap, 0.8 until measured) can be fitted from the host rows.
+# the host copies' overlap (coefficients' side_copy_overlap, 0.88 fitted on one H100: bench/h100_side_copies.sh) can be
+# checked on the H200 (bench/fit_side_copy.py, given a row that keeps nothing in host memory).
 # Every plan states its pinned budget (--pinned-host-gib; 50 = the default 40% of the declared 125 GiB host), so the
 # runtime pins what the advisor priced, whatever RAM the VM reports at start.
 # Arguments pick the parts, in the order given (default: all six, which pass one call's 600 s: split in two calls).

@@ -112,8 +112,10 @@ def strategy_set(text: str) -> dict:
     return {k.strip(): None if v == "null" else int(v) if v.isdigit() else v for k, v in pairs}
 
 
-def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer: str, extra: list[str], overrides: dict) -> dict:
-    """`seqpar advise` a pinned data_parallel plan for one H200 (its strategy's fields set from ``overrides``, the plan
+def run_seqpar(
+    spec_name: str, seq_len: int, steps: int, warmup: int, optimizer: str, extra: list[str], overrides: dict, gpu: str = "h200"
+) -> dict:
+    """`seqpar advise` a pinned data_parallel plan for one ``gpu`` (h200 by default; its strategy's fields set from ``overrides``, the plan
     validated again), then `seqpar launch` it and read the run report."""
     with tempfile.TemporaryDirectory() as tmp:
         plan = Path(tmp) / "plan.json"
@@ -126,7 +128,7 @@ def run_seqpar(spec_name: str, seq_len: int, steps: int, warmup: int, optimizer:
             "--model",
             spec_name,
             "--gpu",
-            "h200",
+            gpu,
             "--gpus",
             "1",
             "--seq-len",
@@ -194,7 +196,7 @@ def worker(args) -> None:
     try:
         if args.variant == "seqpar":
             extra, overrides = args.seqpar_args.split(), strategy_set(args.strategy_set)
-            res = run_seqpar(args.shape, args.seq_len, args.steps, args.warmup, args.optimizer, extra, overrides)
+            res = run_seqpar(args.shape, args.seq_len, args.steps, args.warmup, args.optimizer, extra, overrides, args.gpu)
         else:
             res = run_baseline(args.variant, spec, args.seq_len, args.steps, args.warmup, args.optimizer)
         t = sorted(res["step_times_s"])[len(res["step_times_s"]) // 2]
@@ -240,6 +242,8 @@ def one(variant: str, shape: str, seq_len: int, args) -> dict:
         args.seqpar_args,
         "--strategy-set",
         args.strategy_set,
+        "--gpu",
+        args.gpu,
     ]
     # Baselines run with the default allocator settings users get; seqpar launch sets its own (expandable segments).
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
@@ -268,6 +272,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="none", choices=["none", "adamw-bf16"])
     p.add_argument("--seqpar-args", default="", help="extra `seqpar advise` flags for the seqpar variant")
     p.add_argument("--strategy-set", default="", help="seqpar variant: strategy fields set in the advised plan (k=v,...)")
+    p.add_argument("--gpu", default="h200", help="the GPU profile seqpar's plans are advised for (seqpar advise --gpu)")
     p.add_argument("--max-seq", action="store_true", help="search the longest trainable length in --step increments")
     p.add_argument("--start", default="64k")
     p.add_argument("--step", default="16k")
