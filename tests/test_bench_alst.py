@@ -253,7 +253,7 @@ def test_single_gpu_records_a_run_past_its_time():
     """bench/single_gpu.py: a worker past --timeout gives a failed row saying so, and the rows before it are kept."""
     from single_gpu import one
 
-    args = argparse.Namespace(steps=1, warmup=0, optimizer="none", seqpar_args="", strategy_set="", timeout=0.2)
+    args = argparse.Namespace(steps=1, warmup=0, optimizer="none", seqpar_args="", strategy_set="", gpu="h200", timeout=0.2)
     row = one("stock", "llama-2-7b", 1024, args)  # the worker cannot even import torch in 0.2 s
     assert (row["variant"], row["seq_len"], row["ok"], row["oom"]) == ("stock", 1024, False, False)
     assert row["error"].startswith("timed out after 0.2 s")
