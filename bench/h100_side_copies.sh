@@ -2,7 +2,7 @@
 # On one H100 (device tool, nvidia-h100-x1), from the repository root, carrying .whl/ (pydantic's and liger-kernel's
 # wheels, as bench/h200_env.sh installs them): how much of the host-kept matmul outputs' copies (kept_host_layers,
 # seqpar/runtime/matmul_keep.py) compute hides, i.e. the cost model's side_copy_overlap, and the GPU tests of the
-# kept matmuls. Llama-2-7B shape, 32K tokens, optimizer none, Liger; ~9 minutes of device time.
+# kept matmuls. Llama-2-7B shape, 32K tokens, optimizer none, Liger; the default parts ran in 240 s on 2026-12-05.
 # The three "same" rows run one plan (the advisor's with --kept-saves matmuls: the first 15 layers selective, the last
 # 17 keeping their matmul outputs) and differ only in how many of the 17 hold those outputs in pinned host memory
 # (strategy.kept_host_layers 0, 10, 17): the same recomputation, so the step time's difference is the exposed copy time.
