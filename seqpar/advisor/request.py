@@ -71,8 +71,8 @@ class AdviseRequest(_Frozen):
     )
     kept_saves: Optional[KeptSaves] = Field(
         default=None,
-        description="Pinned kept_saves for the layers past checkpoint_layers (None = all: matmuls is not yet measured on a "
-        "GPU, so it is used only when asked).",
+        description="Pinned kept_saves for the layers past checkpoint_layers (None = all: matmuls is measured on one H100 "
+        "only, so it is used only when asked).",
     )
     kept_host_layers: Optional[int] = Field(
         default=None,

@@ -398,8 +398,8 @@ def _option_notes(
 
 def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: ClusterSpec, c: Coefficients) -> list[str]:
     """Whether pinning kept_saves matmuls would be faster: the chosen full / selective strategy with its layers past
-    checkpoint_layers keeping only their matmul outputs, re-split for the memory that frees. Not searched unasked: the
-    runtime's exactness is tested on CPU, its speed and memory not yet measured on a GPU."""
+    checkpoint_layers keeping only their matmul outputs, re-split for the memory that frees. Not searched unasked: exact
+    on CPU and on one H100, measured on one H100 only (Llama-2-7B at 32K, BENCHMARKS.md), not yet on an H200."""
     s = best.strategy
     if req.kept_saves is not None or not best.fits or s.checkpointing not in ("full", "selective") or s.tiled_mlp:
         return []
@@ -415,8 +415,8 @@ def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
     return [
         f"kept_saves matmuls (the layers past the recomputed ones keep only their matmul outputs and attention's out + "
         f"lse) would run {x.tokens_per_s:,.0f} tokens/s ({x.tokens_per_s / best.tokens_per_s - 1:+.1%}) with "
-        f"{alt.checkpoint_layers} of {w.model.num_layers} layers recomputed, at a peak of {x.peak_gib:.1f} GiB; not yet "
-        "measured on a GPU: pin --kept-saves matmuls to use it"
+        f"{alt.checkpoint_layers} of {w.model.num_layers} layers recomputed, at a peak of {x.peak_gib:.1f} GiB; measured "
+        "on one H100 so far: pin --kept-saves matmuls to use it"
     ]
 
 
