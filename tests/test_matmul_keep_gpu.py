@@ -20,7 +20,9 @@ page-locked host blocks and Liger's in-place RoPE, which the CPU tests cannot re
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,23 +30,11 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytest.importorskip("liger_kernel")
 
-L, S, H, I_, HEADS = 4, 8192, 1024, 2816, 8
-
-
-def _model():
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=H,
-        intermediate_size=I_,
-        num_hidden_layers=L,
-        num_attention_heads=HEADS,
-        num_key_value_heads=4,
-        max_position_embeddings=S,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
+# The model (Llama, 4 layers, hidden 1024, GQA 8/4 heads, 8K tokens, bf16 on CUDA) is bench/layer_saves.py's, which lists
+# each layer's saved tensors for the byte count below.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from layer_saves import HEADS, H, L, S  # noqa: E402
+from layer_saves import model as _model  # noqa: E402
 
 
 def _slow_side(monkeypatch):
