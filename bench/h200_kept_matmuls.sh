@@ -10,6 +10,8 @@
 #   matmuls   the advisor's plan with --kept-saves matmuls (the kept layers keep only their matmul outputs)
 #   split     the advisor's plan as it chooses today (selective, the last layers fully kept)
 #   stock     stock transformers (gradient checkpointing on every layer), the baseline
+#   saves     bench/layer_saves.py (not a default part): each decoder layer's saved tensors and GPU bytes under
+#             kept_saves all / matmuls, Liger and not, at the GPU test's small shape, to $OUT/h200_layer_saves.json
 # Each seqpar row carries the plan's prediction and the run report's kept_matmuls bytes (GPU / host / recomputed), so
 # the host copies' overlap (coefficients' side_copy_overlap, 0.88 fitted on one H100: bench/h100_side_copies.sh) can be
 # checked on the H200 (bench/fit_side_copy.py, given a row that keeps nothing in host memory).
@@ -36,7 +38,8 @@ for part in "${@:-test host host75 matmuls split stock}"; do
         matmuls) run matmuls --variants seqpar --seqpar-args "$SA --pinned-host-gib 50 --kept-saves matmuls" ;;
         split) run split --variants seqpar --seqpar-args "$SA --pinned-host-gib 50" ;;
         stock) run stock --variants stock ;; # its 2026-12-02/03 rows: 4,103-4,165 tokens/s, 54.1 GiB
-        *) echo "unknown part $p: use test, host, host75, matmuls, split, stock" >&2; exit 2 ;;
+        saves) python3 bench/layer_saves.py --out "$OUT/h200_layer_saves.json" 2>&1 | tail -4 ;;
+        *) echo "unknown part $p: use test, host, host75, matmuls, split, stock, saves" >&2; exit 2 ;;
         esac
     done
 done

@@ -7,6 +7,8 @@
   checkpointed layers' recomputed matmuls aside), and attention keeps its out + lse in those layers.
 - What is kept: per kept layer, exactly the outputs of q, k, v, o, gate and up projections (not down's), the size the
   advisor's memory model counts (seqpar.advisor.memory.matmul_bytes_per_token); the checkpoint saves only the layer input.
+- Host blocks: backwards run oldest first (several micro-batches pending) fetch their own forward's outputs; the pool
+  unpins idle blocks of earlier sizes when a new token count would pass the pinned budget (cudaHostRegister recorded).
 - Refusals: kept_saves matmuls without kept layers, kept_host_layers without matmuls or beyond the kept layers.
 """
 
@@ -263,3 +265,71 @@ def test_the_stated_pinned_budget_reaches_the_offload_and_every_kept_layer(monke
     assert SeqparArguments.from_plan(plan).pinned_budget_gib is None  # unstated: the runtime's default
     stated = plan.model_validate({**plan.model_dump(), "cluster": {**plan.cluster.model_dump(), "pinned_host_gib": 3.0}})
     assert SeqparArguments.from_plan(stated).pinned_budget_gib == 1.5  # the node's 3 GiB over its 2 ranks
+
+
+def test_backwards_run_oldest_first_fetch_their_own_forwards_outputs():
+    """Two micro-batches' forwards, then their backwards oldest first (a user's loop): the gradient reaching a layer's
+    output starts copying back the outputs of the layer below from the same forward, not the newest pending one (which
+    would hold the other micro-batch's outputs on the GPU until its own backward). Exact either way; the gradients are
+    the reference's, twice."""
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    base, ref_loss, ref_grads = _reference()
+    model = _apply(copy.deepcopy(base), "data_parallel", "selective", 1, 2)  # layers 1, 2 in host memory, 3 on the GPU
+    keepers = [layer._gradient_checkpointing_func for layer in model.model.layers[1:]]
+    assert [k.host for k in keepers] == [True, True, False]
+    losses, forwards = [], []
+    for _ in range(2):
+        losses.append(model(input_ids=ids, labels=labels).loss)
+        forwards.append([k.forwards[-1]() for k in keepers])  # strong references: read after their backward
+    assert not any(f.prefetched for fs in forwards for f in fs)
+    losses[0].backward()
+    # the backward of layers 2 and 3 started the copies of layers 1 and 2 (the top kept layer has none above it)
+    assert [f.prefetched for f in forwards[0]] == [True, True, False]
+    assert [f.prefetched for f in forwards[1]] == [False, False, False]
+    assert not any(f.pending for f in forwards[0]) and all(f.pending for f in forwards[1][:2])
+    losses[1].backward()
+    assert [f.prefetched for f in forwards[1]] == [True, True, False]
+    failures = []
+    _compare(failures, "two", losses[1].detach(), ref_loss, _grads(model), {n: 2 * g for n, g in ref_grads.items()})
+    assert failures == [], failures
+
+
+def test_the_pool_unpins_idle_blocks_of_old_sizes_for_a_new_token_count(monkeypatch):
+    """Host blocks are kept by exact size. With a token count that changes between steps (padding-free batches,
+    packing, a short last batch), the idle blocks of earlier sizes are unpinned when a new size would pass the budget,
+    so every step that fits the budget keeps all its outputs; a step that needs more than the budget is still refused
+    the excess, and the pinned bytes never pass it. cudaHostRegister needs a GPU: here the two calls are recorded."""
+    import torch.cuda._pin_memory_utils as pin_utils
+
+    from seqpar.runtime import matmul_keep, offload
+    from seqpar.runtime.offload import HostOffload
+
+    pinned: dict[int, int] = {}
+    monkeypatch.setattr(pin_utils, "pin_memory", lambda ptr, n: pinned.__setitem__(ptr, n))
+    monkeypatch.setattr(pin_utils, "unpin_memory", lambda ptr: pinned.pop(ptr))
+    pool = matmul_keep._Pool()
+    monkeypatch.setattr(matmul_keep, "_POOL", pool)
+    monkeypatch.setattr(HostOffload, "held", 0)
+    widths = (64, 32, 32, 64, 176, 176)  # q, k, v, o, gate, up of one layer (bf16: 2 bytes each)
+    budget_gib = 2 * sum(widths) * 2 * 1100 / 2**30  # two layers' outputs at 1,100 tokens
+    for tokens, layers in [(1000, 2), (1100, 2), (900, 2), (1050, 2), (1000, 3), (1000, 1)]:
+        sizes = [tokens * w * 2 for w in widths] * layers
+        blocks = [pool.take(n, budget_gib) for n in sizes]
+        refused = sum(n for n, b in zip(sizes, blocks) if b is None)
+        need = sum(sizes) - int(budget_gib * 2**30)
+        assert refused == 0 if need <= 0 else 0 < refused <= need + max(sizes), (tokens, layers, refused, need)
+        assert HostOffload.held <= budget_gib * 2**30
+        assert (
+            HostOffload.held
+            == sum(pinned.values())
+            == sum(b.numel() for blocks in pool.free.values() for b in blocks) + sum(b.numel() for b in blocks if b is not None)
+        )
+        assert all(pinned[b.data_ptr()] == b.numel() for b in blocks if b is not None)
+        for b in blocks:
+            if b is not None:
+                pool.give(b)
+    # the checkpoint offload shares the budget: it asks the pool for its idle blocks before falling back to pageable
+    assert matmul_keep._reclaim in offload.RECLAIMERS
+    held = HostOffload.held
+    assert matmul_keep._reclaim(held) == held and HostOffload.held == 0 and pinned == {}

@@ -13,12 +13,15 @@ page-locked host blocks and Liger's in-place RoPE, which the CPU tests cannot re
 - A forward that never reaches backward gives its host blocks back: the pinned bytes do not grow.
 - A stated pinned budget (seqpar.apply's pinned_budget_gib, a plan's pinned_host_gib per rank) bounds the host blocks:
   the outputs beyond it are recomputed, and the gradients are still those of fully kept layers.
+- A token count that changes between steps keeps all its outputs in host memory within the same budget (the idle
+  blocks of the earlier sizes are unpinned for the new ones).
 - What waits on the GPU after the forward shrinks by the model's per-layer bytes (seqpar.advisor.memory
   matmul_bytes_per_token) for each kept layer: from all to matmuls, and for each layer moved to host memory.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import sys
 import warnings
@@ -198,3 +201,40 @@ def test_a_stated_pinned_budget_bounds_the_host_blocks(monkeypatch):
     assert recomputed / forwards >= (L - 1) * layer - 1.5 * layer  # the rest run their matmuls again
     assert 0 < HostOffload.held <= budget * 2**30
     assert _gap(grads, ref) <= _tolerance(_gap(again, ref))
+
+
+def test_a_new_token_count_keeps_its_outputs_within_the_same_budget(monkeypatch):
+    """Steps of 8K, 7K and 7.5K tokens under a budget of 2.2 layers' outputs at 8K, two layers in host memory: each
+    step keeps all of its outputs in host memory (the idle blocks of the earlier sizes are unpinned for the new ones),
+    none is recomputed, and the pinned bytes stay within the budget."""
+    import seqpar
+    from seqpar.advisor.memory import matmul_bytes_per_token
+    from seqpar.profiles.hf_config import spec_from_config
+    from seqpar.runtime import matmul_keep
+    from seqpar.runtime.matmul_keep import MatmulKeep
+    from seqpar.runtime.offload import HostOffload
+
+    _restore_rope(monkeypatch)
+    monkeypatch.setattr(matmul_keep, "_POOL", matmul_keep._Pool())
+    monkeypatch.setattr(HostOffload, "held", 0)
+    warnings.filterwarnings("ignore")
+    model = _model()
+    per_token = matmul_bytes_per_token(spec_from_config(model.config.to_dict(), "t", "test", "test"), "bf16")
+    budget = 2.2 * per_token * S / 2**30
+    seqpar.apply(
+        model,
+        "data_parallel",
+        checkpointing="selective",
+        checkpoint_layers=1,
+        kept_saves="matmuls",
+        kept_host_layers=2,
+        pinned_budget_gib=budget,
+    )
+    for n in (S, S - 1024, S - 512):
+        before = collections.Counter(MatmulKeep.stats)
+        ids = torch.randint(0, 1000, (1, n), device="cuda")
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        assert MatmulKeep.stats["recomputed"] == before["recomputed"], n
+        assert MatmulKeep.stats["host"] - before["host"] == 2 * per_token * n, n
+        assert 0 < HostOffload.held <= budget * 2**30

@@ -24,7 +24,8 @@ side stream (one per device, shared by all layers) as soon as it is computed, an
 backward (the copy starts when the gradient reaches the next layer's output, i.e. when that layer's backward begins),
 so the copies overlap compute. The buffers come from a pool of exact-size page-locked blocks (cudaHostRegister, through
 torch's own helper: no power-of-two rounding) that later steps reuse; a block goes back to the pool when its output is
-taken, dropped, or forgotten (a forward that never reaches backward). A matmul whose block would exceed the pinned
+taken, dropped, or forgotten (a forward that never reaches backward); idle blocks of other sizes are unpinned when
+a new size would pass the budget (a token count that changes between steps). A matmul whose block would exceed the pinned
 budget (seqpar.runtime.offload.pinned_budget, shared with the checkpoint offload) is recomputed instead: exact, only
 slower (``MatmulKeep.stats`` counts both).
 
@@ -52,6 +53,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqpar.errors import SeqparError
+from seqpar.runtime import offload
 from seqpar.runtime.selective import _in_backward
 
 _MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -120,8 +122,11 @@ class _Pool:
 
         if self.free[nbytes]:
             return self.free[nbytes].pop()
-        if HostOffload.held + nbytes > pinned_budget(budget_gib):
-            return None
+        budget = pinned_budget(budget_gib)
+        if HostOffload.held + nbytes > budget:
+            self.reclaim(HostOffload.held + nbytes - budget)
+            if HostOffload.held + nbytes > budget:
+                return None
         buf = torch.empty(nbytes, dtype=torch.uint8)
         try:
             pin_memory(buf.data_ptr(), nbytes)
@@ -136,8 +141,41 @@ class _Pool:
     def give(self, buf: Tensor) -> None:
         self.free[buf.numel()].append(buf)
 
+    def reclaim(self, need: int) -> int:
+        """Unpin idle blocks, largest first, until ``need`` bytes of the pinned budget are free again or none is idle;
+        returns the bytes given back. Blocks are kept by exact size, so without this a token count that changes between
+        steps (padding-free batches, packing, an epoch's short last batch) would leave the old sizes' blocks holding the
+        budget for good, and every later keep (and the checkpoint offload, which shares the budget) would be refused.
+        A copy into or out of an idle block may still be queued (a dropped entry's copy out on the side stream, a
+        take's copy back on the main stream): the devices that ran such copies finish them first."""
+        from torch.cuda._pin_memory_utils import unpin_memory
+
+        from seqpar.runtime.offload import HostOffload
+
+        idle = sorted((n for n, blocks in self.free.items() for _ in blocks), reverse=True)
+        if not idle or need <= 0:
+            return 0
+        for device in list(_SIDE):
+            torch.cuda.synchronize(device)
+        freed = 0
+        for n in idle:
+            if freed >= need:
+                break
+            buf = self.free[n].pop()
+            unpin_memory(buf.data_ptr())
+            HostOffload.held -= n
+            freed += n
+        return freed
+
 
 _POOL = _Pool()
+
+
+def _reclaim(need: int) -> int:
+    return _POOL.reclaim(need)  # the pool of the moment (tests give the module a pool of their own)
+
+
+offload.RECLAIMERS.append(_reclaim)  # the checkpoint offload shares the budget: it may ask for the idle blocks too
 
 
 class _Entry:
@@ -323,6 +361,13 @@ class _Replay(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _prefetch(ref: weakref.ref) -> None:
+    """Start copying back the host-kept outputs of the forward ``ref`` names, if its backward has not run yet."""
+    fwd = ref()
+    if fwd is not None and fwd.pending:
+        fwd.prefetch()
+
+
 class MatmulKeep:
     """The checkpoint function of one decoder layer under ``kept_saves: matmuls`` (its ``_gradient_checkpointing_func``).
 
@@ -359,15 +404,6 @@ class MatmulKeep:
     def _contexts(self, fwd: _Forward):
         return _Store(fwd), _Replay(fwd)
 
-    def prefetch(self) -> None:
-        """Copy back the host-kept outputs of this layer's newest forward that awaits backward."""
-        while self.forwards:
-            fwd = self.forwards[-1]()
-            if fwd is not None and fwd.pending:
-                fwd.prefetch()
-                return
-            self.forwards.pop()
-
     def __call__(self, function, *args, **kwargs):
         from torch.utils.checkpoint import checkpoint
 
@@ -379,11 +415,14 @@ class MatmulKeep:
         while self.forwards and self.forwards[0]() is None:  # forwards whose backward has run
             self.forwards.popleft()
         self.forwards.append(weakref.ref(fwd))
-        if self.previous is not None and self.previous.host:
+        if self.previous is not None and self.previous.host and self.previous.forwards:
             first = out[0] if isinstance(out, tuple) else out
             if torch.is_tensor(first) and first.requires_grad:
-                prev = self.previous
-                first.register_hook(lambda g: (prev.prefetch(), None)[1])
+                # the layer below ran just before this layer in the same model forward: its newest forward is the one
+                # this output's gradient leads back to, whichever of several pending forwards (micro-batches whose
+                # backwards run oldest first) that gradient belongs to
+                below = self.previous.forwards[-1]
+                first.register_hook(lambda g: (_prefetch(below), None)[1])
         # the forward's entries live as long as its recomputation may need them: the checkpoint's frame holds the
         # contexts (and so ``fwd``) until backward has run
         return out

@@ -39,6 +39,11 @@ def pinned_budget(gib: float | None = None) -> int:
     return int(PINNED_FRACTION * _physical_ram() / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1))
 
 
+# Callables ``reclaim(nbytes)`` that unpin idle page-locked blocks counted in HostOffload.held (the pool of
+# seqpar.runtime.matmul_keep registers one): asked when a pack would pass the budget, before it falls back to pageable.
+RECLAIMERS: list = []
+
+
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """saved_tensors_hooks moving CUDA tensors to host memory until backward needs them (pinned within a budget)."""
 
@@ -52,6 +57,10 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             if not t.is_cuda:
                 return t
             nbytes = t.numel() * t.element_size()
+            over = HostOffload.held + pinned_block(nbytes) - budget
+            if over > 0:
+                for reclaim in RECLAIMERS:  # idle pinned blocks of the kept matmul outputs' pool
+                    reclaim(over)
             pin = HostOffload.held + pinned_block(nbytes) <= budget
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
             host.copy_(t, non_blocking=pin)
