@@ -18,6 +18,9 @@ recomputation); its own pair (``create_selective_checkpoint_contexts``) keeps th
 own, which can also keep them in host memory. An aten op that writes in place into a kept output during the forward
 (the layer's own code scaling a projection, say) drops it: that matmul is recomputed, so the result stays exact; and a
 GPU-kept output whose version counter moved after the forward (an in-place change outside it) is refused in backward.
+That counter is the mm output's: the (B, S, n) tensor nn.Linear returns for a 3-D input is an ``_unsafe_view`` with a
+counter of its own, so a change made through it after the forward (a hook that keeps the projection's output and
+edits it later) is not seen; changes during the forward are, by storage, whatever view made them.
 
 ``host``: the kept matmul outputs wait in page-locked host memory instead (``kept_host_layers``): each is copied out on a
 side stream (one per device, shared by all layers) as soon as it is computed, and comes back one layer ahead in
