@@ -1,7 +1,8 @@
 """What each decoder layer leaves on the GPU after its forward, under each kept_saves, on a CUDA GPU (with or without
 Liger's fused kernels): the allocated bytes each layer adds (forward hooks), and the tensors autograd saves in it, one
 line per storage (shape, dtype, bytes), so a gap between seqpar.advisor.memory's per-layer terms and a measurement can
-be traced to a tensor.
+be traced to a tensor. A checkpointed layer's saves go through the checkpoint's own hooks, not these: for it only the
+bytes it adds are listed (under kept_saves matmuls, its input, attention's out + lse and the kept matmul outputs).
 
     source bench/h200_env.sh && python3 bench/layer_saves.py --out $OUT/layer_saves.json
 
@@ -46,17 +47,21 @@ def one(saves: str, fused: str) -> dict:
     if fused == "liger":
         apply_fused_ops(m, "liger", "cuda")
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-    where, grown, saved = [None], {}, {}
+    where, grown, saved, forward = [None], {}, {}, [False]
 
+    # only during the forward: a checkpointed layer's recomputation in backward runs the hooks again (and stops early,
+    # before the post hook, once it has what backward needs)
     def pre(mod, args, i):
-        torch.cuda.synchronize()
-        where[0] = i
-        grown[i] = -torch.cuda.memory_allocated()
+        if forward[0]:
+            torch.cuda.synchronize()
+            where[0] = i
+            grown[i] = -torch.cuda.memory_allocated()
 
     def post(mod, args, out, i):
-        torch.cuda.synchronize()
-        grown[i] += torch.cuda.memory_allocated()
-        where[0] = None
+        if forward[0]:
+            torch.cuda.synchronize()
+            grown[i] += torch.cuda.memory_allocated()
+            where[0] = None
 
     def pack(t):
         st = t.untyped_storage()
@@ -73,8 +78,10 @@ def one(saves: str, fused: str) -> dict:
         grown.clear(), saved.clear()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
+        forward[0] = True
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = m(input_ids=ids, labels=ids).loss
+        forward[0] = False
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - before
         loss.backward()

@@ -112,6 +112,24 @@ def _restore_rope(monkeypatch):
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", getattr(rope, "_seqpar_plain", rope))
 
 
+@pytest.fixture
+def own_pool(monkeypatch):
+    """A pool of the test's own and a pinned count from zero; at teardown its blocks are unregistered (a block freed
+    while registered leaves its address range registered, and a later block there fails with
+    cudaErrorHostMemoryAlreadyRegistered) and the module's pool and count come back."""
+    from seqpar.runtime import matmul_keep
+    from seqpar.runtime.offload import HostOffload
+
+    pool = matmul_keep._Pool()
+    monkeypatch.setattr(matmul_keep, "_POOL", pool)
+    monkeypatch.setattr(HostOffload, "held", 0)
+    yield pool
+    gc.collect()
+    torch.cuda.synchronize()
+    pool.reclaim(sum(n * len(blocks) for n, blocks in pool.free.items()))
+    assert not any(pool.free.values())
+
+
 def test_kept_matmuls_match_fully_kept_layers_with_liger(monkeypatch):
     from seqpar.advisor.memory import matmul_bytes_per_token, saved_bytes_per_token
     from seqpar.profiles.hf_config import spec_from_config
@@ -176,17 +194,14 @@ def test_a_forward_without_backward_gives_its_host_blocks_back():
     assert HostOffload.held == held  # the forgotten forward's blocks served the next steps
 
 
-def test_a_stated_pinned_budget_bounds_the_host_blocks(monkeypatch):
+def test_a_stated_pinned_budget_bounds_the_host_blocks(monkeypatch, own_pool):
     from seqpar.advisor.memory import matmul_bytes_per_token
     from seqpar.profiles.hf_config import spec_from_config
-    from seqpar.runtime import matmul_keep
     from seqpar.runtime.matmul_keep import MatmulKeep
     from seqpar.runtime.offload import HostOffload
 
     _restore_rope(monkeypatch)
-    # a pool and a count of its own: the blocks earlier tests left in the pool would be reused without asking the budget
-    monkeypatch.setattr(matmul_keep, "_POOL", matmul_keep._Pool())
-    monkeypatch.setattr(HostOffload, "held", 0)
+    # a pool of its own (own_pool): blocks earlier tests left in the pool would be reused without asking the budget
     spec = spec_from_config(_model().config.to_dict(), "t", "test", "test")
     layer = matmul_bytes_per_token(spec, "bf16") * S  # one layer's kept matmul outputs
     budget = 1.5 * layer / 2**30
@@ -203,20 +218,17 @@ def test_a_stated_pinned_budget_bounds_the_host_blocks(monkeypatch):
     assert _gap(grads, ref) <= _tolerance(_gap(again, ref))
 
 
-def test_a_new_token_count_keeps_its_outputs_within_the_same_budget(monkeypatch):
+def test_a_new_token_count_keeps_its_outputs_within_the_same_budget(monkeypatch, own_pool):
     """Steps of 8K, 7K and 7.5K tokens under a budget of 2.2 layers' outputs at 8K, two layers in host memory: each
     step keeps all of its outputs in host memory (the idle blocks of the earlier sizes are unpinned for the new ones),
     none is recomputed, and the pinned bytes stay within the budget."""
     import seqpar
     from seqpar.advisor.memory import matmul_bytes_per_token
     from seqpar.profiles.hf_config import spec_from_config
-    from seqpar.runtime import matmul_keep
     from seqpar.runtime.matmul_keep import MatmulKeep
     from seqpar.runtime.offload import HostOffload
 
     _restore_rope(monkeypatch)
-    monkeypatch.setattr(matmul_keep, "_POOL", matmul_keep._Pool())
-    monkeypatch.setattr(HostOffload, "held", 0)
     warnings.filterwarnings("ignore")
     model = _model()
     per_token = matmul_bytes_per_token(spec_from_config(model.config.to_dict(), "t", "test", "test"), "bf16")
