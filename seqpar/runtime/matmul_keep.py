@@ -121,11 +121,10 @@ class _Pool:
     def take(self, nbytes: int, budget_gib: float | None) -> Tensor | None:
         from torch.cuda._pin_memory_utils import pin_memory
 
-        from seqpar.runtime.offload import HostOffload, pinned_budget
-
+        HostOffload = offload.HostOffload
         if self.free[nbytes]:
             return self.free[nbytes].pop()
-        budget = pinned_budget(budget_gib)
+        budget = offload.pinned_budget(budget_gib)
         if HostOffload.held + nbytes > budget:
             self.reclaim(HostOffload.held + nbytes - budget)
             if HostOffload.held + nbytes > budget:
@@ -153,8 +152,6 @@ class _Pool:
         take's copy back on the main stream): the devices that ran such copies finish them first."""
         from torch.cuda._pin_memory_utils import unpin_memory
 
-        from seqpar.runtime.offload import HostOffload
-
         idle = sorted((n for n, blocks in self.free.items() for _ in blocks), reverse=True)
         if not idle or need <= 0:
             return 0
@@ -166,7 +163,7 @@ class _Pool:
                 break
             buf = self.free[n].pop()
             unpin_memory(buf.data_ptr())
-            HostOffload.held -= n
+            offload.HostOffload.held -= n
             freed += n
         return freed
 
