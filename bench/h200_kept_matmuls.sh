@@ -10,6 +10,10 @@
 #   matmuls   the advisor's plan with --kept-saves matmuls (the kept layers keep only their matmul outputs)
 #   split     the advisor's plan as it chooses today (selective, the last layers fully kept)
 #   stock     stock transformers (gradient checkpointing on every layer), the baseline
+#   profile   host75 plus one step under the profiler (seqpar launch --profile-step; not a default part): the row
+#             carries the step's summary (kernel busy time, idle gaps, host copies under no kernel, allocator retries),
+#             $OUT/profile_host75 its trace
+#   copies    bench/host_copies.py (not a default part): copy bandwidth, page-locked by cudaHostAlloc and by cudaHostRegister
 #   saves     bench/layer_saves.py (not a default part): each decoder layer's saved tensors and GPU bytes under
 #             kept_saves all / matmuls, Liger and not, at the GPU test's small shape, to $OUT/h200_layer_saves.json
 # Each seqpar row carries the plan's prediction and the run report's kept_matmuls bytes (GPU / host / recomputed), so
@@ -39,7 +43,10 @@ for part in "${@:-test host host75 matmuls split stock}"; do
         split) run split --variants seqpar --seqpar-args "$SA --pinned-host-gib 50" ;;
         stock) run stock --variants stock ;; # its 2026-12-02/03 rows: 4,103-4,165 tokens/s, 54.1 GiB
         saves) python3 bench/layer_saves.py --out "$OUT/h200_layer_saves.json" 2>&1 | tail -4 ;;
-        *) echo "unknown part $p: use test, host, host75, matmuls, split, stock, saves" >&2; exit 2 ;;
+        profile) run profile --timeout 300 --profile --profile-dir "$OUT/profile_host75" --variants seqpar \
+            --seqpar-args "$SA --pinned-host-gib 75 --kept-saves matmuls --kept-host-layers 32" ;;
+        copies) python3 bench/host_copies.py --out "$OUT/h200_host_copies.json" 2>&1 | tail -5 ;;
+        *) echo "unknown part $p: use test, host, host75, matmuls, split, stock, saves, profile, copies" >&2; exit 2 ;;
         esac
     done
 done

@@ -4,6 +4,7 @@ Within the pinned budget a layer input goes to a page-locked host tensor (``non_
 pageable one (a synchronous copy into memory the process touches for the first time); in backward it comes back. This
 times both for layer-input sizes of Llama-2-7B at 128K-512K tokens (1-4 GiB, bf16, hidden 4096) and writes GB/s per
 direction: the cost model's ``offload_bandwidth_gb_s`` (pinned) and ``pageable_bandwidth_gb_s`` come from here.
+``registered``: a plain host tensor page-locked in place (cudaHostRegister), as the kept matmul outputs' pool pins.
 
     source bench/h200_env.sh && python3 bench/host_copies.py --out $OUT/host_copies.json
 """
@@ -46,7 +47,16 @@ def main() -> None:
         pinned = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
         d2h_pinned = timed(lambda: pinned.copy_(dev, non_blocking=True), args.repeats)
         h2d_pinned = timed(lambda: dev.copy_(pinned, non_blocking=True), args.repeats)
-        pinned = None  # free the page-locked block before the pageable copies
+        pinned = None  # free the page-locked block before the registered and pageable copies
+        # the way seqpar.runtime.matmul_keep pins: a plain host tensor page-locked in place (cudaHostRegister)
+        from torch.cuda._pin_memory_utils import pin_memory, unpin_memory
+
+        registered = torch.empty(n, dtype=torch.bfloat16)
+        pin_memory(registered.data_ptr(), n * 2)
+        d2h_registered = timed(lambda: registered.copy_(dev, non_blocking=True), args.repeats)
+        h2d_registered = timed(lambda: dev.copy_(registered, non_blocking=True), args.repeats)
+        unpin_memory(registered.data_ptr())
+        registered = None
         kept = []
 
         def to_pageable():  # a fresh pageable tensor each time, as HostOffload allocates beyond the budget
@@ -62,6 +72,8 @@ def main() -> None:
         for name, ts in (
             ("d2h_pinned", d2h_pinned),
             ("h2d_pinned", h2d_pinned),
+            ("d2h_registered", d2h_registered),
+            ("h2d_registered", h2d_registered),
             ("d2h_pageable_fresh", d2h_pageable),
             ("h2d_pageable", h2d_pageable),
         ):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,10 +114,21 @@ def strategy_set(text: str) -> dict:
 
 
 def run_seqpar(
-    spec_name: str, seq_len: int, steps: int, warmup: int, optimizer: str, extra: list[str], overrides: dict, gpu: str = "h200"
+    spec_name: str,
+    seq_len: int,
+    steps: int,
+    warmup: int,
+    optimizer: str,
+    extra: list[str],
+    overrides: dict,
+    gpu: str = "h200",
+    profile_step: int = 0,
+    profile_dir: str = "",
 ) -> dict:
     """`seqpar advise` a pinned data_parallel plan for one ``gpu`` (h200 by default; its strategy's fields set from ``overrides``, the plan
-    validated again), then `seqpar launch` it and read the run report."""
+    validated again), then `seqpar launch` it and read the run report. ``profile_step``: that step runs under the
+    profiler (seqpar launch --profile-step), left out of the step times; its summary goes into the row, its trace and
+    summary into ``profile_dir`` when given."""
     with tempfile.TemporaryDirectory() as tmp:
         plan = Path(tmp) / "plan.json"
         out = Path(tmp) / "run"
@@ -164,6 +176,7 @@ def run_seqpar(
             str(out),
             "--force",
             "--no-final-checkpoint",  # a benchmark's weights are random: writing them would only cost time and disk
+            *(["--profile-step", str(profile_step)] if profile_step else []),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         reports = sorted(out.rglob("run_report.json"))
@@ -172,9 +185,17 @@ def run_seqpar(
             raise RuntimeError("OutOfMemoryError" if "OutOfMemory" in tail or "out of memory" in tail else tail)
         rep = json.loads(reports[-1].read_text())
         metrics = [json.loads(x) for x in (reports[-1].parent / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        profiles = sorted((reports[-1].parent / "profile").glob("rank*_step*.json"))
+        profile = [json.loads(f.read_text()) for f in profiles]
+        if profile_dir and profiles:
+            shutil.copytree(profiles[0].parent, profile_dir, dirs_exist_ok=True)
+    profiled = {n - 1 for n in rep.get("profiled_steps", [])}
+    times = [t for i, t in enumerate(rep["step_times_s"]) if i >= warmup and i not in profiled]
     return {
         "loss": metrics[-1].get("loss") if metrics else None,
-        "step_times_s": rep["step_times_s"][warmup:],
+        "step_times_s": times,
+        "profile": profile,
+        "alloc_retries": [r.get("alloc_retries") for r in rep.get("per_rank", [])],
         "peak_memory_gib": rep["measured"]["peak_memory_gib"],
         "reserved_memory_gib": rep["measured"]["reserved_memory_gib"],
         "predicted": rep["predicted"],
@@ -196,7 +217,18 @@ def worker(args) -> None:
     try:
         if args.variant == "seqpar":
             extra, overrides = args.seqpar_args.split(), strategy_set(args.strategy_set)
-            res = run_seqpar(args.shape, args.seq_len, args.steps, args.warmup, args.optimizer, extra, overrides, args.gpu)
+            res = run_seqpar(
+                args.shape,
+                args.seq_len,
+                args.steps + (1 if args.profile else 0),
+                args.warmup,
+                args.optimizer,
+                extra,
+                overrides,
+                args.gpu,
+                args.warmup + args.steps + 1 if args.profile else 0,
+                args.profile_dir,
+            )
         else:
             res = run_baseline(args.variant, spec, args.seq_len, args.steps, args.warmup, args.optimizer)
         t = sorted(res["step_times_s"])[len(res["step_times_s"]) // 2]
@@ -244,6 +276,9 @@ def one(variant: str, shape: str, seq_len: int, args) -> dict:
         args.strategy_set,
         "--gpu",
         args.gpu,
+        *(["--profile"] if args.profile else []),
+        "--profile-dir",
+        args.profile_dir,
     ]
     # Baselines run with the default allocator settings users get; seqpar launch sets its own (expandable segments).
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
@@ -273,6 +308,12 @@ def main() -> None:
     p.add_argument("--seqpar-args", default="", help="extra `seqpar advise` flags for the seqpar variant")
     p.add_argument("--strategy-set", default="", help="seqpar variant: strategy fields set in the advised plan (k=v,...)")
     p.add_argument("--gpu", default="h200", help="the GPU profile seqpar's plans are advised for (seqpar advise --gpu)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="seqpar variant: one more step after the timed ones, run under the profiler (seqpar launch --profile-step)",
+    )
+    p.add_argument("--profile-dir", default="", help="where the profiled step's trace and summary are copied")
     p.add_argument("--max-seq", action="store_true", help="search the longest trainable length in --step increments")
     p.add_argument("--start", default="64k")
     p.add_argument("--step", default="16k")

@@ -36,6 +36,9 @@ def memory_now(device: torch.device) -> dict:
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        # allocations that found no free block, emptied the cache (a synchronization of every stream) and retried: a
+        # run at the edge of its GPU memory pays them in time
+        out["alloc_retries"] = int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
     else:
         out["peak_allocated_gib"] = out["peak_reserved_gib"] = out["peak_rss_gib"]
     return out
@@ -142,8 +145,10 @@ def write_report(
     engine: str,
     steps_done: int,
     rank: int,
+    profiled: set[int] = frozenset(),
 ) -> dict | None:
-    """Collective: gathers every rank's memory peaks; rank 0 writes run_report.json and returns it."""
+    """Collective: gathers every rank's memory peaks; rank 0 writes run_report.json and returns it. ``profiled``: the
+    indices into ``step_times`` of steps run under the profiler (--profile-step), left out of the warm figures."""
     mem = memory_now(device)
     per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [mem]
     if dist.is_initialized():
@@ -151,7 +156,8 @@ def write_report(
     if rank != 0:
         return None
     # The first step pays for warm-up (allocator growth, lazy init, kernel selection): leave it out when there are more.
-    timed = step_times[1:] if len(step_times) > 1 else step_times
+    warm = [t for i, t in enumerate(step_times) if i > 0 and i not in profiled]
+    timed = warm or [t for i, t in enumerate(step_times) if i not in profiled] or step_times
     step_s = statistics.median(timed) if timed else 0.0
     total = sum(timed)
     tps = tokens_per_step * len(timed) / total if total > 0 else 0.0
@@ -172,7 +178,7 @@ def write_report(
         # the first step apart (kernel plans, allocator growth, pinned host blocks, JIT builds): the figures above are
         # warm steps only when there is one (warm_steps > 0); `seqpar calibrate` fits time only from such runs
         "first_step_s": step_times[0] if step_times else 0.0,
-        "warm_steps": len(step_times) - 1 if len(step_times) > 1 else 0,
+        "warm_steps": len(warm),
     }
     p = plan.prediction
     predicted = {k: getattr(p, k, None) for k in measured if k != "warm_steps"} if p is not None else None
@@ -181,6 +187,7 @@ def write_report(
         "predicted": predicted,
         "per_rank": [dict(rank=i, **r) for i, r in enumerate(per_rank)],
         "step_times_s": step_times,
+        "profiled_steps": sorted(i + 1 + steps_done - len(step_times) for i in profiled),
         "steps": steps_done,
         "tokens_per_step": tokens_per_step,
         "device": str(device.type),

@@ -84,6 +84,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run-name", default=None, help="tracker run name (default: the output folder's name)")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps when there is no progress bar")
     p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run step N (1 = the first) under torch.profiler: a trace and a summary per rank in <output>/profile",
+    )
+    p.add_argument(
         "--allow-env",
         action="append",
         default=[],
@@ -461,12 +468,14 @@ def run(args: argparse.Namespace) -> dict:
     )
     bar = ProgressBar(rank, r.steps, r.start, r.log, args.log_every)
     losses, step_times = [], []
+    profiled: set[int] = set()  # indices into step_times of profiled steps: their profiler overhead stays out of the warm figures
 
     def report(steps_done: int) -> dict | None:
         return write_report(
             r.out,
             r.plan,
             step_times=step_times,
+            profiled=profiled,
             tokens_per_step=_tokens_per_step(r),
             sequences_per_step=r.facts["run"][resume.WINDOWS_PER_STEP],
             device=r.topo.device,
@@ -481,7 +490,15 @@ def run(args: argparse.Namespace) -> dict:
     try:
         for step in range(r.start, r.steps):
             ckpt.fault("step", step + 1, rank)
-            rec = train_step(r, step)
+            if step + 1 == args.profile_step:
+                from seqpar.runtime.profiling import profiled_step
+
+                with profiled_step(r.out, rank, step + 1, r.topo.device, r.log):
+                    rec = train_step(r, step)
+                rec["profiled"] = True
+                profiled.add(len(step_times))
+            else:
+                rec = train_step(r, step)
             done = step + 1
             saver.wait()  # an asynchronous write of an earlier step commits now
             step_times.append(rec["step_time_s"])
