@@ -4,7 +4,9 @@ Within the pinned budget a layer input goes to a page-locked host tensor (``non_
 pageable one (a synchronous copy into memory the process touches for the first time); in backward it comes back. This
 times both for layer-input sizes of Llama-2-7B at 128K-512K tokens (1-4 GiB, bf16, hidden 4096) and writes GB/s per
 direction: the cost model's ``offload_bandwidth_gb_s`` (pinned) and ``pageable_bandwidth_gb_s`` come from here.
-``registered``: a plain host tensor page-locked in place (cudaHostRegister), as the kept matmul outputs' pool pins.
+``registered``: a plain host tensor page-locked in place (cudaHostRegister), as the kept matmul outputs' pool pins;
+``pin_*_gib_s``: how fast fresh host memory is page-locked (once per block, in the first step), by cudaHostAlloc, by
+cudaHostRegister of an untouched tensor, and by cudaHostRegister after torch's threads have touched its pages.
 
     source bench/h200_env.sh && python3 bench/host_copies.py --out $OUT/host_copies.json
 """
@@ -51,6 +53,27 @@ def main() -> None:
         # the way seqpar.runtime.matmul_keep pins: a plain host tensor page-locked in place (cudaHostRegister)
         from torch.cuda._pin_memory_utils import pin_memory, unpin_memory
 
+        # page-locking itself, on fresh memory each time (the first step pays it once per block): a cudaHostAlloc'd
+        # block, a plain tensor registered untouched (the kernel faults its pages in inside cudaHostRegister, one
+        # thread), and one whose pages torch's threads fault in first (zero_) before it is registered
+        pin_s = {}
+        for how in ("host_alloc", "register", "touch_register"):
+            ts = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                if how == "host_alloc":
+                    blk = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+                else:
+                    blk = torch.empty(n, dtype=torch.bfloat16)
+                    if how == "touch_register":
+                        blk.zero_()
+                    pin_memory(blk.data_ptr(), n * 2)
+                ts.append(time.perf_counter() - t0)
+                if how != "host_alloc":
+                    unpin_memory(blk.data_ptr())
+                blk = None
+                getattr(torch._C, "_host_emptyCache", lambda: None)()  # so the next cudaHostAlloc'd block is fresh
+            pin_s[how] = ts
         registered = torch.empty(n, dtype=torch.bfloat16)
         pin_memory(registered.data_ptr(), n * 2)
         d2h_registered = timed(lambda: registered.copy_(dev, non_blocking=True), args.repeats)
@@ -79,6 +102,9 @@ def main() -> None:
         ):
             row[name + "_gb_s"] = round(nbytes / min(ts) / 1e9, 2)
             row[name + "_median_gb_s"] = round(nbytes / sorted(ts)[len(ts) // 2] / 1e9, 2)
+        for how, ts in pin_s.items():
+            row[f"pin_{how}_gib_s"] = round(size / min(ts), 2)
+            row[f"pin_{how}_median_gib_s"] = round(size / sorted(ts)[len(ts) // 2], 2)
         rows.append(row)
         print(row, flush=True)
         dev = None
