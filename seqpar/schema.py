@@ -546,11 +546,23 @@ def split_tag(strategy: Strategy) -> str:
     return f"[{', '.join(parts)}]" if parts else ""
 
 
+def _runs(layers: tuple[int, ...]) -> str:
+    """(0, 2, 3, 4, 7) -> "layers 0, 2-4, 7"."""
+    runs: list[list[int]] = []
+    for j in layers:
+        if runs and j == runs[-1][1] + 1:
+            runs[-1][1] = j
+        else:
+            runs.append([j, j])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"layer{'s' if len(layers) > 1 else ''} {text}"
+
+
 def checkpointing_text(strategy: Strategy, num_layers: int) -> str:
     """The policy and its split over the layers (0-based, as the model's layer list), e.g. "offload (layers 0-7: input
     in host memory; layers 8-23: input on the GPU; layers 24-31: not checkpointed)", or under kept_saves matmuls
-    "selective (layers 0-14: checkpointed; layers 15-31: matmul outputs kept)"; the bare policy name when it applies to
-    every layer alike."""
+    "selective (layers 0-14: checkpointed; layers 15-31: matmul outputs kept, in host memory for layers 15, 17, 19)"; the
+    bare policy name when it applies to every layer alike."""
     s, n = strategy, num_layers
     ck, off, cut = checkpointed_layers(s, n), offloaded_layers(s, n), layers_of(s, n)
     if s.checkpointing == "none" or (ck == n and (s.checkpointing != "offload" or off == n)):
@@ -564,9 +576,11 @@ def checkpointing_text(strategy: Strategy, num_layers: int) -> str:
         parts += [f"{span(off, ck)}: input on the GPU"] if ck > off else []
     else:
         parts = [f"{span(0, ck)}: checkpointed"] if ck else []
-    if cut.matmuls:
-        parts += [f"{span(ck, ck + cut.kept_host)}: matmul outputs kept in host memory"] if cut.kept_host else []
-        parts += [f"{span(ck + cut.kept_host, n)}: matmul outputs kept"] if cut.kept_gpu else []
+    if cut.matmuls and cut.kept_host == cut.kept:
+        parts += [f"{span(ck, n)}: matmul outputs kept in host memory"]
+    elif cut.matmuls:
+        host = f", in host memory for {_runs(cut.host_kept)}" if cut.kept_host else ""
+        parts += [f"{span(ck, n)}: matmul outputs kept{host}"]
     else:
         parts += [f"{span(ck, n)}: not checkpointed"] if n > ck else []
     return f"{s.checkpointing} ({'; '.join(parts)})"

@@ -31,9 +31,16 @@ def sel(ck, saves="all", host=0, **kw):
     return dp(checkpointing="selective", checkpoint_layers=ck, kept_saves=saves, kept_host_layers=host, fused_ops="liger", **kw)
 
 
-def test_the_split_orders_checkpointed_then_host_then_gpu_kept_layers():
+def test_the_split_orders_checkpointed_then_kept_layers_with_the_host_kept_spread_among_them():
     cut = layer_split("selective", 32, 15, None, "matmuls", 10)
     assert (cut.checkpointed, cut.kept, cut.kept_host, cut.kept_gpu, cut.matmuls) == (15, 17, 10, 7, True)
+    # floor(j * 17 / 10) past the 15 checkpointed layers: the first kept layer first, the top one on the GPU
+    assert cut.host_kept == (15, 16, 18, 20, 21, 23, 25, 26, 28, 30)
+    assert layer_split("full", 32, 0, None, "matmuls", 15).host_kept == (0, 2, 4, 6, 8, 10, 12, 14, 17, 19, 21, 23, 25, 27, 29)
+    assert layer_split("full", 32, 0, None, "matmuls", 32).host_kept == tuple(range(32))  # all of them
+    assert layer_split("full", 32, 0, None, "matmuls", 31).host_kept == tuple(range(31))  # the top one stays
+    assert layer_split("full", 32, 28, None, "matmuls", 1).host_kept == (28,)
+    assert layer_split("full", 32, 28, None, "matmuls", 0).host_kept == ()
     assert layer_split("selective", 32, 32, None, "matmuls", 3).matmuls is False  # no kept layer: nothing to keep
     assert layer_split("full", 32, 30, None, "matmuls", 9).kept_host == 2  # clipped to the kept layers
 
@@ -50,7 +57,8 @@ def test_a_matmul_kept_layer_holds_its_projections_instead_of_everything():
     assert full == saved_bytes_per_token(M7, "bf16", p, "liger") + p * h
     assert kept_by_layer(M7, "bf16", s_all, p)[15:] == [full] * 17
     assert kept_by_layer(M7, "bf16", s_mm, p)[15:] == [around + mm] * 17
-    assert kept_by_layer(M7, "bf16", s_host, p)[15:] == [around] * 10 + [around + mm] * 7
+    on_host = layer_split("selective", 32, 15, None, "matmuls", 10).host_kept
+    assert kept_by_layer(M7, "bf16", s_host, p)[15:] == [around if j in on_host else around + mm for j in range(15, 32)]
     mems = [estimate_memory(w, h200(), s, C) for s in (s_all, s_mm, s_host)]
     held = [m.phase_terms["forward"]["checkpointed_activations"] for m in mems]
     assert held[0] - held[1] == 17 * (full - around - mm) * S

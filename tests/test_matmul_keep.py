@@ -23,9 +23,12 @@ from test_checkpoint_split import HIDDEN, B, L, S, _reference, _saved_bytes, bat
 from test_hf import _compare, _grads, group_grads
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from seqpar.options import layer_split
+
 from seqpar_testing import run_ranks
 
-CASES = [(p, k, h) for p in ("full", "selective", "offload") for k in (1, L - 1) for h in (0, 1, L - k)]
+# (policy, checkpointed layers, host-kept layers); the last case keeps every layer, two of them on the host, spread (0, 2)
+CASES = [(p, k, h) for p in ("full", "selective", "offload") for k in (1, L - 1) for h in (0, 1, L - k)] + [("full", 0, 2)]
 _MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
@@ -56,10 +59,12 @@ def test_kept_matmuls_are_exact_on_one_process():
     failures = []
     for policy, k, host in CASES:
         model = _apply(copy.deepcopy(base), "data_parallel", policy, k, host)
+        on_host = layer_split(policy, L, k, 0 if policy == "offload" else None, "matmuls", host).host_kept
+        assert len(on_host) == host and (k > 0 or on_host == (0, 2))  # k = 0: spread, not the bottom two
         for i, layer in enumerate(model.model.layers):
             f = layer._gradient_checkpointing_func
             assert isinstance(f, MatmulKeep) == (i >= k) and layer.gradient_checkpointing, (policy, k, host, i)
-            assert not isinstance(f, MatmulKeep) or f.host == (i < k + host), (policy, k, host, i)
+            assert not isinstance(f, MatmulKeep) or f.host == (i in on_host), (policy, k, host, i)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         _compare(failures, f"{policy} k={k} host={host}", loss.detach(), ref_loss, _grads(model), ref_grads)

@@ -30,8 +30,9 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   everything they save; backward is checked at the top layer, the top checkpointed layer and the bottom one.
   ``kept_saves matmuls`` (seqpar.runtime.matmul_keep): a kept layer holds its input, attention's out + lse and its
   matmul outputs but the MLP's last (p (a d + 2 kv d + h + 2 I) per token); its backward rebuilds the rest of what it
-  saves. The first ``kept_host_layers`` hold their matmul outputs in host memory: on the GPU only while their backward
-  runs (their own and the layer below's, fetched one layer ahead), checked at the top one of them.
+  saves. ``kept_host_layers`` of them, spread over the kept layers (seqpar.options.LayerSplit.host_kept), hold their
+  matmul outputs in host memory: on the GPU only while their backward runs (their own and the layer below's, fetched
+  one layer ahead), checked at each of them and the layer above it.
 * Precision (``precision()``, mirroring seqpar.runtime.engine.compute_dtype): DDP keeps fp32 parameters and autocasts, so
   weights, gradients and the residual stream (hence the checkpointed layer inputs) are fp32 and a bf16 copy of every matmul
   weight is cached while the forward runs; FSDP2 keeps an fp32 sharded master and computes in bf16; ZeRO follows the paper;
@@ -215,12 +216,13 @@ def kept_by_layer(m: ModelSpec, dtype: str, s: Strategy, r: int) -> list[float]:
     """Bytes per token each decoder layer keeps on the GPU until its backward, first layer first: the offloaded layers
     nothing, the GPU-checkpointed ones their input (selective: + attention's out and lse), the last ``kept`` layers
     everything they save; under kept_saves matmuls their input, attention's out + lse and (on the GPU) their matmul
-    outputs, the first ``kept_host`` of them with those in host memory."""
+    outputs, the host-kept ones (LayerSplit.host_kept, spread over the kept layers) with those in host memory."""
     sp = split(m, s)
     ck = "full" if s.checkpointing == "offload" else s.checkpointing
     if sp.matmuls:
         around = kept_bytes_per_token(m, dtype, s, r, "selective")
-        kept = [around] * sp.kept_host + [around + matmul_bytes_per_token(m, dtype)] * sp.kept_gpu
+        on_host = set(sp.host_kept)
+        kept = [around + (0 if j in on_host else matmul_bytes_per_token(m, dtype)) for j in range(sp.checkpointed, m.num_layers)]
     else:
         kept = [kept_bytes_per_token(m, dtype, s, r, "none")] * sp.kept
     return [0.0] * sp.host + [kept_bytes_per_token(m, dtype, s, r, ck)] * sp.gpu + kept
@@ -379,7 +381,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         grad_flow = t * (2 * r * h + max(mlp_grads, p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim))
         tiled_buffers = 0.0
     per_layer_grad = m.layer_params * share
-    ck, host_top = layers.checkpointed, layers.checkpointed + layers.kept_host
+    ck, on_host = layers.checkpointed, set(layers.host_kept)
 
     # a kept_saves matmuls layer's recomputation makes what the layer saves but its kept matmul outputs (v, gate, up)
     # and attention's kept out + lse: the norms, q and k after RoPE, the SwiGLU product (and silu, unfused)
@@ -388,19 +390,19 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
 
     def rebuilt(j: int) -> float:
         """What layer j's backward rebuilds: a checkpointed layer everything it saves; a kept_saves matmuls layer its
-        elementwise tensors, plus, for a host-kept one, its outputs fetched back and the layer below's (fetched one
-        layer ahead), which the GPU-kept layer just above the host-kept ones fetches too."""
+        elementwise tensors, plus its own outputs fetched back when it is host-kept and the layer below's when that one
+        is (fetched one layer ahead)."""
         if j < ck:
             return recompute
         if not layers.matmuls:
             return 0.0
-        fetched = (j < host_top) + (ck <= j - 1 < host_top)
+        fetched = (j in on_host) + (j - 1 in on_host and j - 1 >= ck)
         return elementwise + fetched * mm
 
     backward = {}
     points = {L - 1, max(ck - 1, 0), 0}
-    if layers.kept_host:  # the top host-kept layer, and the GPU-kept one above it
-        points |= {host_top - 1} | ({host_top} if layers.kept_gpu else set())
+    # each host-kept layer and the layer above it (which fetches it): the GPU holds one or two layers' outputs more there
+    points |= {j + d for j in on_host for d in (0, 1) if j + d < L}
     for j in sorted(points, reverse=True):
         g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (m.layer_params * p if gathered else 0.0))
         cand = {

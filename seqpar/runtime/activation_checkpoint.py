@@ -165,7 +165,7 @@ def apply_checkpointing(
     checkpoint_layers: the policy applies to the first k decoder layers only, the rest keep their activations (None =
     all). offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others
     keep it on the GPU (None = all). kept_saves "matmuls": the layers past checkpoint_layers keep only their matmul
-    outputs (seqpar.runtime.matmul_keep), the first ``kept_host_layers`` of them in host memory. pinned_budget_gib: the
+    outputs (seqpar.runtime.matmul_keep), ``kept_host_layers`` of them in host memory (spread: LayerSplit.host_kept). pinned_budget_gib: the
     page-locked host GiB this process's offloaded inputs and host-kept outputs may hold together (the plan's
     ClusterSpec.stated_pinned_gib_per_rank; None = seqpar.runtime.offload.pinned_budget's default). The attention side of
     ``selective`` (keeping out + lse) is switched by seqpar.apply, which reads the returned policy and the layers' flags.
@@ -194,15 +194,14 @@ def apply_checkpointing(
                     _offloaded_checkpoint, pinned_budget_gib=pinned_budget_gib
                 )
     cut = layer_split(name, len(layers), checkpoint_layers, offload_layers, kept_saves, kept_host_layers)
-    ckpt, off = cut.checkpointed, cut.host  # host, then GPU-checkpointed, then kept (host-kept matmuls first)
+    ckpt, off = cut.checkpointed, cut.host  # host, then GPU-checkpointed, then kept (host-kept ones spread among them)
     if cut.matmuls:
         from seqpar.runtime.matmul_keep import MatmulKeep
 
-        previous = None
+        previous, on_host = None, set(cut.host_kept)
         for i, layer in enumerate(layers[ckpt:], start=ckpt):
             layer.gradient_checkpointing = True
-            host = i < ckpt + cut.kept_host
-            layer._gradient_checkpointing_func = previous = MatmulKeep(layer, host, previous, pinned_budget_gib)
+            layer._gradient_checkpointing_func = previous = MatmulKeep(layer, i in on_host, previous, pinned_budget_gib)
         layers = layers[:ckpt]  # the split below sets the checkpointed ones
     if split:
         from torch.utils.checkpoint import checkpoint

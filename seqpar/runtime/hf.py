@@ -220,8 +220,8 @@ def apply(
     checkpoint_layers: the policy applies to the first k decoder layers, the rest keep all their activations (None = all);
     offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others keep it
     on the GPU (None = all). kept_saves "matmuls": the layers past checkpoint_layers keep only their matmul outputs and
-    attention's out + lse (the elementwise ops recomputed in backward), the first ``kept_host_layers`` of them in
-    page-locked host memory (seqpar.runtime.matmul_keep). pinned_budget_gib: page-locked host GiB this process may hold
+    attention's out + lse (the elementwise ops recomputed in backward), ``kept_host_layers`` of them (spread over
+    those layers: seqpar.options.LayerSplit.host_kept) in page-locked host memory (seqpar.runtime.matmul_keep). pinned_budget_gib: page-locked host GiB this process may hold
     for both (a plan's ClusterSpec.stated_pinned_gib_per_rank; None = 40% of the host's RAM shared by the node's ranks,
     or SEQPAR_PINNED_BUDGET_GIB).
     backend: kernels backend override (see seqpar.runtime.kernels.select_backend). offload_checkpoints=True and
