@@ -13,6 +13,9 @@
 #   profile   host75 plus one step under the profiler (seqpar launch --profile-step; not a default part): the row
 #             carries the step's summary (kernel busy time, idle gaps, host copies under no kernel, allocator retries),
 #             $OUT/profile_host75 its trace
+#   ab        the profile row run by another checkout's seqpar package, carried in build/ab (ignored):
+#             `git archive <commit> seqpar | tar -x -C build/ab`, run(..., carry=[".whl", "build/ab"]): an A/B of two
+#             versions of the runtime on one machine (not a default part)
 #   copies    bench/host_copies.py (not a default part): copy bandwidth, page-locked by cudaHostAlloc and by cudaHostRegister
 #   saves     bench/layer_saves.py (not a default part): each decoder layer's saved tensors and GPU bytes under
 #             kept_saves all / matmuls, Liger and not, at the GPU test's small shape, to $OUT/h200_layer_saves.json
@@ -45,8 +48,11 @@ for part in "${@:-test host host75 matmuls split stock}"; do
         saves) python3 bench/layer_saves.py --out "$OUT/h200_layer_saves.json" 2>&1 | tail -4 ;;
         profile) run profile --timeout 300 --profile --profile-dir "$OUT/profile_host75" --variants seqpar \
             --seqpar-args "$SA --pinned-host-gib 75 --kept-saves matmuls --kept-host-layers 32" ;;
-        copies) python3 bench/host_copies.py --out "$OUT/h200_host_copies.json" 2>&1 | tail -5 ;;
-        *) echo "unknown part $p: use test, host, host75, matmuls, split, stock, saves, profile, copies" >&2; exit 2 ;;
+        ab) [ -d build/ab/seqpar ] || { echo "ab: no build/ab/seqpar (git archive <commit> seqpar | tar -x -C build/ab)" >&2; exit 2; }
+            PYTHONPATH=$PWD/.site:$PWD/build/ab run ab --timeout 300 --profile --profile-dir "$OUT/profile_ab" --variants seqpar \
+                --seqpar-args "$SA --pinned-host-gib 75 --kept-saves matmuls --kept-host-layers 32" ;;
+        copies) python3 bench/host_copies.py --sizes-gib 1,4 --repeats 2 --out "$OUT/h200_host_copies.json" 2>&1 | tail -5 ;;
+        *) echo "unknown part $p: use test, host, host75, matmuls, split, stock, saves, profile, ab, copies" >&2; exit 2 ;;
         esac
     done
 done
