@@ -276,9 +276,7 @@ def one(variant: str, shape: str, seq_len: int, args) -> dict:
         args.strategy_set,
         "--gpu",
         args.gpu,
-        *(["--profile"] if args.profile else []),
-        "--profile-dir",
-        args.profile_dir,
+        *(["--profile", "--profile-dir", args.profile_dir] if getattr(args, "profile", False) else []),
     ]
     # Baselines run with the default allocator settings users get; seqpar launch sets its own (expandable segments).
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
