@@ -41,6 +41,7 @@ class Coefficients:
     side_copy_overlap: float = 0.88  # share of the host-kept matmul outputs' side-stream copies hidden under compute
     first_step_s: float = 0.76  # the first step's one-off costs beyond a warm step, without offload
     pinned_alloc_gib_s: float = 5.0  # page-locking the offload's pinned host blocks during the first step
+    pinned_register_gib_s: float = 2.7  # page-locking the host-kept matmul outputs' blocks (cudaHostRegister), first step
     pageable_bandwidth_gb_s: float = 2.5  # checkpointed layer inputs beyond the pinned budget: synchronous pageable copies
     cpu_adam_gparams_per_s: float = 8.0  # CPU Adam throughput per node, 1e9 parameters per second
     allocator_reserve_fraction: float = 0.05  # the caching allocator's reserved - allocated at the peak, share of the peak,
@@ -73,6 +74,7 @@ class Coefficients:
         "pageable_bandwidth_gb_s",
         "first_step_s",
         "pinned_alloc_gib_s",
+        "pinned_register_gib_s",
         "cpu_adam_gparams_per_s",
         "allocator_reserve_fraction",
         "allocator_reserve_cap_gib",
@@ -145,6 +147,7 @@ PLAUSIBLE = {
     "pageable_bandwidth_gb_s": (0.01, 1e4),
     "first_step_s": (0.0, 3600.0),
     "pinned_alloc_gib_s": (0.01, 1e4),
+    "pinned_register_gib_s": (0.01, 1e4),
     "cpu_adam_gparams_per_s": (0.01, 1e4),
     "allocator_reserve_fraction": (0.0, 0.9),
     "allocator_reserve_cap_gib": (0.0, 1024.0),
