@@ -16,6 +16,10 @@
 #   all16    no layer checkpointed, all 32 keep their matmul outputs on the GPU (the advisor's 16K plan)
 #   host16   the same, the first 15 layers' outputs in pinned host memory: the copies' exposed time, nothing else changed
 #   sel16    the first 15 layers selective (recomputed), the 17 above kept: what keeping those 15 saves
+#   profile  advised plus one step under the profiler (seqpar launch --profile-step): kernel busy time, gaps, host copies
+#            under no kernel, allocator retries; the trace in $OUT/h100_profile
+#   ab       profile's row run by another checkout's seqpar package in build/ab (ignored; `git archive <commit> seqpar |
+#            tar -x -C build/ab`, carry=[".whl", "build/ab"]): two versions of the runtime on one machine
 #   saves    bench/layer_saves.py: per-layer bytes and saved tensors under kept_saves all / matmuls, Liger and not
 #   run(command="bash bench/h100_side_copies.sh", kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600)
 set -uo pipefail
@@ -39,11 +43,15 @@ for part in "${@:-test copies same0 same10 same17 advised stock}"; do
         same17) run same17 --variants seqpar --seqpar-args "$SA" --strategy-set kept_host_layers=17 ;;
         advised) run advised --variants seqpar --seqpar-args "$SA --kept-host-layers 32" ;;
         stock) run stock --variants stock ;;
+        profile) run profile --timeout 240 --profile --profile-dir "$OUT/h100_profile" --variants seqpar --seqpar-args "$SA --kept-host-layers 32" ;;
+        ab) [ -d build/ab/seqpar ] || { echo "ab: no build/ab/seqpar (git archive <commit> seqpar | tar -x -C build/ab)" >&2; exit 2; }
+            PYTHONPATH=$PWD/.site:$PWD/build/ab run ab --timeout 240 --profile --profile-dir "$OUT/h100_profile_ab" --variants seqpar \
+                --seqpar-args "$SA --kept-host-layers 32" ;;
         all16) SEQ=16k run all16 --variants seqpar --seqpar-args "$SA" --strategy-set "$K16,kept_host_layers=0" ;;
         host16) SEQ=16k run host16 --variants seqpar --seqpar-args "$SA" --strategy-set "$K16,kept_host_layers=15" ;;
         sel16) SEQ=16k run sel16 --variants seqpar --seqpar-args "$SA" --strategy-set "$S16" ;;
         saves) python3 bench/layer_saves.py --out "$OUT/h100_layer_saves.json" 2>&1 | tail -4 ;;
-        *) echo "unknown part $p: use test, copies, same0, same10, same17, advised, stock, all16, host16, sel16, saves" >&2; exit 2 ;;
+        *) echo "unknown part $p: use test, copies, same0, same10, same17, advised, stock, profile, ab, all16, host16, sel16, saves" >&2; exit 2 ;;
         esac
     done
 done
