@@ -338,3 +338,39 @@ def test_the_pool_unpins_idle_blocks_of_old_sizes_for_a_new_token_count(monkeypa
     assert matmul_keep._reclaim in offload.RECLAIMERS
     held = HostOffload.held
     assert matmul_keep._reclaim(held) == held and HostOffload.held == 0 and pinned == {}
+
+
+def test_each_host_kept_forward_waits_for_the_previous_ones_copies_out(monkeypatch):
+    """Pacing: once a host-kept layer's forward is queued, the host waits until the previous host-kept layer's last copy
+    out has run (and never for its own, nor in GPU-kept layers), so the output blocks waiting for their copies stay
+    within about two layers. The copies' CUDA events need a GPU: here each forward's last copy out is an event double
+    that records its synchronize(); everything else is the real model's forward (4 layers: 0, 2 host-kept, spread)."""
+    from seqpar.runtime import matmul_keep
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            waited.append(self.name)
+
+    waited, made = [], []
+    real = matmul_keep._pace
+
+    def pace(fwd):
+        layer = keepers.index(fwd.keeper)
+        made.append(layer)
+        fwd.last_out = ("cuda:0", Event(f"copies of layer {layer}, pass {len(made)}"))  # what a CUDA forward records
+        real(fwd)
+
+    warnings.filterwarnings("ignore")
+    ids, labels = batch()
+    model = _apply(make_model(), "data_parallel", "full", 0, 2)
+    keepers = [layer._gradient_checkpointing_func for layer in model.model.layers]
+    assert [k.host for k in keepers] == [True, False, True, False]
+    monkeypatch.setattr(matmul_keep, "_LAST_OUT", {})
+    monkeypatch.setattr(matmul_keep, "_pace", pace)
+    for _ in range(2):  # two forwards, each followed by its backward (the second waits on the first's last layer)
+        model(input_ids=ids, labels=labels).loss.backward()
+    assert made == [0, 2, 0, 2]
+    assert waited == ["copies of layer 0, pass 1", "copies of layer 2, pass 2", "copies of layer 0, pass 3"]

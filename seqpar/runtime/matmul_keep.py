@@ -268,6 +268,7 @@ class _Forward:
         self.next = 0  # the recomputation's position
         self.storages: dict[int, tuple[int, StorageWeakRef]] = {}  # storage address -> (entry index, its storage)
         self.prefetched = False
+        self.last_out = None  # (device, event) of its newest copy out to host memory (CUDA), for _pace
 
     @property
     def pending(self) -> bool:
@@ -281,6 +282,8 @@ class _Forward:
             self.storages[storage.data_ptr()] = (len(self.entries), StorageWeakRef(storage))
         self.ops.append((func, tuple(out.shape)))
         self.entries.append(e if e.kept else None)
+        if e.copied is not None:
+            self.last_out = (e.device, e.copied)
         MatmulKeep.stats[("host" if host else "gpu") if e.kept else "recomputed"] += out.numel() * out.element_size()
 
     def written(self, func, args, kwargs) -> None:
@@ -361,6 +364,30 @@ class _Replay(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_LAST_OUT: dict[torch.device, torch.cuda.Event] = {}  # per device: the newest copy out of the host-kept forward before
+
+
+def _pace(fwd: _Forward) -> None:
+    """Keep the host within one host-kept layer of its copies out: once a host-kept layer's forward is queued, wait
+    until the previous host-kept layer's copies out have run.
+
+    Each copy out reads its matmul output after the GPU has made it, and the output's block goes back to the caching
+    allocator only when the copy has run (record_stream). The host queues kernels far ahead of the GPU (a layer's
+    forward is queued in milliseconds and runs for 50-100 ms at 32K-64K tokens), so unpaced, the blocks of every output
+    queued but not yet copied stay out of reach: at the edge of GPU memory the allocator then frees its whole cache,
+    which waits for every pending copy (measured on one H100 at 32K tokens: one such flush per step, 54 event waits,
+    0.67 s with the host blocked and then a 0.1 s idle GPU while it refilled the queue and mapped its memory again).
+    Paced, at most about two host-kept layers' outputs are pending, and the GPU still has a layer's work queued while
+    the host waits."""
+    if fwd.last_out is None:
+        return
+    device, event = fwd.last_out
+    previous = _LAST_OUT.get(device)
+    _LAST_OUT[device] = event
+    if previous is not None:
+        previous.synchronize()
+
+
 def _prefetch(ref: weakref.ref) -> None:
     """Start copying back the host-kept outputs of the forward ``ref`` names, if its backward has not run yet."""
     fwd = ref()
@@ -412,6 +439,8 @@ class MatmulKeep:
             return function(*args, **kwargs)
         fwd = _Forward(self)
         out = checkpoint(function, *args, use_reentrant=False, context_fn=partial(self._contexts, fwd), **kwargs)
+        if self.host:
+            _pace(fwd)
         while self.forwards and self.forwards[0]() is None:  # forwards whose backward has run
             self.forwards.popleft()
         self.forwards.append(weakref.ref(fwd))
