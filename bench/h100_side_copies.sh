@@ -24,13 +24,14 @@
 #   run(command="bash bench/h100_side_copies.sh", kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 source bench/h200_env.sh
+HERE=$PWD
 SA="--fused-ops liger --host-ram-gib 125 --pinned-host-gib 50 --kept-saves matmuls"
 K16="checkpointing=full,checkpoint_layers=0"
 S16="checkpointing=selective,checkpoint_layers=15,kept_host_layers=0"
 run() {
     local tag=$1
     shift
-    python3 bench/single_gpu.py --gpu h100 --shape llama-2-7b --seq "${SEQ:-32k}" --optimizer none --steps 3 --warmup 1 --timeout 150 \
+    python3 "$HERE/bench/single_gpu.py" --gpu h100 --shape llama-2-7b --seq "${SEQ:-32k}" --optimizer none --steps 3 --warmup 1 --timeout 150 \
         "$@" --out "$OUT/h100_$tag.json" 2>&1 | tail -2
 }
 for part in "${@:-test copies same0 same10 same17 advised stock}"; do
@@ -45,8 +46,8 @@ for part in "${@:-test copies same0 same10 same17 advised stock}"; do
         stock) run stock --variants stock ;;
         profile) run profile --timeout 240 --profile --profile-dir "$OUT/h100_profile" --variants seqpar --seqpar-args "$SA --kept-host-layers 32" ;;
         ab) [ -d build/ab/seqpar ] || { echo "ab: no build/ab/seqpar (git archive <commit> seqpar | tar -x -C build/ab)" >&2; exit 2; }
-            PYTHONPATH=$PWD/.site:$PWD/build/ab run ab --timeout 240 --profile --profile-dir "$OUT/h100_profile_ab" --variants seqpar \
-                --seqpar-args "$SA --kept-host-layers 32" ;;
+            ROOT=$PWD; cd build/ab; PYTHONPATH=$ROOT/.site:$ROOT/build/ab run ab --timeout 240 --profile --profile-dir "$OUT/h100_profile_ab" --variants seqpar \
+                --seqpar-args "$SA --kept-host-layers 32"; cd "$ROOT" ;;
         all16) SEQ=16k run all16 --variants seqpar --seqpar-args "$SA" --strategy-set "$K16,kept_host_layers=0" ;;
         host16) SEQ=16k run host16 --variants seqpar --seqpar-args "$SA" --strategy-set "$K16,kept_host_layers=15" ;;
         sel16) SEQ=16k run sel16 --variants seqpar --seqpar-args "$SA" --strategy-set "$S16" ;;

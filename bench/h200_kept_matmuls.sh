@@ -29,11 +29,12 @@
 #   run(command="bash bench/h200_kept_matmuls.sh matmuls split stock", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 source bench/h200_env.sh
+HERE=$PWD
 SA="--fused-ops liger --host-ram-gib 125"
 run() {
     local tag=$1
     shift
-    python3 bench/single_gpu.py --shape llama-2-7b --seq 64k --optimizer none --steps 2 --warmup 1 --timeout 170 "$@" \
+    python3 "$HERE/bench/single_gpu.py" --shape llama-2-7b --seq 64k --optimizer none --steps 2 --warmup 1 --timeout 170 "$@" \
         --out "$OUT/kept_$tag.json" 2>&1 | tail -3
 }
 for part in "${@:-test host host75 matmuls split stock}"; do
@@ -49,8 +50,8 @@ for part in "${@:-test host host75 matmuls split stock}"; do
         profile) run profile --timeout 300 --profile --profile-dir "$OUT/profile_host75" --variants seqpar \
             --seqpar-args "$SA --pinned-host-gib 75 --kept-saves matmuls --kept-host-layers 32" ;;
         ab) [ -d build/ab/seqpar ] || { echo "ab: no build/ab/seqpar (git archive <commit> seqpar | tar -x -C build/ab)" >&2; exit 2; }
-            PYTHONPATH=$PWD/.site:$PWD/build/ab run ab --timeout 300 --profile --profile-dir "$OUT/profile_ab" --variants seqpar \
-                --seqpar-args "$SA --pinned-host-gib 75 --kept-saves matmuls --kept-host-layers 32" ;;
+            ROOT=$PWD; cd build/ab; PYTHONPATH=$ROOT/.site:$ROOT/build/ab run ab --timeout 300 --profile --profile-dir "$OUT/profile_ab" --variants seqpar \
+                --seqpar-args "$SA --pinned-host-gib 75 --kept-saves matmuls --kept-host-layers 32"; cd "$ROOT" ;;
         copies) python3 bench/host_copies.py --sizes-gib 1,4 --repeats 2 --out "$OUT/h200_host_copies.json" 2>&1 | tail -5 ;;
         *) echo "unknown part $p: use test, host, host75, matmuls, split, stock, saves, profile, ab, copies" >&2; exit 2 ;;
         esac
