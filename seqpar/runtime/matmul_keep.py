@@ -25,7 +25,10 @@ edits it later) is not seen; changes during the forward are, by storage, whateve
 ``host``: the kept matmul outputs wait in page-locked host memory instead (``kept_host_layers``): each is copied out on a
 side stream (one per device, shared by all layers) as soon as it is computed, and comes back one layer ahead in
 backward (the copy starts when the gradient reaches the next layer's output, i.e. when that layer's backward begins),
-so the copies overlap compute. The buffers come from a pool of exact-size page-locked blocks (cudaHostRegister, through
+so the copies overlap compute; the host is paced to the copies out (``_pace``: after a host-kept layer's forward is
+queued, it waits for the previous host-kept layer's copies), so the blocks awaiting their copies never pile up until
+the caching allocator flushes its cache. Which layers are host-kept is the plan's (seqpar.options.LayerSplit.host_kept:
+spread over the kept layers). The buffers come from a pool of exact-size page-locked blocks (cudaHostRegister, through
 torch's own helper: no power-of-two rounding) that later steps reuse; a block goes back to the pool when its output is
 taken, dropped, or forgotten (a forward that never reaches backward); idle blocks of other sizes are unpinned when
 a new size would pass the budget (a token count that changes between steps). A matmul whose block would exceed the pinned
