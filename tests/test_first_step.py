@@ -35,7 +35,7 @@ def test_first_step_is_a_warm_step_plus_its_one_off_costs():
 
 def test_host_kept_matmul_blocks_are_page_locked_at_the_register_rate():
     # 15 of 32 kept layers' matmul outputs in host memory (4.6875 GiB each at 64K), all within a 75 GiB pinned budget:
-    # registered in place (cudaHostRegister), slower than the offload's cudaHostAlloc'd blocks
+    # registered in place (touched, then cudaHostRegister), at their own rate, not the offload's cudaHostAlloc'd one
     w = Workload(model=M7, seq_len=65536, optimizer="none")
     cl = H200.model_copy(update={"pinned_host_gib": 75.0})
     s = Strategy(
@@ -47,7 +47,6 @@ def test_host_kept_matmul_blocks_are_page_locked_at_the_register_rate():
         fused_ops="liger",
     )
     p = predict(w, cl, s, C)
-    assert C.pinned_register_gib_s < C.pinned_alloc_gib_s
     assert p.first_step_s - p.step_time_s == pytest.approx(C.first_step_s + 15 * 4.6875 / C.pinned_register_gib_s, abs=1e-3)
 
 

@@ -41,7 +41,7 @@ class Coefficients:
     side_copy_overlap: float = 0.88  # share of the host-kept matmul outputs' side-stream copies hidden under compute
     first_step_s: float = 0.76  # the first step's one-off costs beyond a warm step, without offload
     pinned_alloc_gib_s: float = 5.0  # page-locking the offload's pinned host blocks during the first step
-    pinned_register_gib_s: float = 2.7  # page-locking the host-kept matmul outputs' blocks (cudaHostRegister), first step
+    pinned_register_gib_s: float = 8.5  # page-locking the host-kept matmul outputs' blocks (touched, then cudaHostRegister)
     pageable_bandwidth_gb_s: float = 2.5  # checkpointed layer inputs beyond the pinned budget: synchronous pageable copies
     cpu_adam_gparams_per_s: float = 8.0  # CPU Adam throughput per node, 1e9 parameters per second
     allocator_reserve_fraction: float = 0.05  # the caching allocator's reserved - allocated at the peak, share of the peak,

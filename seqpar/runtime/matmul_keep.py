@@ -132,7 +132,9 @@ class _Pool:
             self.reclaim(HostOffload.held + nbytes - budget)
             if HostOffload.held + nbytes > budget:
                 return None
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        # torch's threads fault the pages in first: cudaHostRegister of untouched pages faults them in on one thread
+        # (2.5-3.4 GiB/s on the H100 machine's host, against 8.8-11 touched first: bench/host_copies.py)
+        buf = torch.empty(nbytes, dtype=torch.uint8).zero_()
         try:
             pin_memory(buf.data_ptr(), nbytes)
         except RuntimeError as e:
