@@ -133,7 +133,7 @@ def first_step_extra_s(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffi
     """What the first step costs beyond a warm one: a fixed part (kernel selection, allocator growth, lazy init) and the
     page-locking of the pinned host blocks the checkpoint offload and the host-kept matmul outputs allocate then (both
     reuse them in later steps): the offload's through the caching host allocator (cudaHostAlloc, pinned_alloc_gib_s),
-    the kept outputs' registered in place (cudaHostRegister of fresh pages, slower: pinned_register_gib_s)."""
+    the kept outputs' registered in place (fresh pages touched by torch's threads, then cudaHostRegister: pinned_register_gib_s)."""
     host, layer, pinned = offloaded_inputs(w, cluster, s)
     _, mm_layer, mm_pinned = kept_host_matmuls(w, cluster, s)
     return (
