@@ -6,7 +6,7 @@
 # RoPE the CPU tests cannot reach), then five runs of bench/single_gpu.py, each its own process, rows in $OUT/kept_<tag>.json:
 #   host      --kept-saves matmuls --kept-host-layers 10 (10 kept layers' matmul outputs in pinned host memory)
 #   host75    --kept-saves matmuls --kept-host-layers 32 --pinned-host-gib 75: the advisor picks the host count and split
-#             with 75 of the 125 GiB page-lockable (15 host-kept layers, none recomputed: 5,536 tokens/s predicted at side_copy_overlap 0.88)
+#             with 75 of the 125 GiB page-lockable (15 host-kept layers, none recomputed: 5,601 tokens/s predicted at side_copy_overlap 0.93)
 #   matmuls   the advisor's plan with --kept-saves matmuls (the kept layers keep only their matmul outputs)
 #   split     the advisor's plan as it chooses today (selective, the last layers fully kept)
 #   stock     stock transformers (gradient checkpointing on every layer), the issue's baseline

@@ -38,7 +38,7 @@ class Coefficients:
     comm_bandwidth_efficiency: float = 0.75  # NCCL bus bandwidth / datasheet link bandwidth
     offload_bandwidth_gb_s: float = 12.0  # effective host<->device bandwidth per GPU for offloaded states / checkpoints
     pinned_copy_gb_s: float = 55.0  # checkpointed layer inputs to and from pinned host memory, per direction
-    side_copy_overlap: float = 0.88  # share of the host-kept matmul outputs' side-stream copies hidden under compute
+    side_copy_overlap: float = 0.93  # share of the host-kept matmul outputs' side-stream copies hidden under compute
     first_step_s: float = 0.76  # the first step's one-off costs beyond a warm step, without offload
     pinned_alloc_gib_s: float = 5.0  # page-locking the offload's pinned host blocks during the first step
     pinned_register_gib_s: float = 8.5  # page-locking the host-kept matmul outputs' blocks (touched, then cudaHostRegister)

@@ -150,7 +150,7 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
     compute; beyond it seqpar.runtime.offload falls back to pageable memory, whose copies are synchronous: exposed.
     The host-kept matmul outputs (kept_host_layers) go out and come back the same way, on a side stream, each layer's
     fetched one layer ahead (the top one, with no GPU-kept layer above it to start it, when its own backward begins).
-    Their overlap (coefficients' side_copy_overlap, 0.88) is fitted to one H100's rows (bench/fit_side_copy.py)."""
+    Their overlap (coefficients' side_copy_overlap, 0.93) is fitted to one H100's rows (bench/fit_side_copy.py)."""
     host, layer, pinned = offloaded_inputs(w, cluster, s)
     _, mm_layer, mm_pinned = kept_host_matmuls(w, cluster, s)
     if not host and not mm_pinned:
