@@ -31,8 +31,10 @@ S16="checkpointing=selective,checkpoint_layers=15,kept_host_layers=0"
 run() {
     local tag=$1
     shift
+    local out="$OUT/h100_$tag.json" n=2
+    while [ -e "$out" ]; do out="$OUT/h100_${tag}_$n.json"; n=$((n + 1)); done # a tag run twice keeps both rows
     python3 "$HERE/bench/single_gpu.py" --gpu h100 --shape llama-2-7b --seq "${SEQ:-32k}" --optimizer none --steps 3 --warmup 1 --timeout 150 \
-        "$@" --out "$OUT/h100_$tag.json" 2>&1 | tail -2
+        "$@" --out "$out" 2>&1 | tail -2
 }
 for part in "${@:-test copies same0 same10 same17 advised stock}"; do
     for p in $part; do

@@ -34,8 +34,10 @@ SA="--fused-ops liger --host-ram-gib 125"
 run() {
     local tag=$1
     shift
+    local out="$OUT/kept_$tag.json" n=2
+    while [ -e "$out" ]; do out="$OUT/kept_${tag}_$n.json"; n=$((n + 1)); done # a tag run twice keeps both rows
     python3 "$HERE/bench/single_gpu.py" --shape llama-2-7b --seq 64k --optimizer none --steps 2 --warmup 1 --timeout 170 "$@" \
-        --out "$OUT/kept_$tag.json" 2>&1 | tail -3
+        --out "$out" 2>&1 | tail -3
 }
 for part in "${@:-test host host75 matmuls split stock}"; do
     for p in $part; do
