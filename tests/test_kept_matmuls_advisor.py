@@ -98,15 +98,28 @@ def test_the_search_uses_kept_matmuls_only_when_pinned_and_says_when_it_would_be
     plain = advise_by_cost(_req())
     assert plain.strategy.kept_saves == "all"
     note = [r for r in plain.rationale.reasons if r.startswith("kept_saves matmuls")]
-    assert len(note) == 1 and "pin --kept-saves matmuls" in note[0]
+    assert len(note) == 2 and note[0].endswith("pin --kept-saves matmuls to use it")
     pinned = advise_by_cost(_req(kept_saves="matmuls"))
     s = pinned.strategy
     assert s.kept_saves == "matmuls" and s.kept_host_layers == 0
     assert s.checkpoint_layers < plain.strategy.checkpoint_layers  # the memory freed keeps more layers
     assert pinned.prediction.tokens_per_s > plain.prediction.tokens_per_s
-    assert f"{pinned.prediction.tokens_per_s:,.0f} tokens/s" in note[0]
+    assert f"{pinned.prediction.tokens_per_s:,.0f} tokens/s" in note[0] and f"{s.checkpoint_layers} of 32 layers" in note[0]
     assert not pinned.prediction.oom_risk
     LaunchPlan.model_validate(pinned.model_dump())  # a valid plan
+    # faster still with host-kept layers: the second note is the plan its own pins give, the count the pinned budget's
+    host = advise_by_cost(_req(kept_saves="matmuls", kept_host_layers=L7))
+    h = host.strategy
+    budget = int(PINNED_FRACTION * 125 // 4.6875)  # 10 layers' 4.69 GiB in 40% of the 125 GiB host
+    assert h.kept_host_layers == budget and h.checkpoint_layers < s.checkpoint_layers
+    assert host.prediction.tokens_per_s > pinned.prediction.tokens_per_s and not host.prediction.oom_risk
+    assert (
+        f"with {budget} of those layers' outputs in pinned host memory ({budget * 4.6875:.1f} GiB; the pinned budget" in note[1]
+    )
+    assert f"{host.prediction.tokens_per_s:,.0f} tokens/s" in note[1] and f"{h.checkpoint_layers} of 32 layers" in note[1]
+    assert "pin --kept-saves matmuls --kept-host-layers 32 to use it (measured" in note[1]
+    # pinned kept_saves or no host-kept gain: no note
+    assert not [r for r in pinned.rationale.reasons if r.startswith("kept_saves matmuls (")]
 
 
 def test_a_pinned_host_count_is_capped_by_the_pinned_budget_and_the_kept_layers():

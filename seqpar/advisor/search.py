@@ -398,8 +398,10 @@ def _option_notes(
 
 def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: ClusterSpec, c: Coefficients) -> list[str]:
     """Whether pinning kept_saves matmuls would be faster: the chosen full / selective strategy with its layers past
-    checkpoint_layers keeping only their matmul outputs, re-split for the memory that frees. Not searched unasked: exact
-    on CPU and on one H100, measured on one H100 only (Llama-2-7B at 32K, BENCHMARKS.md), not yet on an H200."""
+    checkpoint_layers keeping only their matmul outputs, re-split for the memory that frees, and the same with as many
+    of those layers' outputs in pinned host memory as the pinned budget holds (--kept-host-layers, the advisor picking the
+    count) when that is faster still. Not searched unasked: it pins host memory and its speed rests on a side stream's
+    copies, measured on two machines so far (one H100 at 32K, one H200 at 64K: BENCHMARKS.md)."""
     s = best.strategy
     if req.kept_saves is not None or not best.fits or s.checkpointing not in ("full", "selective") or s.tiled_mlp:
         return []
@@ -407,17 +409,45 @@ def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
         return []
     whole = s.model_copy(update=NO_SPLIT)
     alt = layer_split_variant(w, cl, whole, c, req.model_copy(update={"kept_saves": "matmuls"}))
-    if alt is None:
+    host_req = req.model_copy(update={"kept_saves": "matmuls", "kept_host_layers": w.model.num_layers})
+    alt_host = layer_split_variant(w, cl, whole, c, host_req) if cl.accelerator == "cuda" else None
+    x = evaluate(w, cl, alt, c) if alt is not None else None
+    xh = evaluate(w, cl, alt_host, c) if alt_host is not None and alt_host.kept_host_layers else None
+    if x is None or not x.fits or x.tokens_per_s <= best.tokens_per_s:
+        x = None
+    if xh is None or not xh.fits or xh.tokens_per_s <= max(best.tokens_per_s, x.tokens_per_s if x else 0.0):
+        xh = None
+    if x is None and xh is None:
         return []
-    x = evaluate(w, cl, alt, c)
-    if not x.fits or x.tokens_per_s <= best.tokens_per_s:
-        return []
-    return [
-        f"kept_saves matmuls (the layers past the recomputed ones keep only their matmul outputs and attention's out + "
-        f"lse) would run {x.tokens_per_s:,.0f} tokens/s ({x.tokens_per_s / best.tokens_per_s - 1:+.1%}) with "
-        f"{alt.checkpoint_layers} of {w.model.num_layers} layers recomputed, at a peak of {x.peak_gib:.1f} GiB; measured "
-        "on one H100 so far: pin --kept-saves matmuls to use it"
-    ]
+    measured = (
+        "measured exact and faster on one H100 at 32K and one H200 at 64K, there 1.355x stock transformers with 15 "
+        "host-kept layers, Llama-2-7B"
+    )
+    out = []
+    if x is not None:
+        out.append(
+            f"kept_saves matmuls (the layers past the recomputed ones keep only their matmul outputs and attention's out + "
+            f"lse) would run {x.tokens_per_s:,.0f} tokens/s ({x.tokens_per_s / best.tokens_per_s - 1:+.1%}) with "
+            f"{alt.checkpoint_layers} of {w.model.num_layers} layers recomputed, at a peak of {x.peak_gib:.1f} GiB: "
+            "pin --kept-saves matmuls to use it"
+        )
+    if xh is not None:
+        _, layer_bytes, on_host = kept_host_matmuls(w, cl, alt_host)
+        budget = cl.pinned_gib_per_rank
+        bound = (
+            f"; the pinned budget, {budget:.0f} GiB per rank, holds no more: --pinned-host-gib"
+            if (on_host + 1) * layer_bytes / GIB > budget
+            else ""
+        )
+        out.append(
+            f"kept_saves matmuls with {on_host} of those layers' outputs in pinned host memory "
+            f"({on_host * layer_bytes / GIB:.1f} GiB{bound}) would run {xh.tokens_per_s:,.0f} tokens/s "
+            f"({xh.tokens_per_s / best.tokens_per_s - 1:+.1%}) with {alt_host.checkpoint_layers} of {w.model.num_layers} "
+            f"layers recomputed, at a peak of {xh.peak_gib:.1f} GiB: pin --kept-saves matmuls --kept-host-layers "
+            f"{w.model.num_layers} to use it"
+        )
+    out[-1] += f" ({measured})"
+    return out
 
 
 def _liger_alternative(
