@@ -114,7 +114,8 @@ def test_the_search_uses_kept_matmuls_only_when_pinned_and_says_when_it_would_be
     assert h.kept_host_layers == budget and h.checkpoint_layers < s.checkpoint_layers
     assert host.prediction.tokens_per_s > pinned.prediction.tokens_per_s and not host.prediction.oom_risk
     assert (
-        f"with {budget} of those layers' outputs in pinned host memory ({budget * 4.6875:.1f} GiB; the pinned budget" in note[1]
+        f"with {budget} kept layers' matmul outputs in pinned host memory ({budget * 4.6875:.1f} GiB; the pinned budget"
+        in note[1]
     )
     assert f"{host.prediction.tokens_per_s:,.0f} tokens/s" in note[1] and f"{h.checkpoint_layers} of 32 layers" in note[1]
     assert "pin --kept-saves matmuls --kept-host-layers 32 to use it (measured" in note[1]

@@ -440,7 +440,7 @@ def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
             else ""
         )
         out.append(
-            f"kept_saves matmuls with {on_host} of those layers' outputs in pinned host memory "
+            f"kept_saves matmuls with {on_host} kept layers' matmul outputs in pinned host memory "
             f"({on_host * layer_bytes / GIB:.1f} GiB{bound}) would run {xh.tokens_per_s:,.0f} tokens/s "
             f"({xh.tokens_per_s / best.tokens_per_s - 1:+.1%}) with {alt_host.checkpoint_layers} of {w.model.num_layers} "
             f"layers recomputed, at a peak of {xh.peak_gib:.1f} GiB: pin --kept-saves matmuls --kept-host-layers "
