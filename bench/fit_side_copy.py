@@ -1,7 +1,7 @@
 """Fit the cost model's side_copy_overlap (the share of the host-kept matmul outputs' copies hidden under compute) from
 bench/h100_side_copies.sh's rows.
 
-    python bench/fit_side_copy.py bench/results/h100_kept_matmuls_32k.json
+    python bench/fit_side_copy.py bench/results/h100_kept_matmuls_32k_paced.json
 
 Each seqpar row's plan (the one it ran, from its run report) is predicted again for side_copy_overlap 0 to 1 with the
 shipped coefficients otherwise. Rows are compared as ratios to the row that keeps no output in host memory (tag
@@ -60,7 +60,10 @@ def fit(rows: list[dict], reference: str = "same0") -> tuple[float, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("rows", help="JSON rows of bench/single_gpu.py with a 'tag' each (bench/results/h100_kept_matmuls_32k.json)")
+    ap.add_argument(
+        "rows",
+        help="JSON rows of bench/single_gpu.py with a 'tag' each (bench/results/h100_kept_matmuls_32k_paced.json; the unpaced runtime's: h100_kept_matmuls_32k.json)",
+    )
     ap.add_argument("--reference", default="same0", help="the tag of the row that keeps nothing in host memory")
     args = ap.parse_args(argv)
     try:

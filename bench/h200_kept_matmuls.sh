@@ -20,7 +20,7 @@
 #   saves     bench/layer_saves.py (not a default part): each decoder layer's saved tensors and GPU bytes under
 #             kept_saves all / matmuls, Liger and not, at the GPU test's small shape, to $OUT/h200_layer_saves.json
 # Each seqpar row carries the plan's prediction and the run report's kept_matmuls bytes (GPU / host / recomputed), so
-# the host copies' overlap (coefficients' side_copy_overlap, 0.88 fitted on one H100: bench/h100_side_copies.sh) can be
+# the host copies' overlap (coefficients' side_copy_overlap, 0.93 fitted on one H100: bench/h100_side_copies.sh) can be
 # checked on the H200 (bench/fit_side_copy.py, given a row that keeps nothing in host memory).
 # Every plan states its pinned budget (--pinned-host-gib; 50 = the default 40% of the declared 125 GiB host), so the
 # runtime pins what the advisor priced, whatever RAM the VM reports at start.

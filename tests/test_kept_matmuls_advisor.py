@@ -98,13 +98,15 @@ def test_the_search_uses_kept_matmuls_only_when_pinned_and_says_when_it_would_be
     plain = advise_by_cost(_req())
     assert plain.strategy.kept_saves == "all"
     note = [r for r in plain.rationale.reasons if r.startswith("kept_saves matmuls")]
-    assert len(note) == 2 and note[0].endswith("pin --kept-saves matmuls to use it")
+    assert len(note) == 2 and "pin --kept-saves matmuls to use it (exact in the GPU tests" in note[0]
     pinned = advise_by_cost(_req(kept_saves="matmuls"))
     s = pinned.strategy
     assert s.kept_saves == "matmuls" and s.kept_host_layers == 0
     assert s.checkpoint_layers < plain.strategy.checkpoint_layers  # the memory freed keeps more layers
     assert pinned.prediction.tokens_per_s > plain.prediction.tokens_per_s
     assert f"{pinned.prediction.tokens_per_s:,.0f} tokens/s" in note[0] and f"{s.checkpoint_layers} of 32 layers" in note[0]
+    gain = pinned.prediction.tokens_per_s / plain.prediction.tokens_per_s - 1
+    assert f"({gain:+.1%})" in note[0] and f"at a peak of {pinned.prediction.peak_memory_gib:.1f} GiB" in note[0]
     assert not pinned.prediction.oom_risk
     LaunchPlan.model_validate(pinned.model_dump())  # a valid plan
     # faster still with host-kept layers: the second note is the plan its own pins give, the count the pinned budget's
@@ -118,9 +120,31 @@ def test_the_search_uses_kept_matmuls_only_when_pinned_and_says_when_it_would_be
         in note[1]
     )
     assert f"{host.prediction.tokens_per_s:,.0f} tokens/s" in note[1] and f"{h.checkpoint_layers} of 32 layers" in note[1]
+    gain = host.prediction.tokens_per_s / plain.prediction.tokens_per_s - 1
+    assert f"({gain:+.1%})" in note[1] and f"at a peak of {host.prediction.peak_memory_gib:.1f} GiB" in note[1]
     assert "pin --kept-saves matmuls --kept-host-layers 32 to use it (measured" in note[1]
-    # pinned kept_saves or no host-kept gain: no note
-    assert not [r for r in pinned.rationale.reasons if r.startswith("kept_saves matmuls (")]
+    # kept_saves pinned: no note of either kind
+    assert not [r for r in pinned.rationale.reasons if r.startswith("kept_saves matmuls")]
+    assert not [r for r in host.rationale.reasons if r.startswith("kept_saves matmuls")]
+
+
+def test_the_host_kept_note_stands_alone_and_says_when_the_budget_is_not_what_bounds_it():
+    """The host-kept note reads on its own and gives the plan its own pins give: with 50 GiB pinned the budget caps the
+    count (10 layers' 46.9 GiB, an 11th would not fit) and the note says so; with 75 GiB the search's own choice (15
+    host-kept layers, 70.3 GiB, none recomputed: a 16th would only add copies) is not the budget's, and the note names no
+    bound."""
+    for pinned_gib, bound in ((50.0, True), (75.0, False)):
+        cl = h200().model_copy(update={"pinned_host_gib": pinned_gib})
+        req = AdviseRequest(
+            model=M7, seq_len=S, cluster=cl, mode="data_parallel", sharding="ddp", fused_ops="liger", optimizer="none"
+        )
+        notes = [r for r in advise_by_cost(req).rationale.reasons if r.startswith("kept_saves matmuls with")]
+        host = advise_by_cost(req.model_copy(update={"kept_saves": "matmuls", "kept_host_layers": L7}))
+        h = host.strategy
+        assert len(notes) == 1 and not host.prediction.oom_risk and h.kept_host_layers == (10 if bound else 15)
+        assert f"with {h.kept_host_layers} kept layers' matmul outputs" in notes[0]
+        assert f"{host.prediction.tokens_per_s:,.0f} tokens/s" in notes[0]
+        assert ("the pinned budget" in notes[0]) is bound
 
 
 def test_a_pinned_host_count_is_capped_by_the_pinned_budget_and_the_kept_layers():
