@@ -9,6 +9,7 @@ training checkpoints' defaults (how many are kept, the interval) are here too: t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 CHECKPOINTING: tuple[str, ...] = ("none", "full", "offload", "selective")
 
@@ -63,6 +64,7 @@ class LayerSplit:
         return tuple(self.checkpointed + j * k // n for j in range(n)) if n else ()
 
 
+@lru_cache(maxsize=4096)  # pure, and the advisor's search asks it ~14,000 times for a few hundred distinct splits
 def layer_split(
     checkpointing: str,
     num_layers: int,
