@@ -429,10 +429,11 @@ def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
         )
     if xh is not None:
         _, layer_bytes, on_host = kept_host_matmuls(w, cl, alt_host)
-        budget = cl.pinned_gib_per_rank
+        kept = w.model.num_layers - alt_host.checkpoint_layers
+        holds = kept_host_matmuls(w, cl, alt_host.model_copy(update={"kept_host_layers": kept}))[2]  # all kept asked
         bound = (
-            f"; the pinned budget, {budget:.0f} GiB per rank, holds no more: --pinned-host-gib"
-            if (on_host + 1) * layer_bytes / GIB > budget
+            f"; the pinned budget, {cl.pinned_gib_per_rank:.0f} GiB per rank, holds no more: --pinned-host-gib"
+            if holds == on_host < kept
             else ""
         )
         out.append(
