@@ -16,10 +16,10 @@ import platform
 import sys
 from datetime import datetime, timezone
 
-from seqpar.advisor.coefficients import COEFFICIENTS_PATH, load_coefficients
-from seqpar.advisor.fit import coefficients_json, evaluate
-from seqpar.advisor.measurements import load_measurements
-from seqpar.schema import write_atomic
+from seqpar.advisor.cost.coefficients import COEFFICIENTS_PATH, load_coefficients
+from seqpar.advisor.cost.fit import coefficients_json, evaluate
+from seqpar.advisor.cost.measurements import load_measurements
+from seqpar.plan.schema import write_atomic
 
 
 def pct(x):

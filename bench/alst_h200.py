@@ -173,7 +173,7 @@ def outcome(returncode: int, tail: str) -> dict:
 def make_row(seq_len: int, model: str, s: dict, losses: list, all_times: list, warmup: int, init_s: float, flops: float,
              mem: dict) -> dict:  # fmt: skip
     """A finished run's row, in bench/single_gpu.py's fields: tokens/s of the steps after ``warmup`` (median step; the
-    first step when warmup is 0), MFU of the model FLOPs (seqpar.flops; recompute not counted), GPU peaks from
+    first step when warmup is 0), MFU of the model FLOPs (seqpar.plan.flops; recompute not counted), GPU peaks from
     torch.cuda, host peaks, the first step's time and the settings it ran with."""
     times = all_times[warmup:] or all_times[-1:]
     t = sorted(times)[len(times) // 2]
@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                  "loss": args.loss}  # fmt: skip
     s = settings(args.recipe, overrides)
     args.passthrough = _passthrough(argv if argv is not None else sys.argv[1:])
-    from seqpar.flops import model_flops_per_sequence
-    from seqpar.schema import ModelSpec
+    from seqpar.plan.flops import model_flops_per_sequence
+    from seqpar.plan.schema import ModelSpec
 
     model = ModelSpec.model_validate(spec)
     flops = lambda n: model_flops_per_sequence(model, n)

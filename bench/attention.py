@@ -3,7 +3,7 @@
 For S in {128K, 512K, 1M} over W = 8 ranks (32 heads x 128 dim, MHA, bf16, causal), each mode's rank r runs a fixed
 sequence of local attention calls (forward + backward) on the blocks it computes or receives:
 - zigzag_ring_attn: one (2c x 2c) diagonal, then r blocks (2c q x c kv) and W-1-r blocks (c q x 2c kv), c = S/2W;
-- dist_flash_attn: LightSeq's balanced schedule (seqpar.runtime.dist_flash_attn.schedule) of (S/W x S/W) blocks;
+- dist_flash_attn: LightSeq's balanced schedule (seqpar.runtime.parallel.dist_flash_attn.schedule) of (S/W x S/W) blocks;
 - ulysses_attn: one full-length causal attention on 32/W heads;
 - usp_attn: zigzag over R = W/U ring ranks on 32/U heads (U = --usp-ulysses, default 2).
 Each distinct block shape is timed once (after a warm-up call of the same shape: cuDNN builds a plan per shape) and a
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seqpar.runtime import kernels  # noqa: E402
+from seqpar.runtime.parallel import kernels
 
 MODES = ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
 
@@ -62,7 +62,7 @@ def rank_calls(mode: str, S: int, W: int, H: int, usp_u: int) -> list[list[tuple
         per_ring = _zigzag_calls(S, R, H // usp_u)
         return [per_ring[r // usp_u] for r in range(W)]  # rank = ring_rank * U + ulysses_rank
     if mode == "dist_flash_attn":
-        from seqpar.runtime.dist_flash_attn import rows, schedule
+        from seqpar.runtime.parallel.dist_flash_attn import rows, schedule
 
         C = S // W
         calls: list[list[tuple]] = [[] for _ in range(W)]

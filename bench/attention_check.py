@@ -46,7 +46,10 @@ def _errors(a, b, truth, ref_err, atol, rtol):
 def _rank(rank, W, modes, S, backend, D, device):
     import torch
 
-    from seqpar.runtime import attention, kernels, local_attention, shard
+    from seqpar.runtime.parallel import kernels
+    from seqpar.runtime.parallel.attention import attention
+    from seqpar.runtime.parallel.data_parallel import local_attention
+    from seqpar.runtime.parallel.layout import shard
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -98,7 +101,7 @@ def _rank(rank, W, modes, S, backend, D, device):
 
 
 def main(argv=None) -> int:
-    from seqpar.modes import MODES
+    from seqpar.plan.modes import MODES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", default="2,4")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 def parse_len(text: str) -> int:
-    from seqpar.schema import parse_seq_len
+    from seqpar.plan.schema import parse_seq_len
 
     return parse_seq_len(text)
 
@@ -34,9 +34,9 @@ def parse_len(text: str) -> int:
 def choose(lengths: list[int], model: str, budget_s: float) -> tuple[list[int], list[dict], list[int]]:
     """(lengths to run, their predictions, lengths dropped for the budget), from the advisor's forward-only model."""
     from seqpar.advisor.cluster import cluster_from_flags
-    from seqpar.advisor.evaluate import predict_eval
+    from seqpar.advisor.cost.evaluate import predict_eval
+    from seqpar.plan.schema import Strategy
     from seqpar.profiles import get_model
-    from seqpar.schema import Strategy
 
     m, cl = get_model(model), cluster_from_flags("h200", 1)
     keep, preds, dropped, total = [], [], [], 0.0
@@ -66,10 +66,10 @@ def main() -> None:
     result: dict = {"model": args.model, "gpu": "h200 x1", "lengths": lengths, "dropped_for_budget": dropped}
     with tempfile.TemporaryDirectory() as tmp:
         plan, out = Path(tmp) / "plan.json", Path(tmp) / "eval"
-        adv = [sys.executable, "-m", "seqpar.cli", "advise", "--model", args.model, "--gpu", "h200", "--gpus", "1"]
+        adv = [sys.executable, "-m", "seqpar.cli.commands", "advise", "--model", args.model, "--gpu", "h200", "--gpus", "1"]
         adv += ["--seq-len", str(min(lengths)), "--mode", "data_parallel", "--optimizer", "none", "-o", str(plan)]
         subprocess.run(adv, check=True, stdout=subprocess.DEVNULL)
-        cmd = [sys.executable, "-m", "seqpar.cli", "eval", str(plan), "--seq-len", ",".join(map(str, lengths))]
+        cmd = [sys.executable, "-m", "seqpar.cli.commands", "eval", str(plan), "--seq-len", ",".join(map(str, lengths))]
         cmd += ["--windows", "1", "--buckets", "8", "--data", "synthetic", "--output", str(out), "--json", "--force"]
         t0 = time.perf_counter()
         try:

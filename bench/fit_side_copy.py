@@ -16,9 +16,9 @@ import dataclasses
 import json
 import sys
 
-from seqpar.advisor.coefficients import load_coefficients
+from seqpar.advisor.cost.coefficients import load_coefficients
 from seqpar.advisor.search import evaluate
-from seqpar.schema import LaunchPlan
+from seqpar.plan.schema import LaunchPlan
 
 
 def predict(plan: LaunchPlan, overlap: float, base) -> float:

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On one H100 (device tool, nvidia-h100-x1), from the repository root, carrying .whl/ (pydantic's and liger-kernel's
 # wheels, as bench/h200_env.sh installs them): how much of the host-kept matmul outputs' copies (kept_host_layers,
-# seqpar/runtime/matmul_keep.py) compute hides, i.e. the cost model's side_copy_overlap, and the GPU tests of the
+# seqpar/runtime/memory/matmul_keep.py) compute hides, i.e. the cost model's side_copy_overlap, and the GPU tests of the
 # kept matmuls. Llama-2-7B shape, 32K tokens, optimizer none, Liger; the default parts ran in 240 s on 2026-12-05.
 # The three "same" rows run one plan (the advisor's with --kept-saves matmuls: the first 15 layers selective, the last
 # 17 keeping their matmul outputs) and differ only in how many of the 17 hold those outputs in pinned host memory
 # (strategy.kept_host_layers 0, 10, 17): the same recomputation, so the step time's difference is the exposed copy time.
-#   test     tests/test_matmul_keep_gpu.py (streams, page-locked blocks, a stated pinned budget, Liger's in-place RoPE)
+#   test     tests/runtime/memory/test_matmul_keep_gpu.py (streams, page-locked blocks, a stated pinned budget, Liger's in-place RoPE)
 #   copies   bench/host_copies.py at the sizes of one layer's matmul outputs (pinned GB/s of this machine's PCIe)
 #   same0 / same10 / same17   the plan above with kept_host_layers 0 / 10 / 17
 #   advised  --kept-host-layers 32: the advisor's own split with host-kept layers (fewer recomputed)
@@ -39,7 +39,7 @@ run() {
 for part in "${@:-test copies same0 same10 same17 advised stock}"; do
     for p in $part; do
         case $p in
-        test) python3 -m pytest -q -rs tests/test_matmul_keep_gpu.py 2>&1 | tee "$OUT/h100_gpu_test.log" | tail -8 ;;
+        test) python3 -m pytest -q -rs tests/runtime/memory/test_matmul_keep_gpu.py 2>&1 | tee "$OUT/h100_gpu_test.log" | tail -8 ;;
         copies) python3 bench/host_copies.py --sizes-gib 1,2 --repeats 3 --out "$OUT/h100_host_copies.json" 2>&1 | tail -4 ;;
         same0) run same0 --variants seqpar --seqpar-args "$SA" --strategy-set kept_host_layers=0 ;;
         same10) run same10 --variants seqpar --seqpar-args "$SA" --strategy-set kept_host_layers=10 ;;

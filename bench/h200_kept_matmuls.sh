@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the H200 (device tool), from the repository root, carrying .whl/ (pydantic's and liger-kernel's wheels, as
-# bench/h200_env.sh installs them): kept_saves matmuls (seqpar/runtime/matmul_keep.py) measured side by side with stock
+# bench/h200_env.sh installs them): kept_saves matmuls (seqpar/runtime/memory/matmul_keep.py) measured side by side with stock
 # transformers and the advisor's plan without it, Llama-2-7B shape, 64K tokens, optimizer none, Liger, ~11 minutes of
 # device time in all. First the GPU test (the streams, the page-locked blocks, a stated pinned budget and Liger's in-place
 # RoPE the CPU tests cannot reach), then five runs of bench/single_gpu.py, each its own process, rows in $OUT/kept_<tag>.json:
@@ -42,7 +42,7 @@ run() {
 for part in "${@:-test host host75 matmuls split stock}"; do
     for p in $part; do
         case $p in
-        test) python3 -m pytest -q -rs tests/test_matmul_keep_gpu.py 2>&1 | tee "$OUT/kept_gpu_test.log" | tail -15 ;;
+        test) python3 -m pytest -q -rs tests/runtime/memory/test_matmul_keep_gpu.py 2>&1 | tee "$OUT/kept_gpu_test.log" | tail -15 ;;
         host) run host --variants seqpar --seqpar-args "$SA --pinned-host-gib 50 --kept-saves matmuls --kept-host-layers 10" ;;
         host75) run host75 --variants seqpar --seqpar-args "$SA --pinned-host-gib 75 --kept-saves matmuls --kept-host-layers 32" ;;
         matmuls) run matmuls --variants seqpar --seqpar-args "$SA --pinned-host-gib 50 --kept-saves matmuls" ;;

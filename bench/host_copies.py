@@ -1,4 +1,4 @@
-"""Host <-> GPU copy bandwidth of checkpointed layer inputs, the way seqpar.runtime.offload moves them.
+"""Host <-> GPU copy bandwidth of checkpointed layer inputs, the way seqpar.runtime.memory.offload moves them.
 
 Within the pinned budget a layer input goes to a page-locked host tensor (``non_blocking``), beyond it to a fresh
 pageable one (a synchronous copy into memory the process touches for the first time); in backward it comes back. This
@@ -50,7 +50,7 @@ def main() -> None:
         d2h_pinned = timed(lambda: pinned.copy_(dev, non_blocking=True), args.repeats)
         h2d_pinned = timed(lambda: dev.copy_(pinned, non_blocking=True), args.repeats)
         pinned = None  # free the page-locked block before the registered and pageable copies
-        # the way seqpar.runtime.matmul_keep pins: a plain host tensor page-locked in place (cudaHostRegister)
+        # the way seqpar.runtime.memory.matmul_keep pins: a plain host tensor page-locked in place (cudaHostRegister)
         from torch.cuda._pin_memory_utils import pin_memory, unpin_memory
 
         # page-locking itself, on fresh memory each time (the first step pays it once per block): a cudaHostAlloc'd

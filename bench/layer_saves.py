@@ -1,12 +1,12 @@
 """What each decoder layer leaves on the GPU after its forward, under each kept_saves, on a CUDA GPU (with or without
 Liger's fused kernels): the allocated bytes each layer adds (forward hooks), and the tensors autograd saves in it, one
-line per storage (shape, dtype, bytes), so a gap between seqpar.advisor.memory's per-layer terms and a measurement can
+line per storage (shape, dtype, bytes), so a gap between seqpar.advisor.cost.memory's per-layer terms and a measurement can
 be traced to a tensor. A checkpointed layer's saves go through the checkpoint's own hooks, not these: for it only the
 bytes it adds are listed (under kept_saves matmuls, its input, attention's out + lse and the kept matmul outputs).
 
     source bench/h200_env.sh && python3 bench/layer_saves.py --out $OUT/layer_saves.json
 
-The model is also tests/test_matmul_keep_gpu.py's (Llama, 4 layers, hidden 1024, intermediate 2816, 8 heads, 4 KV heads,
+The model is also tests/runtime/memory/test_matmul_keep_gpu.py's (Llama, 4 layers, hidden 1024, intermediate 2816, 8 heads, 4 KV heads,
 8192 tokens, bf16); layer 0 is checkpointed (selective), layers 1-3 kept.
 """
 
@@ -22,7 +22,7 @@ L, S, H, I_, HEADS = 4, 8192, 1024, 2816, 8
 
 
 def model():
-    """The 4-layer Llama both this and tests/test_matmul_keep_gpu.py measure, bf16 on CUDA, seed 0."""
+    """The 4-layer Llama both this and tests/runtime/memory/test_matmul_keep_gpu.py measure, bf16 on CUDA, seed 0."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -40,7 +40,7 @@ def model():
 
 def one(saves: str, fused: str) -> dict:
     import seqpar
-    from seqpar.runtime.fused import apply_fused_ops
+    from seqpar.runtime.memory.fused import apply_fused_ops
 
     m = model()
     seqpar.apply(m, "data_parallel", checkpointing="selective", checkpoint_layers=1, kept_saves=saves)

@@ -4,15 +4,15 @@ W = 8 ranks simulated as bench/attention.py does: each rank's sequence of block 
 sequence; communication is not included (it overlaps in real runs, and packed ring modes skip the blocks nothing needs).
 Packed windows come from the long-tail mix (bench/packed_kernels.py: log-normal, median 512, sigma 1.6) at S = 128K,
 512K, 1M; 32 heads x 128, MHA, bf16. For each mode, rank r runs exactly the blocks its mode computes with these documents
-(seqpar.runtime.blocks: zigzag ring steps whose block shares a document; dist_flash_attn's packed schedule; Ulysses's
+(seqpar.runtime.parallel.blocks: zigzag ring steps whose block shares a document; dist_flash_attn's packed schedule; Ulysses's
 one whole-sequence call on H/W heads; usp_attn's ring on H/U heads), through seqpar's own packed kernels: one cuDNN
-causal call per document of >= seqpar.runtime.varlen.LONG_DOC tokens, one FA2 varlen call for the shorter ones, dense
+causal call per document of >= seqpar.runtime.parallel.varlen.LONG_DOC tokens, one FA2 varlen call for the shorter ones, dense
 rectangles off the diagonal. Reported per rank: seconds warm (median of --reps after a warm-up run of the same window)
 and cold (the first run of a new window of the same mix: cuDNN builds a plan per new document length, which a training
 step pays whenever its lengths are new), with --long-doc 0 also timed as "varlen only" (every document in the FA2 call).
 Dense: bench/attention.py's per-rank calls of causal attention on the same S. Useful TFLOP/s = useful FLOPs
-(3.5 x 4 x pairs x H x D, pairs from seqpar.runtime.balance.rank_work) / the busiest rank's time.
-First it checks exactness on a small case: zigzag ring over W = 4 simulated ranks (seqpar.runtime.blocks with merged
+(3.5 x 4 x pairs x H x D, pairs from seqpar.runtime.parallel.balance.rank_work) / the busiest rank's time.
+First it checks exactness on a small case: zigzag ring over W = 4 simulated ranks (seqpar.runtime.parallel.blocks with merged
 out/lse, backward with the global out/lse) against float32 per-document attention, MHA and GQA; it stops if that fails.
 
     PYTHONPATH=. python3 bench/packed_attention.py                  # JSON to $OUT/packed_attention.json
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention import parse_len, rank_calls, time_block  # noqa: E402
 from packed_kernels import long_tail_lengths  # noqa: E402
 
-from seqpar.runtime import blocks, kernels, varlen  # noqa: E402
-from seqpar.runtime.balance import rank_work  # noqa: E402
-from seqpar.runtime.documents import Documents  # noqa: E402
+from seqpar.runtime.parallel import blocks, kernels, varlen
+from seqpar.runtime.parallel.balance import rank_work  # noqa: E402
+from seqpar.runtime.parallel.documents import Documents  # noqa: E402
 
 MODES = ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
 
@@ -56,7 +56,7 @@ def packed_calls(mode: str, S: int, W: int, H: int, U: int, docs: Documents) -> 
     if mode == "ulysses_attn":
         return [[(S, S, H // W, ((0, S),), ((0, S),))] for _ in range(W)]
     if mode == "dist_flash_attn":
-        from seqpar.runtime.dist_flash_attn import block_segments, packed_schedule
+        from seqpar.runtime.parallel.dist_flash_attn import block_segments, packed_schedule
 
         n, calls = S // W, [[] for _ in range(W)]
         for step in packed_schedule(W, n, docs):
@@ -121,8 +121,8 @@ def _reference(q, k, v, dout, lengths, scale):
 
 
 def simulated_zigzag(q, k, v, dout, docs: Documents, W: int, scale: float):
-    """The packed zigzag ring of seqpar.runtime.zigzag_ring_attn on W simulated ranks, unsharded: out, lse, dq, dk, dv."""
-    from seqpar.runtime import shard, unshard
+    """The packed zigzag ring of seqpar.runtime.parallel.zigzag_ring_attn on W simulated ranks, unsharded: out, lse, dq, dk, dv."""
+    from seqpar.runtime.parallel.layout import shard, unshard
 
     S = q.shape[1]
     segs = [blocks.zigzag_segments(r, W, S) for r in range(W)]

@@ -2,8 +2,8 @@
 
 Windows of the long-tail document mix (bench/packed_kernels.py's long_tail_lengths: log-normal, median 512 tokens,
 sigma 1.6) at S = 128K, 512K, 1M over W = 8 ranks. For each window and mode: the busiest rank's useful work over the
-mean (seqpar.runtime.balance.rank_work: exact query-key pairs per rank, times its share of heads) in the packed order,
-and after seqpar.runtime.balance.balanced_order; for the zigzag layouts also a lower bound no order can beat: the
+mean (seqpar.runtime.parallel.balance.rank_work: exact query-key pairs per rank, times its share of heads) in the packed order,
+and after seqpar.runtime.parallel.balance.balanced_order; for the zigzag layouts also a lower bound no order can beat: the
 heaviest chunk any placement leaves of the window's longest documents (a chunk of c tokens at offset x of a document
 holds c(x + c/2) pairs, so long documents bound the busiest rank whatever the order). ulysses_attn is balanced by
 construction (every rank the whole sequence on 1/W of the heads) and data_parallel has nothing to balance in a window.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from packed_kernels import long_tail_lengths  # noqa: E402
 
-from seqpar.runtime.balance import balanced_order, imbalance, rank_work  # noqa: E402
+from seqpar.runtime.parallel.balance import balanced_order, imbalance, rank_work  # noqa: E402
 
 MODES = (("zigzag_ring_attn", None), ("dist_flash_attn", None), ("usp_attn", 2), ("ulysses_attn", None))
 

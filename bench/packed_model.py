@@ -76,7 +76,7 @@ def run(variant: str, spec_name: str, seq: int, steps: int, warmup: int, fresh: 
     model.train()
     if variant.startswith("seqpar"):
         import seqpar
-        from seqpar.runtime.fused import apply_fused_ops
+        from seqpar.runtime.memory.fused import apply_fused_ops
 
         # seqpar-full / seqpar-offload: the same with that checkpointing (the speed plan keeps attention: selective)
         seqpar.apply(model, "data_parallel", checkpointing=variant.partition("-")[2] or "selective")

@@ -1,9 +1,9 @@
 """Kernel rates by shape on one GPU: the two shape terms of the cost model checked directly, outside any model.
 
-The cost model (seqpar/advisor/throughput.py) prices attention at the measured 128-wide-head rate times
+The cost model (seqpar/advisor/cost/throughput.py) prices attention at the measured 128-wide-head rate times
 d / (d + d0) / (128 / (128 + d0)), and matmuls at the 8192-wide GEMM rate times h / (h + h0) / (8192 / (8192 + h0)); both
 d0 and h0 were fitted to whole training steps (bench/accuracy.py). This bench times the kernels themselves:
-- causal attention forward + backward (seqpar.runtime.kernels, the backend training uses) with 32 heads of 64 and of
+- causal attention forward + backward (seqpar.runtime.parallel.kernels, the backend training uses) with 32 heads of 64 and of
   128, at 16K and 64K tokens: the head-width ratio the fit implies is (64 / (64 + d0)) / (128 / (128 + d0));
 - the decoder layer's GEMMs (q/k/v/o projections and the three MLP matrices, forward: t x h @ h x n) of each model shape
   at t = 16384 tokens, against the 8192^3 GEMM: the width efficiency the fit implies for each h.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import time_block  # noqa: E402  (bench/attention.py: median fwd+bwd seconds of one block)
 
 from seqpar.profiles import get_model  # noqa: E402
-from seqpar.runtime import kernels  # noqa: E402
+from seqpar.runtime.parallel import kernels
 
 SHAPES = ("llama-3.2-1b", "llama-2-7b", "llama-3.1-8b", "llama-2-13b")
 

@@ -9,7 +9,7 @@ Results are JSON rows with the fields the cost model's measurement files use (to
     PYTHONPATH=. python3 bench/single_gpu.py --seq 384k --variants seqpar --seqpar-args "--checkpointing offload" \
         --strategy-set checkpoint_layers=28,offload_layers=20   # the advised plan's strategy edited before launch
 
-Model FLOPs per step (for MFU): seqpar.flops, the count seqpar's predicted and measured MFU use (6 * matmul parameters per
+Model FLOPs per step (for MFU): seqpar.plan.flops, the count seqpar's predicted and measured MFU use (6 * matmul parameters per
 token plus causal attention, 3.5x its forward); recompute is not counted (MFU, not HFU).
 """
 
@@ -135,7 +135,7 @@ def run_seqpar(
         adv = [
             sys.executable,
             "-m",
-            "seqpar.cli",
+            "seqpar.cli.commands",
             "advise",
             "--model",
             spec_name,
@@ -157,7 +157,7 @@ def run_seqpar(
         ]
         subprocess.run(adv, check=True, stdout=subprocess.DEVNULL)
         if overrides:
-            from seqpar.schema import LaunchPlan
+            from seqpar.plan.schema import LaunchPlan
 
             data = json.loads(plan.read_text())
             data["strategy"].update(overrides)
@@ -165,7 +165,7 @@ def run_seqpar(
         cmd = [
             sys.executable,
             "-m",
-            "seqpar.cli",
+            "seqpar.cli.commands",
             "launch",
             str(plan),
             "--steps",
@@ -232,7 +232,7 @@ def worker(args) -> None:
         else:
             res = run_baseline(args.variant, spec, args.seq_len, args.steps, args.warmup, args.optimizer)
         t = sorted(res["step_times_s"])[len(res["step_times_s"]) // 2]
-        from seqpar.flops import model_flops_per_sequence
+        from seqpar.plan.flops import model_flops_per_sequence
         from seqpar.profiles import get_model
 
         flops = model_flops_per_sequence(get_model(args.shape), args.seq_len)
@@ -328,7 +328,7 @@ def main() -> None:
             # torch's AdamW creates its moments at the first optimizer step, after the first backward: only a second
             # step's forward and backward run beside them (two bf16 moments: 30 GiB more for an 8B model), so a baseline's
             # trained length needs two steps. seqpar launch allocates them before its first step
-            # (seqpar.runtime.engine.allocate_states): one step is the steady state's peak.
+            # (seqpar.runtime.train.engine.allocate_states): one step is the steady state's peak.
             warmup = 0 if args.optimizer == "none" or variant == "seqpar" else 1
             while s <= parse_len(args.limit):
                 r = one(variant, args.shape, s, argparse.Namespace(**{**vars(args), "steps": 1, "warmup": warmup}))

@@ -4,20 +4,20 @@
 (`seqpar.apply`, `seqpar.prepare_inputs`, `seqpar.loss`, the EasyContext-compatible functions, and
 `seqpar.with_seqpar` / `seqpar.SeqparArguments` for the transformers Trainer) lives in `seqpar.runtime` and is imported
 on first use; `dir(seqpar)` and `__all__` list it. Without torch installed, using it raises one line naming the extra to
-install (seqpar.extras).
+install (seqpar.plan.extras).
 """
 
 __version__ = "0.1.0"
 
 _RUNTIME_API = {  # name -> the runtime module that defines it
-    "apply": "seqpar.runtime.hf",
-    "prepare_inputs": "seqpar.runtime.inputs",
-    "loss": "seqpar.runtime.loss",
-    "loss_from_hidden": "seqpar.runtime.loss",
-    "prepare_seq_parallel_inputs": "seqpar.runtime.easycontext",
-    "apply_seq_parallel_monkey_patch": "seqpar.runtime.easycontext",
-    "with_seqpar": "seqpar.runtime.hf_trainer",  # transformers Trainer / TRL SFTTrainer in seqpar's modes
-    "SeqparArguments": "seqpar.runtime.hf_trainer",
+    "apply": "seqpar.runtime.hf.apply",
+    "prepare_inputs": "seqpar.runtime.parallel.inputs",
+    "loss": "seqpar.runtime.parallel.loss",
+    "loss_from_hidden": "seqpar.runtime.parallel.loss",
+    "prepare_seq_parallel_inputs": "seqpar.runtime.hf.easycontext",
+    "apply_seq_parallel_monkey_patch": "seqpar.runtime.hf.easycontext",
+    "with_seqpar": "seqpar.runtime.hf.trainer",  # transformers Trainer / TRL SFTTrainer in seqpar's modes
+    "SeqparArguments": "seqpar.runtime.hf.trainer",
 }
 
 __all__ = ["__version__", *_RUNTIME_API]
@@ -30,7 +30,7 @@ def __getattr__(name: str):
         try:
             module = importlib.import_module(_RUNTIME_API[name])
         except ModuleNotFoundError as e:
-            from seqpar.extras import MissingExtra, from_error
+            from seqpar.plan.extras import MissingExtra, from_error
 
             line = from_error(e)
             if line is None:

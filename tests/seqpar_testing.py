@@ -36,12 +36,12 @@ def free_port() -> int:
 # What every rank of the suite imports anyway (the trainer pulls in torch.distributed, transformers' Llama, numpy).
 PRELOAD = ["torch", "torch.distributed", "numpy", "transformers.modeling_utils", "transformers.models.llama.modeling_llama"]
 PRELOAD += [
-    "seqpar.runtime.attention",
-    "seqpar.runtime.train",
-    "seqpar.runtime.engine",
-    "seqpar.runtime.hf",
-    "seqpar.runtime.model",
-    "seqpar.runtime.checkpoint",  # torch.distributed.checkpoint
+    "seqpar.runtime.parallel.attention",
+    "seqpar.runtime.train.loop",
+    "seqpar.runtime.train.engine",
+    "seqpar.runtime.hf.apply",
+    "seqpar.runtime.hf.model",
+    "seqpar.runtime.checkpoint.shards",  # torch.distributed.checkpoint
 ]  # not transformers.trainer: its import starts a jemalloc thread, and a fork copies no thread
 
 
@@ -170,7 +170,7 @@ def world_ids(sizes) -> list[str]:
 
 def error_messages(calls):
     """str() of the SeqparError each call raises ('no error' when it returns)."""
-    from seqpar.errors import SeqparError
+    from seqpar.plan.errors import SeqparError
 
     msgs = []
     for fn in calls:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from seqpar.schema import LaunchPlan, format_tokens
+from seqpar.plan.schema import LaunchPlan, format_tokens
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from typing import Callable, Optional
 from pydantic import ValidationError
 
 from seqpar.advisor.probe import probe, read_host_ram_gib
-from seqpar.errors import SeqparError
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import ClusterSpec, first_error
 from seqpar.profiles import get_link, gpu_profile
-from seqpar.schema import ClusterSpec, first_error
 
 # EasyContext's published hardware: one DGX-style node of 8x A100-80G SXM with NVLink3. EasyContext publishes no host RAM;
 # a DGX A100 ships 1 TB (320 GB model) or 2 TB (640 GB model), so 1 TiB is the conservative choice.

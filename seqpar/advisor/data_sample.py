@@ -2,11 +2,11 @@
 
 So it is an approximation, said here:
 * ``.jsonl`` / ``.json`` (``{"text": ...}`` or ``{"messages": [...]}`` per line; the first SAMPLE_DOCS documents):
-  characters / 4 tokens (the usual ratio of English BPE tokenizers) plus 1 for the EOS seqpar.runtime.data appends to a
+  characters / 4 tokens (the usual ratio of English BPE tokenizers) plus 1 for the EOS seqpar.runtime.data.windows appends to a
   text; a chat sample's characters / 4 plus 4 tokens per message for the chat template's role markers.
 * ``.bin`` / ``.npy`` token ids (the first SAMPLE_TOKENS tokens): exact lengths, documents ending at ``--eos-id`` as
-  seqpar.runtime.data writes them (a trailing piece without EOS is dropped unless the file ends there). ``.bin`` holds
-  uint16 ids when the model's vocabulary fits in 16 bits, uint32 otherwise (seqpar.runtime.data's rule); ``.npy`` is read
+  seqpar.runtime.data.windows writes them (a trailing piece without EOS is dropped unless the file ends there). ``.bin`` holds
+  uint16 ids when the model's vocabulary fits in 16 bits, uint32 otherwise (seqpar.runtime.data.windows's rule); ``.npy`` is read
   from its header (numpy's format: magic, version, a Python dict literal).
 * ``synthetic`` (seeded random tokens) has no documents: no mix. A ``datasets`` folder is not read (it needs that package).
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Optional
 
 from seqpar.advisor.doc_lens import mix_from_counts
-from seqpar.errors import SeqparError
-from seqpar.schema import DocMix
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import DocMix
 
 SAMPLE_DOCS = 100_000  # JSONL documents read from the start of the file
 SAMPLE_TOKENS = 1 << 25  # token ids read from the start of a .bin/.npy file (32M: 64 MiB of uint16)

@@ -1,13 +1,13 @@
 """The document-length mix `seqpar advise` / `check` plan with: read from a file, modelled from a mean, or sampled from data.
 
-Three sources, one result, a ``seqpar.schema.DocMix`` (quarter-octave histogram of (mean length, share of documents)):
+Three sources, one result, a ``seqpar.plan.schema.DocMix`` (quarter-octave histogram of (mean length, share of documents)):
 * ``--doc-lens FILE``: the lengths in tokens, one integer per line, or a JSON list of integers, or a histogram CSV of
   ``length,count`` rows (a header line is allowed). One line holding one number: every document that long.
 * ``--mean-doc-len N``: the long-tail mix seqpar measures packed attention with (bench/packed_kernels.py
   ``long_tail_lengths``: log-normal lengths, sigma 1.6, none shorter than 16 tokens; many short documents, a few of
   tens of K, as web and code corpora have), its median set so the mean is N. N <= 16: every document N tokens.
 * ``--data FILE``: a sample of the training data, read without torch, numpy or a tokenizer (data_sample.py).
-Documents longer than the window are fine: packing cuts them into window-sized pieces (seqpar.flops).
+Documents longer than the window are fine: packing cuts them into window-sized pieces (seqpar.plan.flops).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Optional
 
-from seqpar.errors import SeqparError
-from seqpar.schema import DocMix
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import DocMix
 
 BINS_PER_OCTAVE = 4
 SIGMA, SHORTEST = 1.6, 16  # bench/packed_kernels.py long_tail_lengths: log-normal, sigma 1.6, at least 16 tokens

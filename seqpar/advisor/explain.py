@@ -12,15 +12,15 @@ from typing import Optional
 from rich.console import RenderableType
 from rich.table import Table
 
-from seqpar.advisor import packed
-from seqpar.advisor.coefficients import Coefficients, load_coefficients
+from seqpar.advisor.cost import packed
+from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
+from seqpar.advisor.cost.memory import estimate_memory
+from seqpar.advisor.cost.throughput import call_efficiency, call_tokens
 from seqpar.advisor.gate import CheckResult
-from seqpar.advisor.memory import estimate_memory
 from seqpar.advisor.render import documents_line
 from seqpar.advisor.search import describe
-from seqpar.advisor.throughput import call_efficiency, call_tokens
-from seqpar.schema import LaunchPlan, format_tokens
-from seqpar.units import GIB
+from seqpar.plan.schema import LaunchPlan, format_tokens
+from seqpar.plan.units import GIB
 
 
 def _table(title: str, *cols: str) -> Table:
@@ -69,7 +69,7 @@ def explain_tables(plan: LaunchPlan, coeffs: Optional[Coefficients] = None) -> l
 
 
 def packed_table(plan: LaunchPlan, c: Coefficients) -> Table:
-    """What the packed documents change in the prediction (seqpar.advisor.packed): attention work and time, balance, transfers."""
+    """What the packed documents change in the prediction (seqpar.advisor.cost.packed): attention work and time, balance, transfers."""
     w, s, cl = plan.workload, plan.strategy, plan.cluster
     mix, S = w.doc_lens, w.seq_len
     n = call_tokens(s, S)

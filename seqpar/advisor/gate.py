@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
 
-from seqpar.advisor.coefficients import Coefficients, load_coefficients
-from seqpar.advisor.memory import estimate_memory
-from seqpar.advisor.predict import predict
+from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
+from seqpar.advisor.cost.memory import estimate_memory
+from seqpar.advisor.cost.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, evaluate, layer_split_variant
-from seqpar.errors import SeqparError
-from seqpar.schema import (
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import (
     NO_SPLIT,
     ClusterSpec,
     LaunchPlan,

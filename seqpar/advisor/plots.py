@@ -3,7 +3,7 @@
 ``seqpar explain PLAN --plot memory.png`` writes the first two (``memory.png``, ``memory-phases.png``); ``seqpar calibrate
 ... --plot fit.png`` the third. Each ``*_figure`` function returns the matplotlib Figure (the tests read its axes) and
 ``save`` writes it. matplotlib is an optional dependency (``seqpar[plot]``), imported only here and only when asked for;
-without it the command says which extra to install (seqpar.extras).
+without it the command says which extra to install (seqpar.plan.extras).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from seqpar.advisor.coefficients import Coefficients, load_coefficients
-from seqpar.advisor.memory import estimate_memory
-from seqpar.extras import require
-from seqpar.modes import MODES, split_multiple
-from seqpar.schema import LaunchPlan, Strategy, format_tokens
-from seqpar.units import GIB
+from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
+from seqpar.advisor.cost.memory import estimate_memory
+from seqpar.plan.extras import require
+from seqpar.plan.modes import MODES, split_multiple
+from seqpar.plan.schema import LaunchPlan, Strategy, format_tokens
+from seqpar.plan.units import GIB
 
 # One look per mode, told apart by colour, line style and marker (several modes' curves nearly coincide at one degree).
 MODE_STYLE = {

@@ -13,10 +13,10 @@ from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from seqpar.errors import SeqparError
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import ClusterSpec, GpuSpec
+from seqpar.plan.units import GIB
 from seqpar.profiles import get_link, gpu_profile, match_nvml_name
-from seqpar.schema import ClusterSpec, GpuSpec
-from seqpar.units import GIB
 
 
 class _Result(BaseModel):

@@ -13,9 +13,9 @@ from typing import NamedTuple, Optional
 
 from seqpar.advisor.advise import advise
 from seqpar.advisor.request import AdviseRequest
-from seqpar.errors import SeqparError
-from seqpar.jobspec import launch_spec
-from seqpar.schema import LaunchPlan, Rationale, Stage
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.jobspec import launch_spec
+from seqpar.plan.schema import LaunchPlan, Rationale, Stage
 
 
 class RecipeStage(NamedTuple):

@@ -18,8 +18,8 @@ from rich.table import Table
 from seqpar.advisor.bill import NOT_COUNTED, bill_lines, plan_bill
 from seqpar.advisor.search import describe
 from seqpar.advisor.training import training_rows
-from seqpar.options import PINNED_FRACTION
-from seqpar.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, Workload, checkpointing_text, format_tokens
+from seqpar.plan.options import PINNED_FRACTION
+from seqpar.plan.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, Workload, checkpointing_text, format_tokens
 
 
 def _kv(title: str, rows: Iterable[tuple[str, object]]) -> Table:

@@ -9,8 +9,8 @@ from typing import Literal, Optional, get_args
 
 from pydantic import Field, model_validator
 
-from seqpar.errors import SeqparError
-from seqpar.schema import (
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import (
     Checkpointing,
     ClusterSpec,
     DocMix,

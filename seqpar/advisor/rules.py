@@ -19,9 +19,9 @@ from typing import Callable, Optional
 
 from seqpar import __version__
 from seqpar.advisor.request import AdviseRequest
-from seqpar.errors import SeqparError
-from seqpar.jobspec import launch_spec
-from seqpar.schema import (
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.jobspec import launch_spec
+from seqpar.plan.schema import (
     ClusterSpec,
     LaunchPlan,
     ModelSpec,
@@ -247,7 +247,7 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
 
 def written_plan(policy: str, **fields) -> LaunchPlan:
     """A plan as the advisor writes it: by whom (seqpar's version, the policy) and when, with the command ``seqpar launch
-    plan.json`` will run (seqpar.jobspec; `seqpar advise -o PATH` records it for PATH)."""
+    plan.json`` will run (seqpar.plan.jobspec; `seqpar advise -o PATH` records it for PATH)."""
     created_at = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     plan = LaunchPlan(created_by=f"seqpar {__version__} (advise, {policy})", created_at=created_at, **fields)
     return plan.model_copy(update={"launch": launch_spec(plan)})

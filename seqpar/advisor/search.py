@@ -23,15 +23,15 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Iterator, Optional
 
-from seqpar.advisor.coefficients import Coefficients, load_coefficients
-from seqpar.advisor.memory import estimate_memory, kept_host_matmuls
-from seqpar.advisor.predict import predict
+from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
+from seqpar.advisor.cost.memory import estimate_memory, kept_host_matmuls
+from seqpar.advisor.cost.predict import predict
+from seqpar.advisor.cost.throughput import estimate_time
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import tree_mode, written_plan
-from seqpar.advisor.throughput import estimate_time
-from seqpar.errors import SeqparError
-from seqpar.modes import FACTS, MODES, split_multiple
-from seqpar.schema import (
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.modes import FACTS, MODES, split_multiple
+from seqpar.plan.schema import (
     NO_SPLIT,
     Alternative,
     ClusterSpec,
@@ -43,7 +43,7 @@ from seqpar.schema import (
     plan_problems,
     split_tag,
 )
-from seqpar.units import GIB
+from seqpar.plan.units import GIB
 
 CHECKPOINTING = ("full", "selective", "none", "offload")
 SHARDING = ("ddp", "zero2", "zero3", "zero3_offload")  # fsdp costs the same as zero3 in this model; searched when pinned

@@ -2,7 +2,7 @@
 
 ``apply_training(plan, overrides)`` puts `seqpar advise --steps/--lr/...` into ``plan.training`` (a recipe keeps its own
 steps and RoPE bases per stage). ``training_rows`` is the Training section of `seqpar advise` and `seqpar explain`: the
-schedule, the checkpoint interval and how many are kept (the trainer's defaults, seqpar.options), the RoPE base, and a
+schedule, the checkpoint interval and how many are kept (the trainer's defaults, seqpar.plan.options), the RoPE base, and a
 recipe's stages with their bill. ``rope_warning`` says when the plan trains past the model's positions with the RoPE
 base it was trained with.
 """
@@ -10,9 +10,9 @@ base it was trained with.
 from __future__ import annotations
 
 from seqpar.advisor.bill import duration, gpu_hours, plan_bill
-from seqpar.errors import SeqparError
-from seqpar.options import interval, kept
-from seqpar.schema import LaunchPlan, TrainingSpec, format_tokens
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.options import interval, kept
+from seqpar.plan.schema import LaunchPlan, TrainingSpec, format_tokens
 
 RECIPE_OWN = {"steps": "--steps", "rope_theta": "--rope-theta"}  # a recipe sets these per stage
 

@@ -14,8 +14,8 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seqpar.errors import SeqparError
-from seqpar.schema import LaunchPlan, Prediction, Strategy, write_atomic
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import LaunchPlan, Prediction, Strategy, write_atomic
 
 TOOLS = ("accelerate", "trl", "axolotl", "arctic", "deepspeed")
 
@@ -43,8 +43,8 @@ class Emission:
 def emit(plan: LaunchPlan, tool: str, plan_path: str | Path, coeffs=None) -> Emission:
     """The config ``tool`` runs for ``plan`` (whose file is ``plan_path``): the plan's strategy when the tool has every
     choice, else the nearest strategies it runs, the first the cost model predicts to fit (else the nearest)."""
-    from seqpar.advisor.coefficients import load_coefficients
-    from seqpar.advisor.predict import predict
+    from seqpar.advisor.cost.coefficients import load_coefficients
+    from seqpar.advisor.cost.predict import predict
     from seqpar.advisor.search import describe
     from seqpar.emit.nearest import nearest
 

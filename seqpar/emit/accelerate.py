@@ -20,8 +20,8 @@ from pathlib import Path
 
 from seqpar.emit.common import Reading, ds_config, dump_json, load_json, read_ds, yaml_text
 from seqpar.emit.nearest import DEEPSPEED_ONLY, FSDP_ONLY, SAME_SHARDING, Caps, attn_implementation
-from seqpar.errors import SeqparError
-from seqpar.schema import LaunchPlan, Strategy
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import LaunchPlan, Strategy
 
 
 def fsdp_checkpointing(s: Strategy) -> tuple[Strategy, list[str]]:

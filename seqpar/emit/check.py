@@ -17,8 +17,8 @@ from pathlib import Path
 
 from seqpar.emit import tool_module
 from seqpar.emit.common import Reading
-from seqpar.errors import SeqparError
-from seqpar.schema import LaunchPlan, Prediction, Strategy
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import LaunchPlan, Prediction, Strategy
 
 COMBOS = ({"trl", "accelerate", "deepspeed"}, {"axolotl"}, {"arctic"})
 ORDER = ("deepspeed", "accelerate", "trl", "axolotl", "arctic")  # later readings take precedence

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from seqpar.emit.common import Reading, ds_config, dump_json, read_ds
 from seqpar.emit.nearest import Caps
-from seqpar.schema import LaunchPlan, Strategy, checkpointing_text
+from seqpar.plan.schema import LaunchPlan, Strategy, checkpointing_text
 
 ZERO = {"ddp": "ddp", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}
 CAPS = Caps(

@@ -11,8 +11,8 @@ import yaml
 from seqpar.emit import tool_module
 from seqpar.emit.check import SCRIPT_DEFAULTS, ConfigCheck, merge, read_all
 from seqpar.emit.nearest import expressible
-from seqpar.errors import SeqparError
-from seqpar.schema import LaunchPlan, Rationale, Strategy, TrainingSpec, Workload, layout_problems
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import LaunchPlan, Rationale, Strategy, TrainingSpec, Workload, layout_problems
 
 
 def _cluster(values: dict, flags, where: str):
@@ -34,11 +34,11 @@ def _cluster(values: dict, flags, where: str):
 
 def check_configs(paths: list[Path], flags, note=print, coeffs=None) -> ConfigCheck:
     """The OOM verdict for one launch's tool configs (see check.py); ``flags``: seqpar check's RequestFlags."""
-    from seqpar.advisor.coefficients import load_coefficients
-    from seqpar.advisor.memory import estimate_memory
-    from seqpar.advisor.predict import predict
+    from seqpar.advisor.cost.coefficients import load_coefficients
+    from seqpar.advisor.cost.memory import estimate_memory
+    from seqpar.advisor.cost.predict import predict
+    from seqpar.plan.schema import parse_seq_len
     from seqpar.profiles import get_model
-    from seqpar.schema import parse_seq_len
 
     c = coeffs or load_coefficients()
     readings = read_all(paths)

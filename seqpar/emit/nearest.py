@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from seqpar.schema import NO_SPLIT, ClusterSpec, Strategy, Workload, checkpointed_layers, layout_problems, offloaded_layers
+from seqpar.plan.schema import NO_SPLIT, ClusterSpec, Strategy, Workload, checkpointed_layers, layout_problems, offloaded_layers
 
 ALL_SHARDINGS = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp")
 DEEPSPEED_ONLY = {"ddp": "zero2", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}

@@ -22,9 +22,9 @@ from pathlib import Path
 from seqpar.emit import accelerate
 from seqpar.emit.common import Reading, dump_json, model_ref, read_ds, trainer_ds, yaml_text
 from seqpar.emit.nearest import Caps, attn_implementation
-from seqpar.errors import SeqparError
-from seqpar.modes import split_multiple
-from seqpar.schema import LaunchPlan, Strategy
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.modes import split_multiple
+from seqpar.plan.schema import LaunchPlan, Strategy
 
 CAPS = Caps(
     "trl",

@@ -5,7 +5,7 @@
 - ``models.json``: model shapes from each model's Hugging Face config.json (ModelSpec).
 
 ``get_model`` also accepts a local Hugging Face ``config.json`` (or a folder holding one) and any Hub model id (its
-config.json from the cache or the Hub, seqpar.hub), read as plain JSON by ``hf_config`` so that the advisor never imports
+config.json from the cache or the Hub, seqpar.profiles.hub), read as plain JSON by ``hf_config`` so that the advisor never imports
 transformers (which would import torch). The profiles stay the offline fallback: their names and Hub ids resolve without
 a download. Unknown names raise SeqparError with the closest names.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from seqpar.errors import SeqparError
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import GpuSpec, LinkSpec, ModelSpec, first_error, read_json_object
 from seqpar.profiles.hf_config import spec_from_config
-from seqpar.schema import GpuSpec, LinkSpec, ModelSpec, first_error, read_json_object
 
 _HERE = Path(__file__).resolve().parent
 
@@ -138,7 +138,7 @@ def list_models() -> list[ModelSpec]:
 def get_model(name_or_path: str) -> ModelSpec:
     """A model by profile name, alias or profiled Hub id ('meta-llama/Llama-2-7b-hf': the figures of that very config.json,
     nothing downloaded), a local config.json / folder, or any other Hub id ``owner/name[@revision]`` (its config.json
-    from the Hugging Face cache, else the Hub: seqpar.hub)."""
+    from the Hugging Face cache, else the Hub: seqpar.profiles.hub)."""
     specs, aliases = _models()
     key = _norm(name_or_path)
     if key in specs:
@@ -152,7 +152,7 @@ def get_model(name_or_path: str) -> ModelSpec:
         raise SeqparError(
             f"model config {name_or_path!r} does not exist; pass a profile name (seqpar profiles list) or a local config.json"
         )
-    from seqpar import hub
+    from seqpar.profiles import hub
 
     parsed = hub.parse_hub_id(name_or_path)
     if parsed is not None:
@@ -167,7 +167,7 @@ def hub_id(spec: ModelSpec) -> str | None:
     for e in _read("models.json", "models"):
         if e["spec"]["name"] == spec.name:
             return e.get("hf_id")
-    from seqpar.hub import parse_hub_id
+    from seqpar.profiles.hub import parse_hub_id
 
     return spec.name if parse_hub_id(spec.name) and not Path(spec.name).exists() else None
 
@@ -197,7 +197,7 @@ def find_profile(name: str) -> GpuSpec | LinkSpec | ModelSpec:
     specs, aliases = _models()
     if _norm(name) in specs or _norm(name) in aliases or Path(name).expanduser().exists():
         return get_model(name)
-    from seqpar.hub import parse_hub_id
+    from seqpar.profiles.hub import parse_hub_id
 
     if parse_hub_id(name):
         return get_model(name)

@@ -1,6 +1,6 @@
 """A model's shape (ModelSpec) from its Hugging Face ``config.json``, read as plain JSON (transformers would import torch).
 
-The families are the decoders the cost model describes and the runtime builds (seqpar.runtime.model): Llama-style blocks
+The families are the decoders the cost model describes and the runtime builds (seqpar.runtime.hf.model): Llama-style blocks
 (RMSNorm, RoPE, a gated MLP of three h x intermediate matrices). Their config fields, by transformers' names:
 ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (absent: = heads),
 ``head_dim`` (absent or null: hidden / heads), ``intermediate_size``, ``vocab_size``, ``tie_word_embeddings``,
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from seqpar.errors import SeqparError
-from seqpar.schema import ModelSpec, first_error
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import ModelSpec, first_error
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # schema.Architecture; seqpar.runtime.model builds these
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # schema.Architecture; seqpar.runtime.hf.model builds these
 _CLASS_DEFAULTS = {"mistral": {"sliding_window": 4096}}  # transformers' MistralConfig default when the key is absent
 
 REQUIRED = {  # ModelSpec field -> config.json field
@@ -60,7 +60,7 @@ def _refusal(cfg: dict) -> str | None:
 
 def active_sliding_window(cfg: dict) -> int | None:
     """The window some layer applies, None when every layer attends to the whole causal prefix (as transformers and
-    seqpar.runtime.hf read it: layer_types first, then use_sliding_window, then sliding_window)."""
+    seqpar.runtime.hf.apply read it: layer_types first, then use_sliding_window, then sliding_window)."""
     arch = str(cfg.get("model_type") or "llama")
     window = cfg.get("sliding_window", _CLASS_DEFAULTS.get(arch, {}).get("sliding_window"))
     layer_types = cfg.get("layer_types")

@@ -1,27 +1,36 @@
-"""The runtime: sequence-parallel attention, the transformers integration, the trainer and the launcher.
+"""The runtime: sequence-parallel attention, the transformers integration, the trainer and the launcher, in wings.
 
-Never imports seqpar.advisor: a launch plan is all it needs.
-
-The launcher side (seqpar.runtime.launch, storage, resume's launch check, data's checks) is torch-free, so this package
-must import without torch: an advisor-only install runs ``seqpar launch plan.json --dry-run``. The attention API below
-needs torch and is imported with the package only when torch is installed. It cannot be a lazy ``__getattr__``: the
-first import of the submodule seqpar.runtime.attention (by hf.py, say) binds the package attribute ``attention`` to that
-module, shadowing the function for good. Without torch, the API names raise one line naming the extra to install.
+Never imports seqpar.advisor: a launch plan is all it needs. Importing this package imports nothing (the launcher wing,
+seqpar.runtime.launch, runs without torch); the attention API below is imported on first use, and without torch it
+raises one line naming the extra to install.
 """
 
-import importlib.util
+_API = {  # name -> the module that defines it
+    "attention": "seqpar.runtime.parallel.attention",
+    "local_attention": "seqpar.runtime.parallel.data_parallel",
+    "shard": "seqpar.runtime.parallel.layout",
+    "unshard": "seqpar.runtime.parallel.layout",
+}
 
-__all__ = ["attention", "local_attention", "shard", "unshard"]
+__all__ = list(_API)
 
-if importlib.util.find_spec("torch") is not None:
-    from seqpar.runtime.attention import attention
-    from seqpar.runtime.data_parallel import local_attention
-    from seqpar.runtime.layout import shard, unshard
-else:
 
-    def __getattr__(name: str):
-        if name in __all__:
-            from seqpar.extras import MissingExtra, missing_message
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
 
-            raise MissingExtra(missing_message("torch", f"seqpar.runtime.{name}"))
-        raise AttributeError(f"module 'seqpar.runtime' has no attribute {name!r}")
+        try:
+            module = importlib.import_module(_API[name])
+        except ModuleNotFoundError as e:
+            from seqpar.plan.extras import MissingExtra, from_error
+
+            line = from_error(e)
+            if line is None:
+                raise
+            raise MissingExtra(f"seqpar.runtime.{name}: {line}") from None
+        return getattr(module, name)
+    raise AttributeError(f"module 'seqpar.runtime' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))

@@ -1,0 +1,66 @@
+"""GPU memory DeepSpeed ZeRO holds beyond the ZeRO paper's model states: its gradient buffers, its bucket, the gathered
+parameters it keeps for reuse, and what its optimizer step allocates.
+
+Read from DeepSpeed 0.19's runtime/zero/stage_1_and_2.py, stage3.py and partitioned_param_coordinator.py, with the
+config seqpar writes (seqpar.plan.jobspec.deepspeed_config: DeepSpeed's defaults for the sizes below), and checked against
+`seqpar launch` on one H200 (bench/deepspeed_h200.py, bench/results/h200_deepspeed.json, Llama-3.2-1B bf16 + AdamW):
+without these terms ZeRO-2/3/3-offload peaks were under-predicted by 2.2-3.0 GiB at 64K-128K and ZeRO-2 at 16K (whose
+peak is the optimizer step) by 7.6 GiB.
+
+* Gradients live in buffers sized for the whole partition from the first backward on, not built layer by layer:
+  ZeRO-2's ``grads_in_partition`` and ZeRO-3's ``grad_partitions_flat_buffer`` (the partition's numel in the gradient
+  dtype, the model dtype under bf16), on the GPU unless the optimizer is offloaded.
+* ZeRO-3 keeps one contiguous gradient bucket of ``reduce_bucket_size`` (5e8) elements on the GPU, offload or not.
+* ZeRO-3 gathers parameters and releases a layer's only when its next use is more than ``stage3_max_reuse_distance``
+  (1e9) parameter elements away. With recomputation the layers nearest the loss are used again soon after their forward,
+  so the tied or untied output embedding and the top layers stay gathered through the backward: the head plus the k top
+  layers with head + 2 k layer_params < 1e9 (each layer is used by the recomputation and its backward in between). On one
+  GPU without offload the partition is the parameter itself: nothing extra.
+* The optimizer step (torch AdamW, ``foreach=False``, on DeepSpeed's flat fp32 partition): ZeRO-2 converts the gradient
+  partition to one fp32 tensor and the update's ``denom = (exp_avg_sq.sqrt() / c).add_(eps)`` briefly holds two fp32
+  temporaries of that size; ZeRO-3 steps in sub-groups of at most ``sub_group_size`` (1e9) elements, the same three
+  fp32 tensors per sub-group, beside its bf16 gradient buffer and bucket. Offloaded optimizers step on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqpar.plan.schema import ModelSpec
+
+REDUCE_BUCKET = 5e8  # zero_optimization.reduce_bucket_size (DeepSpeed's default; seqpar's config does not set it)
+MAX_REUSE = 1e9  # zero_optimization.stage3_max_reuse_distance (default)
+SUB_GROUP = 1e9  # zero_optimization.sub_group_size (default)
+
+
+@dataclass(frozen=True)
+class DeepSpeedTerms:
+    grads_preallocated: bool  # the whole partition's gradient buffer exists in every phase
+    bucket: float  # bytes, every phase
+    kept_gathered: float  # bytes of parameters kept gathered through the loss and the backward
+    step_fp32: float  # bytes the optimizer step adds: the fp32 gradient and two fp32 temporaries of one flat piece
+    step_frees_grads: bool  # ZeRO-2 converts (and drops) the model-dtype gradient partition before the update
+
+
+NONE = DeepSpeedTerms(False, 0.0, 0.0, 0.0, False)
+
+
+def terms(m: ModelSpec, sharding: str, optimizer: str, p: float, world: int) -> DeepSpeedTerms:
+    """DeepSpeed's extra GPU bytes for a zero* plan (NONE for ddp/fsdp); ``p``: bytes per element of the parameters and
+    gradients DeepSpeed keeps in the model dtype."""
+    if not sharding.startswith("zero"):
+        return NONE
+    psi = m.num_params
+    offload = sharding == "zero3_offload"
+    step = 0.0
+    if optimizer == "adamw" and not offload:
+        piece = psi / world if sharding == "zero2" else min(psi / world, SUB_GROUP)
+        step = 3 * 4 * piece
+    if sharding == "zero2":
+        return DeepSpeedTerms(True, 0.0, 0.0, step, True)
+    head = m.vocab_size * m.hidden_size
+    kept = 0.0
+    if offload or world > 1:
+        top = max(0, min(m.num_layers, int((MAX_REUSE - head) // (2 * m.layer_params)))) if head < MAX_REUSE else 0
+        kept = (head + top * m.layer_params) * p if head < MAX_REUSE else 0.0
+    return DeepSpeedTerms(not offload, REDUCE_BUCKET * p, kept, step, False)

@@ -1,0 +1,324 @@
+"""Time of one training step per GPU: FLOPs over effective kernel rates, plus the communication each mode cannot hide.
+
+Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters in matmuls incl. the LM head):
+* Linear part (Kaplan et al. 2020; Narayanan et al. 2021, eq. 3): 2*N_lin FLOPs per token forward, 6*N_lin forward +
+  backward, +2*N_lin per token for the decoder layers checkpointing recomputes (all, or the plan's checkpoint_layers)
+  (Korthikanti et al. 2022);
+  ``tiled_mlp`` adds one more MLP forward, 2 * 3*h*I*L per token (ALST's TiledMLP runs its tiles under no_grad in the
+  forward and again with grad in backward).
+* Elementwise traffic (norms, RoPE, SwiGLU), bound by HBM bandwidth, bytes per token and layer per forward:
+  unfused (the model's own modules, with autocast's fp32 upcasts) 68h + 24(a+kv)d + 10I, Liger's fused kernels
+  8h + 4(a+kv)d + 6I; passes = forward + recompute (the checkpointed layers) + backward (2 forward's worth), and
+  tiled_mlp's extra MLP forward moves the SwiGLU bytes once more: time = t * L * bytes * passes / (HBM bandwidth x
+  elementwise_efficiency, the share of it these small kernels reach: fitted on a grid, as h0 below). Not scaled by
+  the time factors, like the communication (the fit's ``rest``).
+* Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x
+  forward (FlashAttention-2, Dao 2023), +1x forward when checkpointing recomputes the layer (full and offload; selective
+  keeps attention's output and lse, so its recomputation skips attention, LightSeq sec. 3.3: 3.5x instead of 4.5x, and the
+  ring's forward K,V pass is not repeated; Ulysses' backward sends q, k, v and out across again, as full's recomputation
+  does). Sequence parallelism divides it by sp_degree, times the
+  mode's imbalance: zigzag, Ulysses and our dist flash schedule (last step split by query rows) are balanced.
+* Packed documents (``workload.doc_lens``; None = one document per window, all of the above as it is): attention counts
+  the documents' squares (seqpar.plan.flops), each document at its own kernel rate, times the busiest rank's share where the
+  layout leaves ranks uneven, and ring / dist flash transfers only where a block shares a document (packed.py).
+* Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors (the
+  GPU's own when it has measurement rows, else the global pair); the matmul rate falls with model width, h / (h + h0),
+  normalised to the 8192-wide GEMM it was measured on; the attention rate falls for short kernel calls, eff(n) ~ n/(n+n0)
+  (n = query tokens per call: S for data parallel and Ulysses, S/(2P) for zigzag chunks, S/P for dist flash blocks), and
+  for narrow heads, d / (d + d0) (d0 measured on the kernel, bench/shape_kernels.py), normalised to the 128-wide heads
+  it was measured with; past 64K-token calls it stays flat. The head-width term and the elementwise efficiency are what
+  short sequences and small models showed: warm 16K steps on the H200 (Llama-2-13B, Llama-2-7B, Llama-3.2-1B) were
+  mispredicted by +17%, +8% and -6% by a fit that had only h0 to tell shapes apart; the long rows had let the matmul and
+  attention factors trade against each other (0.70 and 1.19, a matmul rate above the GEMM's own).
+* Communication (bytes per GPU, bandwidth = link datasheet x NCCL efficiency): ring: P-1 K,V blocks per layer and pass
+  (plus fp32 dK,dV in backward), each against 1/P of the pass's attention compute, hidden up to ``ring_overlap``; Ulysses:
+  four all-to-alls per layer and pass, each moving (u-1)/u of a q/k/v/o tensor, not hidden; dist flash: P/2 helper steps
+  carrying Q,K,V out and O,lse back; gradients: ring all-reduce 2(N-1)/N*2Psi (DDP), reduce-scatter + all-gather (ZeRO-2),
+  per-layer all-gathers in forward and backward + reduce-scatter (ZeRO-3 / FSDP), hidden up to ``grad_comm_overlap``
+  under backward; ZeRO-3 offload adds PCIe copies of the parameter shards and fp32 gradients and the CPU Adam step.
+* Checkpoint offload (the plan's offloaded layers): pinned copies mostly hidden under compute, pageable ones beyond the
+  pinned budget exposed (``offload_copy_time``, rates measured on the H200); the first step adds its one-off costs
+  (``first_step_extra_s``: the prediction's first_step_s, which the bill counts once).
+* MFU: seqpar.plan.flops' model FLOPs (no recompute) over the datasheet bf16 peak of every GPU, the count measured MFU
+  (seqpar.runtime.train.report) uses too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqpar.advisor.cost import packed
+from seqpar.advisor.cost.coefficients import Coefficients
+from seqpar.advisor.cost.memory import (
+    kept_host_matmuls,
+    offloaded_inputs,
+    optimizer_bytes_per_param,
+    precision,
+    ring_ranks,
+    split,
+    ulysses_ranks,
+)
+from seqpar.plan.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
+from seqpar.plan.modes import split_multiple
+from seqpar.plan.options import pinned_block
+from seqpar.plan.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
+from seqpar.plan.units import GIB
+
+REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
+REF_WIDTH = 8192  # the matmul rate of kernel_tflops is an 8192^3 GEMM; the width efficiency is normalised to 1 there
+REF_HEAD_DIM = 128  # the attention rates of kernel_tflops are measured with 128-wide heads (Llama-2-7B's)
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    step_time_s: float
+    tokens_per_s: float  # whole cluster
+    breakdown_s: dict[str, float]  # compute / elementwise / exposed_comm / offload / optimizer, per optimizer step
+    mfu: float
+    parts_s: dict[
+        str, float
+    ]  # unscaled components the fit works on (ideal linear / attention time, fixed rest incl. elementwise)
+
+
+def linear_flops_per_token(
+    m: ModelSpec, checkpointing: str, loss_impl: str, tiled_mlp: bool = False, recomputed: int | None = None
+) -> float:
+    """6*N_lin forward+backward, +2*N_lin of the recomputed layers (``recomputed``; None = all when checkpointing),
+    +2*V*h when the chunked loss recomputes logits, +2*3*h*I*L when tiled_mlp runs each MLP forward once more (its tiles
+    are recomputed in backward)."""
+    if recomputed is None:
+        recomputed = m.num_layers if checkpointing != "none" else 0
+    f = 6.0 * matmul_params(m) + 2.0 * recomputed * layer_matmul_params(m)
+    if loss_impl == "chunked":
+        f += 2.0 * m.vocab_size * m.hidden_size
+    if tiled_mlp:
+        f += 2.0 * 3 * m.hidden_size * m.intermediate_size * m.num_layers
+    return f
+
+
+def elementwise_bytes_per_token(m: ModelSpec, fused_ops: str = "none") -> tuple[float, float]:
+    """(all, SwiGLU's share) of the HBM bytes the norms, RoPE and SwiGLU move per token and layer in one forward."""
+    h, i, ad = m.hidden_size, m.intermediate_size, (m.num_attention_heads + m.num_key_value_heads) * m.head_dim
+    if fused_ops == "liger":
+        return 8.0 * h + 4.0 * ad + 6.0 * i, 6.0 * i
+    return 68.0 * h + 24.0 * ad + 10.0 * i, 10.0 * i
+
+
+def elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: float, efficiency: float = 1.0) -> float:
+    """Seconds of elementwise traffic for ``tokens`` local tokens: forward, recompute (the checkpointed layers, and the
+    kept ones under kept_saves matmuls),
+    backward (2), at ``efficiency`` x the GPU's HBM bandwidth (coefficients' elementwise_efficiency; 1 = the bytes
+    alone)."""
+    total, swiglu = elementwise_bytes_per_token(m, s.fused_ops)
+    layers = split(m, s)
+    recomputed = layers.checkpointed + (layers.kept if layers.matmuls else 0)  # kept_saves matmuls: elementwise again
+    moved = (total * 3 + (swiglu if s.tiled_mlp else 0.0)) * m.num_layers + total * recomputed
+    return tokens * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9 * efficiency)
+
+
+def attention_recompute_share(m: ModelSpec, s: Strategy) -> float:
+    """Share of the layers whose recomputation runs attention's forward again: the checkpointed layers under full and
+    offload; selective recomputes the layer around attention (seqpar.runtime.memory.selective hands the kept output back), none
+    recomputes nothing."""
+    if s.checkpointing not in ("full", "offload"):
+        return 0.0
+    return split(m, s).checkpointed / m.num_layers
+
+
+def attention_multiplier(m: ModelSpec, s: Strategy) -> float:
+    return 3.5 + attention_recompute_share(m, s)
+
+
+def first_step_extra_s(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> float:
+    """What the first step costs beyond a warm one: a fixed part (kernel selection, allocator growth, lazy init) and the
+    page-locking of the pinned host blocks the checkpoint offload and the host-kept matmul outputs allocate then (both
+    reuse them in later steps): the offload's through the caching host allocator (cudaHostAlloc, pinned_alloc_gib_s),
+    the kept outputs' registered in place (fresh pages touched by torch's threads, then cudaHostRegister: pinned_register_gib_s)."""
+    host, layer, pinned = offloaded_inputs(w, cluster, s)
+    _, mm_layer, mm_pinned = kept_host_matmuls(w, cluster, s)
+    return (
+        c.first_step_s
+        + pinned * pinned_block(layer) / GIB / c.pinned_alloc_gib_s
+        + mm_pinned * mm_layer / GIB / c.pinned_register_gib_s
+    )
+
+
+def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, compute_s: float) -> float:
+    """Exposed seconds of one micro-batch's checkpoint offload: each offloaded layer input goes to the host in forward
+    and comes back in backward. Within the pinned budget (ClusterSpec.pinned_gib_per_rank, each block
+    rounded to a power of two as the caching host allocator does) the copies are asynchronous and mostly hidden under
+    compute; beyond it seqpar.runtime.memory.offload falls back to pageable memory, whose copies are synchronous: exposed.
+    The host-kept matmul outputs (kept_host_layers) go out and come back the same way, on a side stream, each layer's
+    fetched one layer ahead (the top one, with no GPU-kept layer above it to start it, when its own backward begins).
+    Their overlap (coefficients' side_copy_overlap, 0.93) is fitted to one H100's rows (bench/fit_side_copy.py)."""
+    host, layer, pinned = offloaded_inputs(w, cluster, s)
+    _, mm_layer, mm_pinned = kept_host_matmuls(w, cluster, s)
+    if not host and not mm_pinned:
+        return 0.0
+    bw = c.pinned_copy_gb_s * 1e9
+    hidden = _hidden(2 * pinned * layer / bw, compute_s, c.grad_comm_overlap)  # out in forward, back in backward
+    hidden += _hidden(2 * mm_pinned * mm_layer / bw, compute_s, c.side_copy_overlap)
+    # no GPU-kept layer above the host-kept ones: the top one's outputs come back when its backward starts, unhidden
+    top = mm_layer / (c.pinned_copy_gb_s * 1e9) if mm_pinned and not split(w.model, s).kept_gpu else 0.0
+    return hidden + top + 2 * (host - pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
+
+
+def recomputed_matmul_layers(w: Workload, cluster: ClusterSpec, s: Strategy) -> int:
+    """Layers whose matmuls backward runs again: the checkpointed ones, and host-kept ones beyond the pinned budget."""
+    kept_host, _, fit = kept_host_matmuls(w, cluster, s)
+    return split(w.model, s).checkpointed + kept_host - fit
+
+
+def call_tokens(s: Strategy, seq_len: int) -> float:
+    """Query tokens of one attention kernel call: one chunk of the mode's split (seqpar.plan.modes), its Ulysses group's chunks
+    gathered (S for data parallel and Ulysses, S/(2P) for zigzag, S/(2R) for usp, S/P for dist flash)."""
+    return seq_len * ulysses_ranks(s) / split_multiple(s.mode, s.sp_degree, s.ulysses_degree)
+
+
+def call_efficiency(n: float, c: Coefficients) -> float:
+    """eff(n) = n / (n + n0) of a kernel call of n query tokens, normalised to 1 at REF_CALL_TOKENS and no higher beyond
+    it: the H200's causal kernel runs 553-563 TFLOP/s at 64K and 539-543 from 128K to 1M (bench/results/
+    h200_attention_bench.json, h200_shape_kernels.json), so longer calls gain nothing the curve would give them."""
+    n0 = c.attn_block_tokens
+    return min(1.0, (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0)))
+
+
+def head_dim_efficiency(head_dim: int, d0: float) -> float:
+    """Attention kernel efficiency vs head width, d / (d + d0), relative to the 128-wide heads the kernel rates were
+    measured with: a 64-wide head does half the FLOPs per byte of q, k, v loaded and per softmax element (Llama-3.2-1B's
+    heads; FlashAttention-2's own figures show the same fall, Dao 2023 fig. 4)."""
+    return (head_dim / (head_dim + d0)) / (REF_HEAD_DIM / (REF_HEAD_DIM + d0))
+
+
+def imbalance(s: Strategy) -> float:
+    # zigzag and Ulysses are balanced by construction; our dist_flash_attn schedule is too: LightSeq's P/2+1 steps leave
+    # the busiest rank P/2+1/2 blocks, but seqpar.runtime.parallel.dist_flash_attn splits the last step's blocks by query rows
+    # between owner and idle helper (odd P balances exactly as it is), so every rank does P/2 blocks of work.
+    return 1.0
+
+
+def width_efficiency(hidden: int, h0: float) -> float:
+    """Matmul efficiency vs model width, h / (h + h0), relative to the 8192-wide GEMM the kernel rate was measured on:
+    narrower GEMMs (h 2048) have fewer tiles and a lower arithmetic intensity per byte of activations moved."""
+    return (hidden / (hidden + h0)) / (REF_WIDTH / (REF_WIDTH + h0))
+
+
+def _bw(cluster: ClusterSpec, group: int, c: Coefficients, contiguous_inner: int = 1) -> float:
+    """Bytes/s per GPU for a group of ``group`` ranks laid out ``contiguous_inner`` apart: NVLink inside a node, else the NIC."""
+    spans = group * contiguous_inner > cluster.gpus_per_node
+    link = cluster.inter_node_link if spans and cluster.inter_node_link else cluster.intra_node_link
+    return link.bandwidth_gb_s * 1e9 * c.comm_bandwidth_efficiency
+
+
+def _hidden(comm: float, compute: float, overlap: float) -> float:
+    """Exposed time of a transfer run alongside compute: what exceeds it, plus the share overlap cannot hide."""
+    return max(comm - compute, 0.0) + (1.0 - overlap) * min(comm, compute)
+
+
+def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> TimeEstimate:
+    m, p = w.model, DTYPE_BYTES[w.dtype]
+    b, S, P, world = w.micro_batch_size, w.seq_len, s.sp_degree, s.world_size
+    t = b * S / P
+    a, d, kv, L = m.num_attention_heads, m.head_dim, m.num_key_value_heads, m.num_layers
+    accum = s.gradient_accumulation_steps
+
+    # ---- compute of one micro-batch
+    lin_ideal = (
+        t
+        * linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp, recomputed_matmul_layers(w, cluster, s))
+        / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
+    )
+    lin_ideal /= width_efficiency(m.hidden_size, c.matmul_width_h0)
+    n = call_tokens(s, S)
+    eff = call_efficiency(n, c)
+    attn_flops = b * attention_fwd_flops(m, S) / P * attention_multiplier(m, s) * imbalance(s)  # dense: packing below
+    attn_rate = c.kernel_rate_tflops(cluster, c.attention_backend(cluster)) * 1e12
+    attn_ideal = attn_flops / attn_rate / eff / head_dim_efficiency(d, c.attn_head_dim_d0)
+    mix, transfers = w.doc_lens, 1.0
+    if mix is not None:  # packed documents: their squares at their own kernel rates, on the busiest rank (packed.py)
+        short = c.kernel_rate_tflops(cluster, "flash") * 1e12 / attn_rate  # FA2 varlen runs the short documents
+        attn_ideal *= packed.attention_time_share(mix, S, n, lambda x: call_efficiency(x, c), short)
+        attn_ideal *= packed.imbalance(s, mix, S)
+        transfers = packed.transfer_share(s, mix, S)
+    lin_factor, attn_factor = c.factors(cluster)
+    lin_t, attn_t = lin_ideal * lin_factor, attn_ideal * attn_factor
+    # forward, (recompute forward), backward; selective's Ulysses backward re-sends q, k, v, out (runtime/ulysses_attn.py head_split_backward)
+    layers = split(m, s)
+    passes = 2 + (layers.checkpointed + (layers.kept if layers.matmuls else 0)) / L
+    attn_fwd_t = attn_t / attention_multiplier(m, s)  # one forward pass over all layers
+    recompute_share = attention_recompute_share(m, s)
+
+    # ---- sequence-parallel communication of one micro-batch
+    sp_comm = 0.0
+    u, r = ulysses_ranks(s), ring_ranks(s)
+    kv_eff = kv if (u == 1 or kv % u == 0) else u
+    if u > 1:
+        a2a_bytes = (u - 1) / u * t * p * (2 * a * d + 2 * kv_eff * d) * L  # q, k, v in and o out, one pass
+        sp_comm += passes * a2a_bytes / _bw(cluster, u, c)
+    if r > 1:
+        bw = _bw(cluster, r, c, contiguous_inner=u)
+        kv_block = 2 * p * t * kv_eff * d  # K and V of t tokens (usp: t*u tokens at kv_eff/u heads)
+        ring_passes = [(kv_block, attn_fwd_t), (kv_block + 8 * t * kv_eff * d, 2.5 * attn_fwd_t)]  # fwd; bwd adds fp32 dK,dV
+        for pass_bytes, pass_compute in ring_passes:
+            step_comm, step_compute = pass_bytes / bw, pass_compute / L / r
+            sp_comm += L * (r - 1) * transfers * _hidden(step_comm, step_compute, c.ring_overlap)
+        # the recomputed layers' forward K,V pass, once more for each layer whose recomputation runs attention
+        step_comm, step_compute = kv_block / bw, attn_fwd_t / L / r
+        sp_comm += recompute_share * L * (r - 1) * transfers * _hidden(step_comm, step_compute, c.ring_overlap)
+    if s.mode == "dist_flash_attn" and P > 1:
+        bw = _bw(cluster, P, c)
+        steps = P / 2
+        fwd_bytes = t * (p * (a * d + 2 * kv * d) + 4 * a * d + 4 * a)
+        bwd_bytes = t * (p * (3 * a * d + 2 * kv * d) + 4 * (a * d + 2 * kv * d))
+        # a recomputed layer runs LightSeq's forward, transfers included, once more
+        df_passes = [(fwd_bytes, attn_fwd_t, 1.0), (bwd_bytes, 2.5 * attn_fwd_t, 1.0), (fwd_bytes, attn_fwd_t, recompute_share)]
+        for pass_bytes, pass_compute, share in df_passes:
+            step_compute = pass_compute / L / (steps + 1)
+            sp_comm += share * L * steps * transfers * _hidden(pass_bytes / bw, step_compute, c.ring_overlap)
+
+    # ---- model-state traffic
+    psi = m.num_params
+    bwd_compute = (lin_t + attn_t) * 0.6  # backward (with its recompute) is ~2/3 of the FLOPs; keep some slack
+    grad_exposed = offload = opt_t = 0.0
+    if world > 1:
+        bw = _bw(cluster, world, c)
+        frac = (world - 1) / world
+        if s.sharding == "ddp":  # DDP all-reduces the gradients in their dtype: fp32 under autocast (memory.precision)
+            gb = precision(w, s, cluster.accelerator).grad
+            grad_exposed = _hidden(2 * frac * psi * gb / bw, bwd_compute * accum, c.grad_comm_overlap)
+        elif s.sharding == "zero2":
+            grad_exposed = _hidden(frac * psi * p / bw, bwd_compute * accum, c.grad_comm_overlap) + frac * psi * p / bw
+        else:  # zero3 / fsdp / zero3_offload: gathers in forward and backward + reduce-scatter, every micro-batch
+            grad_exposed = accum * _hidden(3 * frac * psi * p / bw, lin_t + attn_t, c.grad_comm_overlap)
+    if s.sharding == "zero3_offload":
+        pcie = c.offload_bandwidth_gb_s * 1e9
+        offload = accum * (2 * psi * p / world + psi * 4 / world) / pcie  # parameter shards twice, fp32 gradients once
+        opt_t = psi / cluster.nodes / (c.cpu_adam_gparams_per_s * 1e9) if w.optimizer != "none" else 0.0
+    elif w.optimizer != "none":
+        local = psi if s.sharding == "ddp" else psi / world
+        opt_t = local * (2 * optimizer_bytes_per_param(w.optimizer, w.dtype) + 3 * p) / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
+    offload += accum * offload_copy_time(w, cluster, s, c, lin_t + attn_t)
+
+    compute = accum * (lin_t + attn_t)
+    elementwise = accum * elementwise_time(m, cluster, s, t, c.elementwise_efficiency)
+    exposed = accum * sp_comm + grad_exposed
+    step = compute + elementwise + exposed + offload + opt_t
+    tokens = S * b * s.dp_degree * accum
+    model_flops = b * s.dp_degree * accum * model_flops_per_sequence(m, S, mix)  # seqpar.plan.flops: measured MFU counts the same
+    mfu = model_flops / step / (world * cluster.gpu.bf16_tflops * 1e12)
+    parts = {
+        "linear_ideal": accum * lin_ideal,
+        "attn_ideal": accum * attn_ideal,
+        "cpu_adam": opt_t if s.sharding == "zero3_offload" else 0.0,
+        "elementwise": elementwise,
+    }
+    parts["rest"] = (
+        step - compute - parts["cpu_adam"]
+    )  # fixed, unscaled by the fit: elementwise + communication + offload + GPU Adam
+    return TimeEstimate(
+        step,
+        tokens / step,
+        {"compute": compute, "elementwise": elementwise, "exposed_comm": exposed, "offload": offload, "optimizer": opt_t},
+        mfu,
+        parts,
+    )

@@ -1,0 +1,71 @@
+"""Optional dependencies and the extra that installs each: one line naming the install instead of a bare ModuleNotFoundError.
+
+``pip install -e .`` (or ``pip install 'seqpar @ git+URL'``) installs the advisor only (pydantic, typer, rich,
+nvidia-ml-py, numpy); training, plots and some kernels need more, declared as extras in pyproject.toml. The CLI maps a
+``MissingExtra`` (raised by ``require`` before the work starts) or a ``ModuleNotFoundError`` of a module below to exit 1
+with one line (a known failure: the install, not the input, is what is missing). Dependency-free and torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+from importlib import metadata
+from pathlib import Path
+
+# top-level module -> (extra in pyproject.toml, what it is for); most specific first is not needed: names are unique.
+EXTRAS: dict[str, tuple[str, str]] = {
+    "torch": ("runtime", "training and evaluation"),
+    "transformers": ("runtime", "training and evaluation"),
+    "accelerate": ("runtime", "DeepSpeed plans (accelerate launch)"),
+    "safetensors": ("runtime", "checkpoints"),
+    "matplotlib": ("plot", "pictures (--plot)"),
+    "deepspeed": ("deepspeed", "zero2/zero3/zero3_offload sharding on GPUs"),
+    "liger_kernel": ("liger", "fused_ops liger"),
+    "flash_attn": ("flash", "flash-attn kernels"),
+}
+
+
+class MissingExtra(Exception):
+    """An optional dependency is not installed; the message names the extra that installs it (CLI: exit 1)."""
+
+
+def install_line(extra: str) -> str:
+    """The command that installs ``extra`` where this seqpar came from (it is not on PyPI): from its checkout, from its
+    git URL (pip's direct_url.json), else by name."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file():  # a checkout, installed with pip install -e . (or run from the tree)
+        return f"pip install -e {shlex.quote(f'{root}[{extra}]')}"
+    try:
+        info = json.loads(metadata.distribution("seqpar").read_text("direct_url.json") or "{}")
+    except (metadata.PackageNotFoundError, ValueError):
+        info = {}
+    if "vcs_info" in info:
+        url = info.get("url", "")
+        return f"pip install {shlex.quote(f'seqpar[{extra}] @ git+{url}')}"
+    return f"pip install 'seqpar[{extra}]'"
+
+
+def missing_message(module: str, why: str | None = None) -> str | None:
+    """The one line for a missing ``module`` (a dotted name is fine), or None when no extra provides it."""
+    top = module.split(".")[0]
+    if top not in EXTRAS:
+        return None
+    extra, used_for = EXTRAS[top]
+    return f"{why or used_for} needs {top}, which is not installed: {install_line(extra)}"
+
+
+def require(module: str, why: str | None = None) -> None:
+    """MissingExtra when ``module`` cannot be imported here (checked without importing it)."""
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtra(missing_message(module, why) or f"{module} is not installed")
+
+
+def from_error(e: ModuleNotFoundError) -> str | None:
+    """The one line for a ModuleNotFoundError raised by an import deep in seqpar, or None when it is not an optional
+    dependency (then it is a bug, reported as such)."""
+    return missing_message(e.name) if e.name else None
+
+
+__all__ = ["EXTRAS", "MissingExtra", "from_error", "install_line", "missing_message", "require"]

@@ -1,0 +1,260 @@
+"""Training checkpoints: sharded, resharded on load, committed atomically, checked before use, and never unpickled.
+
+Layout under ``<output>/checkpoints/``::
+
+    step-000010/state/              torch.distributed.checkpoint in safetensors (HuggingFaceStorageWriter with
+                                    save_distributed): model and optimizer tensors keyed by parameter name, every rank
+                                    writing its own shards with their global offsets, so DDP and FSDP2 runs of any
+                                    world size read back the slices they hold (resharding)
+    step-000010/deepspeed/          DeepSpeed plans: DeepSpeed's own sharded checkpoint instead of state/
+    step-000010/rng-<rank>.json     python / numpy / torch (/ CUDA) generator states, restored on the same world size
+    step-000010/model/              the final checkpoint only: save_pretrained export in the plan's dtype (bf16 on bf16
+                                    plans), what transformers, --init-from and the next stage load
+    step-000010/trainer_state.json  written last: step, data position, the facts of seqpar.runtime.checkpoint.resume, every file
+                                    with its size, and a SHA-256 of all that
+    latest                          name of the newest complete checkpoint
+
+Crash consistency: every rank writes into a hidden ``.step-000010.tmp``; after a barrier rank 0 writes the manifest,
+renames the folder into place, then rewrites ``latest`` (both atomic). A kill at any point leaves the previous
+checkpoint complete and ``latest`` naming it; checkpoints beyond ``--keep-last`` are renamed away before they are
+deleted, so a half-deleted one is never mistaken for a checkpoint. Nothing is read with pickle: tensors are safetensors,
+the rest JSON, so a forged checkpoint can fail to load but cannot run code. Multi-node runs need ``--output`` on a file
+system every node sees.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.schema import write_atomic
+from seqpar.runtime.checkpoint.resume import FORMAT, complete, digest, latest, step_dir
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+def write(tmp: Path, *, wrapped, optimizer, rank: int) -> None:
+    """Collective: every rank writes its shards of the model and optimizer (or DeepSpeed its checkpoint) and its RNG."""
+    ds = _deepspeed(wrapped)
+    if ds is not None:  # DeepSpeed keeps its own sharded model/optimizer format, written by every rank
+        ds.save(wrapped, tmp / "deepspeed")
+    else:
+        dcp.save(tensors(wrapped, optimizer), storage_writer=writer(tmp))
+    write_rng(tmp, rank)
+
+
+def writer(tmp: Path) -> HuggingFaceStorageWriter:
+    return HuggingFaceStorageWriter(str(tmp / "state"), save_distributed=True)
+
+
+def write_rng(tmp: Path, rank: int) -> None:
+    write_atomic(tmp / f"rng-{rank}.json", json.dumps(_rng_state()) + "\n")
+
+
+def export(tmp: Path, *, wrapped, hf_model, dtype: torch.dtype, rank: int) -> None:
+    """Collective: the weights gathered one tensor at a time and saved by rank 0 with save_pretrained, in ``dtype``
+    (rank 0 holds one copy of the model in that dtype; the others one tensor at a time)."""
+    ds = _deepspeed(wrapped)
+    sd = ds.full_weights(wrapped) if ds is not None else get_model_state_dict(wrapped)  # keys relative to LossModule
+    weights = {}
+    for name, t in sd.items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2's DTensor: all-gather this one
+        if rank == 0:
+            weights[name.removeprefix("model.")] = full.detach().to(device="cpu", dtype=dtype)
+    if rank == 0:
+        hf_model.save_pretrained(tmp / "model", state_dict=weights)
+        cfg = tmp / "model" / "config.json"  # save_pretrained records the live parameters' dtype (fp32 masters)
+        data = json.loads(cfg.read_text())
+        data["dtype"] = str(dtype).removeprefix("torch.")
+        write_atomic(cfg, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def commit(root: Path, tmp: Path, state: dict) -> Path:
+    """Rank 0, after every rank finished writing ``tmp``: manifest and digest, rename into place, point ``latest`` at it."""
+    final = step_dir(root, state["step"])
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    state = {"format": FORMAT, **state, "files": files}
+    state["digest"] = digest(state)
+    write_atomic(tmp / "trainer_state.json", json.dumps(state, indent=2) + "\n")
+    if final.exists():  # the same step saved again (a resumed run ending where it started)
+        _remove(final)
+    os.replace(tmp, final)
+    write_atomic(root / "latest", final.name + "\n")
+    _fsync_dir(root)
+    return final
+
+
+def prune(root: Path, keep_last: int) -> list[str]:
+    """Rank 0: delete all but the newest ``keep_last`` complete checkpoints (0 keeps all); returns the names deleted."""
+    done = complete(root)
+    gone = done[:-keep_last] if keep_last else []
+    for p in gone:
+        _remove(p)
+    return [p.name for p in gone]
+
+
+def clean(root: Path) -> None:
+    """Rank 0 at start: folders left by a crash (unfinished writes, unfinished deletions)."""
+    for p in list(root.glob(".step-*.tmp")) + list(root.glob(".step-*.deleting")):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _remove(p: Path) -> None:
+    gone = p.with_name(f".{p.name}.deleting")  # renamed first: a crash mid-delete leaves no half checkpoint behind
+    os.replace(p, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def _fsync_dir(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def init_weights(init: str | None) -> str | None:
+    """--init-from: a save_pretrained folder as given, or a previous stage's output folder: its final export."""
+    if init and (Path(init) / "checkpoints").is_dir():
+        last = latest(Path(init) / "checkpoints")
+        if last is None or not (last / "model" / "config.json").is_file():
+            raise SeqparError(
+                f"--init-from {init!r} holds no final checkpoint with an export (model/); run that stage to its end"
+            )
+        return str(last / "model")
+    return init
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def load(folder: Path, state: dict, *, wrapped, optimizer, scheduler, rank: int, world_size: int) -> list[str]:
+    """Collective: model and optimizer from ``folder`` into the wrapped model (resharded to this run's layout), the LR
+    schedule at the checkpoint's step, and this rank's RNG. Returns notes for the log."""
+    notes = []
+    ds = _deepspeed(wrapped)
+    if ds is not None:
+        ds.load(wrapped, folder / "deepspeed")  # model, fp32 master partitions, optimizer moments
+        set_schedule(scheduler, scheduler.optimizer if scheduler is not None else None, state["step"])  # the trainer's
+    else:
+        sd = tensors(wrapped, optimizer)
+        try:
+            dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(folder / "state")))
+        except CheckpointException as e:  # every rank gets every rank's failures
+            first = next(iter(e.failures.values()), e)  # (exception, stack summary)
+            why = str(first[0] if isinstance(first, tuple) else first).splitlines()[0]
+            raise SeqparError(
+                f"checkpoint {str(folder)!r} cannot be read ({why}); resume from another checkpoint (edit `latest`), "
+                f"or start a new --output"
+            ) from None
+        set_model_state_dict(wrapped, sd["model"])
+        if optimizer is not None:
+            # Hyperparameters (lr, weight decay, betas) stay this run's: the checkpoint gives only the state tensors.
+            groups = get_optimizer_state_dict(wrapped, optimizer)["param_groups"]
+            set_optimizer_state_dict(wrapped, optimizer, {"state": sd["optim"], "param_groups": groups})
+        set_schedule(scheduler, optimizer, state["step"])
+    rng = folder / f"rng-{rank}.json"
+    if state["layout"]["world_size"] == world_size and rng.is_file():
+        _set_rng_state(json.loads(rng.read_text()))
+    else:
+        notes.append(f"RNG states not restored (world size {state['layout']['world_size']} -> {world_size})")
+    return notes
+
+
+def set_schedule(scheduler, optimizer, step: int) -> None:
+    """Put a LambdaLR (transformers' warmup schedules) at ``step`` of this run's schedule: lr = base_lr * f(step), the
+    value the uninterrupted run reaches after ``step`` scheduler steps."""
+    if scheduler is None:
+        return
+    lrs = [base * f(step) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": step, "_step_count": step + 1, "_last_lr": lrs})
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
+def tensors(wrapped, optimizer) -> dict:
+    """What DCP saves and loads: tensors only (the optimizer's param_groups come from the plan)."""
+    sd = {"model": get_model_state_dict(wrapped)}
+    if optimizer is not None:
+        sd["optim"] = get_optimizer_state_dict(wrapped, optimizer)["state"]
+    return sd
+
+
+def _deepspeed(wrapped):
+    """seqpar.runtime.train.deepspeed when ``wrapped`` is a DeepSpeed engine, else None (deepspeed is optional)."""
+    from seqpar.runtime.train import deepspeed
+
+    return deepspeed if deepspeed.is_engine(wrapped) else None
+
+
+# --------------------------------------------------------------------------------------------- RNG as JSON
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _rng_state() -> dict:
+    version, mt, gauss = random.getstate()
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    st = {
+        "python": [version, list(mt), gauss],
+        "numpy": [name, key.tolist(), pos, has_gauss, cached],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = _b64(torch.cuda.get_rng_state())
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    def tensor(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+    version, mt, gauss = st["python"]
+    random.setstate((version, tuple(mt), gauss))
+    name, key, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensor(st["torch"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensor(st["cuda"]))
+
+
+# --------------------------------------------------------------------------------------------- test hooks
+
+
+def fault(phase: str, step: int, rank: int, tmp: Path | None = None) -> None:
+    """Test hook, set by SEQPAR_FAULT_PHASE / SEQPAR_FAULT_STEP / SEQPAR_FAULT_RANK (a rank, or 'all'): the phase
+    'step' raises before that step, 'checkpoint' after the shards of that step's checkpoint are written;
+    'checkpoint-pause' then writes ``.paused-rank<R>`` (its pid) beside the checkpoints and waits to be killed;
+    'checkpoint-enospc' points this rank's shard file at /dev/full first, so the write meets a real ENOSPC."""
+    if os.environ.get("SEQPAR_FAULT_PHASE", "step") != phase or os.environ.get("SEQPAR_FAULT_STEP") != str(step):
+        return
+    if os.environ.get("SEQPAR_FAULT_RANK") not in (str(rank), "all"):
+        return
+    if phase == "checkpoint-pause" and tmp is not None:
+        write_atomic(tmp.parent / f".paused-rank{rank}", f"{os.getpid()}\n")
+        time.sleep(3600)
+    elif phase == "checkpoint-enospc" and tmp is not None:
+        (tmp / "state").mkdir(parents=True, exist_ok=True)
+        (tmp / "state" / f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors").symlink_to("/dev/full")
+    else:
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} ({phase}; SEQPAR_FAULT_* is set)")

@@ -1,0 +1,299 @@
+"""tiled_mlp (seqpar.runtime.memory.tiled_mlp) against plain transformers, and the fused_ops refusals that CPU can check.
+
+Reference: the same model untiled (float64: loss and every gradient to 1e-12 relative); memory: the bytes autograd saves
+during forward, counted by saved-tensor hooks, must lose the MLP intermediates (4 x intermediate_size per token)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from seqpar.plan.errors import SeqparError
+from seqpar.runtime.hf.apply import apply
+from seqpar.runtime.memory.tiled_mlp import tile_mlp, tile_tokens
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers: int = 2, inter: int = 176):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg).double()
+
+
+def _enable(model, checkpointing: str):
+    apply(model, "data_parallel", checkpointing=checkpointing)
+    model.train()
+    return model
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_tile_rule_is_alst_ceil_t_over_h():
+    assert tile_tokens(65536, 4096) == 4096
+    assert tile_tokens(100, 64) == 50  # 2 tiles
+    assert tile_tokens(10, 64) == 10  # 1 tile
+    assert tile_tokens(65537, 4096) == 3856  # 17 tiles of at most 3856 tokens
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "offload", "selective"])
+@pytest.mark.parametrize("tile", [1, 7, None, 1000])
+def test_tiled_equals_untiled_in_float64(checkpointing, tile):
+    ref = _llama()
+    tiled = copy.deepcopy(ref)
+    _enable(ref, checkpointing)
+    _enable(tiled, checkpointing)
+    assert tile_mlp(tiled, tile=tile) == 2
+    # one-token tiles run one tile per token, each a Python-level step of forward, recompute and backward: 10 tokens a row
+    # make as many tiles as tokens just as 50 would, at a fifth of the time; the other tiles see 50 (7 leaves a remainder)
+    seq = 10 if tile == 1 else 50
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
+    want_loss, want = _loss_and_grads(ref, ids)
+    got_loss, got = _loss_and_grads(tiled, ids)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-14, msg=name)
+    # a second step reuses the patched modules and still agrees
+    torch.testing.assert_close(_loss_and_grads(tiled, ids)[0], want_loss, rtol=1e-12, atol=0)
+
+
+def _saved_bytes(model, ids) -> int:
+    """Bytes of the tensors autograd saves during forward, parameters excluded (they exist anyway)."""
+    params = {p.data_ptr() for p in model.parameters()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.data_ptr() not in params:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()  # outside the hooks: the tiles' recomputation in backward is not what forward keeps
+    return total
+
+
+def test_tiling_drops_the_mlp_intermediates_from_what_forward_saves():
+    inter, tokens = 512, 2 * 64
+    ref = _enable(_llama(inter=inter), "none")
+    tiled = _enable(copy.deepcopy(ref), "none")
+    tile_mlp(tiled, tile=16)
+    ids = torch.randint(0, 128, (2, 64))
+    untiled_b, tiled_b = _saved_bytes(ref, ids), _saved_bytes(tiled, ids)
+    intermediates = 2 * 4 * inter * tokens * 8  # 2 layers x (gate, up, act(gate), product) x tokens, float64
+    assert untiled_b - tiled_b >= 0.95 * intermediates, (untiled_b, tiled_b, intermediates)
+
+
+def test_tiled_under_autocast_matches_untiled_and_keeps_fp32_grads():
+    ref = _llama().float()
+    tiled = copy.deepcopy(ref)
+    _enable(ref, "full")
+    _enable(tiled, "full")
+    tile_mlp(tiled, tile=8)
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_loss, want = _loss_and_grads(ref, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_loss, got = _loss_and_grads(tiled, ids)
+    torch.testing.assert_close(got_loss, want_loss, rtol=2e-2, atol=0)
+    for name, g in want.items():
+        assert got[name].dtype == torch.float32, name
+        rel = (got[name] - g).norm() / g.norm()
+        assert rel < 3e-2, (name, float(rel))
+
+
+def test_mixture_of_experts_blocks_are_refused():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    with pytest.raises(SeqparError, match="mixture-of-experts.*set tiled_mlp false"):
+        tile_mlp(Qwen2MoeForCausalLM(cfg))
+
+
+def test_fused_ops_refusals_are_one_clear_line():
+    from seqpar.runtime.memory.fused import apply_fused_ops
+
+    model = _llama()
+    assert "none" in apply_fused_ops(model, "none", "cpu")
+    with pytest.raises(SeqparError, match="fused_ops liger runs Triton kernels on CUDA.*cpu.*set fused_ops none"):
+        apply_fused_ops(model, "liger", "cpu")
+    with pytest.raises(SeqparError, match="fused_ops 'triton' is unknown"):
+        apply_fused_ops(model, "triton", "cuda")
+
+
+def test_plans_refuse_liger_off_cuda_and_tiling_under_zero3():
+    from pydantic import ValidationError
+
+    from seqpar.advisor.cluster import cpu_cluster
+    from seqpar.plan.schema import LaunchPlan, Rationale, Strategy, Workload
+    from seqpar.profiles import get_model
+
+    def plan(**strategy):
+        return LaunchPlan(
+            workload=Workload(model=get_model("tiny"), seq_len=64, dtype="fp32"),
+            cluster=cpu_cluster(1),
+            strategy=Strategy(mode="data_parallel", **strategy),
+            rationale=Rationale(policy="pinned"),
+        )
+
+    assert plan(tiled_mlp=True).strategy.tiled_mlp
+    with pytest.raises(ValidationError, match="fused_ops liger runs Triton kernels on CUDA GPUs.*accelerator is cpu"):
+        plan(fused_ops="liger")
+    with pytest.raises(ValidationError, match="tiled_mlp with sharding zero3.*use sharding fsdp or ddp"):
+        plan(tiled_mlp=True, sharding="zero3")
+
+
+def test_a_tiled_model_is_freed_without_the_cycle_collector():
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        model = _llama()
+        tile_mlp(model)
+        ids = torch.randint(0, 128, (1, 70))
+        model(input_ids=ids, labels=ids).loss.backward()
+        weight = weakref.ref(model.model.layers[0].mlp.gate_proj.weight)
+        del model
+        assert weight() is None  # its GPU memory would otherwise stay allocated until gc ran
+    finally:
+        gc.enable()
+
+
+def test_reentrant_offload_forward_runs_in_tiles_too():
+    """checkpointing offload (reentrant) runs the forward under no_grad: the MLP must still see one tile at a time."""
+    model = _enable(_llama(), "offload")
+    tile_mlp(model, tile=8)
+    seen = []
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    ids = torch.randint(0, 128, (1, 30))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert seen and max(seen) <= 8, seen
+
+
+def test_a_copied_tiled_model_is_independent_and_pickles():
+    import io
+
+    model = _llama()
+    tile_mlp(model, tile=7)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (1, 30))
+    want = _loss_and_grads(model, ids)
+    del model
+    got = _loss_and_grads(twin, ids)  # the copy's own MLPs receive the gradients, with the original gone
+    torch.testing.assert_close(got[0], want[0])
+    assert all(g is not None for g in got[1].values())
+    buf = io.BytesIO()
+    torch.save(twin, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(_loss_and_grads(back, ids)[0], want[0])
+
+
+def test_an_instance_level_forward_patch_runs_inside_the_tiles():
+    """Liger binds its SwiGLU forward on the instance; tiling must keep it (here a doubled MLP as the stand-in patch)."""
+    import types
+
+    def doubled(self, x):
+        return 2 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    ref, tiled = _llama(), None
+    tiled = copy.deepcopy(ref)
+    for m in (ref, tiled):
+        for layer in m.model.layers:
+            layer.mlp.forward = types.MethodType(doubled, layer.mlp)
+    tile_mlp(tiled, tile=5)
+    ids = torch.randint(0, 128, (1, 23))
+    (want_loss, want), (got_loss, got) = _loss_and_grads(ref, ids), _loss_and_grads(tiled, ids)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-14, msg=name)
+
+
+def test_dropout_inside_the_mlp_is_refused_while_training():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = dict(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64)
+    model = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.1, **cfg)).train()
+    with pytest.raises(SeqparError, match="new dropout masks.*p=0.1.*set the MLP's dropout to 0"):
+        tile_mlp(model)
+    assert tile_mlp(GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, **cfg)).train()) == 1
+
+
+def test_liger_patch_stays_on_the_instance_and_on_cuda(monkeypatch):
+    """Liger's per-model patch rebinds names of transformers' modeling module for every later model. Liger needs Triton
+    on a GPU, so a stand-in with the same entry points and the same global rebinding checks seqpar's scoping on CPU."""
+    import sys
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    from seqpar.runtime.memory.fused import apply_fused_ops
+
+    plain_rope, plain_norm = modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", plain_rope)  # undone after the test
+    monkeypatch.setattr(modeling_llama, "LlamaRMSNorm", plain_norm)
+    calls = []
+
+    def fake_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        calls.append(q.device.type)
+        return plain_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    def apply_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=None):
+        modeling_llama.apply_rotary_pos_emb = fake_rope
+        modeling_llama.LlamaRMSNorm = type("FakeLigerRMSNorm", (plain_norm,), {})
+        norm = model.model.norm
+        norm.forward = types.MethodType(type(norm).forward, norm)  # an instance-level rebinding, as Liger's
+
+    def apply_to_instance(model, **kwargs):
+        apply_to_llama(model=model, **kwargs)
+
+    pkg, tr, mp = (
+        types.ModuleType(n) for n in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.monkey_patch")
+    )
+    tr._apply_liger_kernel_to_instance, mp.MODEL_TYPE_TO_APPLY_LIGER_FN = apply_to_instance, {"llama": apply_to_llama}
+    for name, mod in (("liger_kernel", pkg), ("liger_kernel.transformers", tr), ("liger_kernel.transformers.monkey_patch", mp)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    model = _llama()
+    reference = copy.deepcopy(model)
+    line = apply_fused_ops(model, "liger", "cuda")
+    assert line == "fused ops: liger (llama: rms_norm, rope, swiglu)"
+    assert modeling_llama.LlamaRMSNorm is plain_norm  # later models get transformers' own class
+    assert "forward" in vars(model.model.norm)  # the instance keeps its patch
+    ids = torch.randint(0, 128, (1, 20))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss)
+    assert calls == []  # CPU tensors never reach the CUDA-only kernel
+    assert modeling_llama.apply_rotary_pos_emb._seqpar_plain is plain_rope
+    apply_fused_ops(copy.deepcopy(reference), "liger", "cuda")  # a second model: still one dispatcher over the plain one
+    assert modeling_llama.apply_rotary_pos_emb._seqpar_plain is plain_rope

@@ -1,0 +1,94 @@
+"""--profile-step: the step summary against hand-made device timelines, and a profiled step of a real CPU run (its trace,
+its summary, and the run report leaving the profiled step out of the warm figures)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from test_train import make_plan, read_metrics
+from typer.testing import CliRunner
+
+from seqpar.cli.commands import app
+from seqpar.runtime.train.profiling import copy_direction, summarize
+
+from seqpar_testing import run_ranks
+
+runner = CliRunner()
+
+
+def test_copy_direction_reads_cuptis_names():
+    assert copy_direction("Memcpy DtoH (Device -> Pinned)") == "DtoH"
+    assert copy_direction("Memcpy HtoD (Pinned -> Device)") == "HtoD"
+    assert copy_direction("Memset (Device)") is None
+    assert copy_direction("void cutlass::Kernel<...>") is None
+
+
+def test_summary_of_a_timeline_with_a_copy_half_under_kernels():
+    # kernels on stream 7: [0, 100] and [150, 300] us, one more on stream 9 inside the first; a copy out [80, 200]
+    # (50 us of it under no kernel: the gap 100-150), a copy back [310, 330] (all of it exposed), a memset [330, 340]
+    device = [
+        ("k0", 7, 0.0, 100.0),
+        ("k_side", 9, 20.0, 60.0),
+        ("k1", 7, 150.0, 300.0),
+        ("Memcpy DtoH (Device -> Pinned)", 20, 80.0, 200.0),
+        ("Memcpy HtoD (Pinned -> Device)", 20, 310.0, 330.0),
+        ("Memset (Device)", 7, 330.0, 340.0),
+    ]
+    host = [("cudaStreamSynchronize", 40.0), ("cudaLaunchKernel", 3.0), ("cudaLaunchKernel", 2.0)]
+    s = summarize(device, host)
+    assert s["device_window_s"] == pytest.approx(340e-6)
+    assert s["kernel_busy_s"] == pytest.approx(250e-6)
+    assert s["copy_s"] == pytest.approx({"DtoH": 120e-6, "HtoD": 20e-6})
+    assert s["exposed_copy_s"] == pytest.approx({"DtoH": 50e-6, "HtoD": 20e-6})
+    assert s["idle_s"] == pytest.approx(10e-6)  # 300-310: nothing at all runs
+    assert s["streams"] == [7, 9, 20]
+    gap = s["gaps"][0]  # the longest kernel-free stretch: 100-150, while the copy out runs
+    assert gap["seconds"] == pytest.approx(50e-6) and gap["at_s"] == pytest.approx(100e-6)
+    assert (gap["after"], gap["before"], gap["copies_running"]) == ("k0", "k1", ["DtoH"])
+    assert s["runtime_calls"][0] == {"name": "cudaStreamSynchronize", "seconds": pytest.approx(40e-6), "calls": 1}
+    assert s["runtime_calls"][1] == {"name": "cudaLaunchKernel", "seconds": pytest.approx(5e-6), "calls": 2}
+
+
+def test_a_summary_without_device_activity_lists_only_host_calls():
+    s = summarize([], [("aten::mm", 7.0)])
+    assert s == {"runtime_calls": [{"name": "aten::mm", "seconds": pytest.approx(7e-6), "calls": 1}]}
+
+
+def _profiled_run(rank, world, tmp):
+    from seqpar.runtime.train.loop import parser, run
+
+    plan = Path(tmp) / "plan.json"
+    make_plan(1, steps=3).write(plan)
+    run(parser().parse_args(["--plan", str(plan), "--output", str(Path(tmp) / "o"), "--profile-step", "2"]))
+
+
+def test_a_profiled_step_writes_its_trace_and_summary_and_stays_out_of_the_warm_figures(tmp_path):
+    run_ranks(_profiled_run, 1, str(tmp_path), timeout=120)
+    out = tmp_path / "o"
+    summary = json.loads((out / "profile" / "rank0_step2.json").read_text())
+    assert summary["step"] == 2 and summary["trace"] == "rank0_step2.json.gz"
+    assert summary["runtime_calls"] and all(c["seconds"] >= 0 for c in summary["runtime_calls"])
+    assert "kernel_busy_s" not in summary  # a CPU run has no device activity
+    with gzip.open(out / "profile" / "rank0_step2.json.gz", "rt") as f:
+        assert json.load(f)["traceEvents"]
+    metrics = read_metrics(out)
+    assert [m.get("profiled", False) for m in metrics] == [False, True, False]
+    report = json.loads((out / "run_report.json").read_text())
+    assert report["profiled_steps"] == [2]
+    assert report["measured"]["warm_steps"] == 1
+    assert report["measured"]["step_time_s"] == pytest.approx(report["step_times_s"][2])
+    assert report["measured"]["first_step_s"] == pytest.approx(report["step_times_s"][0])
+
+
+def test_launch_passes_the_profiled_step_to_the_trainer(tmp_path):
+    plan = tmp_path / "plan.json"
+    make_plan(2).write(plan)
+    r = runner.invoke(app, ["launch", str(plan), "--dry-run", "--output", str(tmp_path / "o"), "--profile-step", "3"])
+    assert r.exit_code == 0, r.output
+    cmd = [ln for ln in r.stdout.splitlines() if "torch.distributed.run" in ln]
+    assert len(cmd) == 1 and "--profile-step 3" in cmd[0]
+    bad = runner.invoke(app, ["launch", str(plan), "--dry-run", "--profile-step", "0"])
+    assert bad.exit_code == 2
