@@ -1,9 +1,9 @@
 """Regenerate the golden corpus' expected records from requests.json (or compare them with --check).
 
-    PYTHONPATH=. python tests/golden/make.py                  # write tests/golden/expected/<name>.json for every request
-    PYTHONPATH=. python tests/golden/make.py NAME...          # only these requests
-    PYTHONPATH=. python tests/golden/make.py --check          # compare instead of writing (exit 1 on a difference)
-    PYTHONPATH=. python tests/golden/make.py --check --reverse --times   # in reverse order, with each request's time
+    PYTHONPATH=. python tests/cli/golden/make.py                  # write tests/cli/golden/expected/<name>.json for every request
+    PYTHONPATH=. python tests/cli/golden/make.py NAME...          # only these requests
+    PYTHONPATH=. python tests/cli/golden/make.py --check          # compare instead of writing (exit 1 on a difference)
+    PYTHONPATH=. python tests/cli/golden/make.py --check --reverse --times   # in reverse order, with each request's time
 
 Writing also removes expected records of requests no longer in requests.json (unless NAMEs are given).
 """
