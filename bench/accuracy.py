@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from seqpar.advisor.cost.coefficients import COEFFICIENTS_PATH, load_coefficients
 from seqpar.advisor.cost.fit import coefficients_json, evaluate
 from seqpar.advisor.cost.measurements import load_measurements
-from seqpar.plan.schema import write_atomic
+from seqpar.plan.files import write_atomic
 
 
 def pct(x):

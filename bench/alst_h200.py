@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     s = settings(args.recipe, overrides)
     args.passthrough = _passthrough(argv if argv is not None else sys.argv[1:])
     from seqpar.plan.flops import model_flops_per_sequence
-    from seqpar.plan.schema import ModelSpec
+    from seqpar.plan.specs import ModelSpec
 
     model = ModelSpec.model_validate(spec)
     flops = lambda n: model_flops_per_sequence(model, n)

@@ -148,7 +148,7 @@ def run_alst(spec: dict, s: dict, seq_len: int, steps: int, warmup: int, shards:
     )
 
     from seqpar.plan.flops import model_flops_per_sequence
-    from seqpar.plan.schema import ModelSpec
+    from seqpar.plan.specs import ModelSpec
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -206,7 +206,7 @@ def worker(args) -> None:
 
         if torch.cuda.is_available():  # how far it got: the GPU's peak before the failure
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    from seqpar.plan.schema import ModelSpec
+    from seqpar.plan.specs import ModelSpec
 
     row["predicted_host"] = host_need_gib(ModelSpec.model_validate(spec).num_params, spec, s, args.seq_len)
     print("RESULT " + json.dumps(row), flush=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 def parse_len(text: str) -> int:
-    from seqpar.plan.schema import parse_seq_len
+    from seqpar.plan.units import parse_seq_len
 
     return parse_seq_len(text)
 
@@ -35,7 +35,7 @@ def choose(lengths: list[int], model: str, budget_s: float) -> tuple[list[int], 
     """(lengths to run, their predictions, lengths dropped for the budget), from the advisor's forward-only model."""
     from seqpar.advisor.cluster import cluster_from_flags
     from seqpar.advisor.cost.evaluate import predict_eval
-    from seqpar.plan.schema import Strategy
+    from seqpar.plan.specs import Strategy
     from seqpar.profiles import get_model
 
     m, cl = get_model(model), cluster_from_flags("h200", 1)

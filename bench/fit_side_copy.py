@@ -18,7 +18,7 @@ import sys
 
 from seqpar.advisor.cost.coefficients import load_coefficients
 from seqpar.advisor.search import evaluate
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 
 
 def predict(plan: LaunchPlan, overlap: float, base) -> float:

@@ -157,7 +157,7 @@ def run_seqpar(
         ]
         subprocess.run(adv, check=True, stdout=subprocess.DEVNULL)
         if overrides:
-            from seqpar.plan.schema import LaunchPlan
+            from seqpar.plan.launch_plan import LaunchPlan
 
             data = json.loads(plan.read_text())
             data["strategy"].update(overrides)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import advise_by_rules
 from seqpar.advisor.search import advise_by_cost
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 
 
 def advise(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:

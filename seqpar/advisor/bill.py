@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from seqpar.plan.schema import LaunchPlan, format_tokens
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.units import format_tokens
 
 
 @dataclass(frozen=True)

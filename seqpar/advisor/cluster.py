@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from seqpar.advisor.probe import probe, read_host_ram_gib
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import ClusterSpec, first_error
+from seqpar.plan.files import first_error
+from seqpar.plan.specs import ClusterSpec
 from seqpar.profiles import get_link, gpu_profile
 
 # EasyContext's published hardware: one DGX-style node of 8x A100-80G SXM with NVLink3. EasyContext publishes no host RAM;

@@ -22,9 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from seqpar.advisor.doc_lens import mix_from_counts
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import DocMix
 
 SAMPLE_DOCS = 100_000  # JSONL documents read from the start of the file
 SAMPLE_TOKENS = 1 << 25  # token ids read from the start of a .bin/.npy file (32M: 64 MiB of uint16)
@@ -133,8 +131,9 @@ def _token_lengths(p: Path, name: str, eos_id: Optional[int], vocab_size: int) -
     return out
 
 
-def sample_data(spec: str, vocab_size: int, eos_id: Optional[int] = None) -> Optional[DocMix]:
-    """The mix of a sample of ``spec`` (module docstring); None for synthetic data (no documents)."""
+def sample_data(spec: str, vocab_size: int, eos_id: Optional[int] = None) -> Optional[tuple[list[tuple[int, int]], str]]:
+    """The document lengths of a sample of ``spec`` (module docstring) as sorted (length, count) pairs, with a line saying
+    where they come from (seqpar.advisor.doc_lens bins them into a mix); None for synthetic data (no documents)."""
     if spec == "synthetic":
         return None
     p = Path(spec)
@@ -151,7 +150,7 @@ def sample_data(spec: str, vocab_size: int, eos_id: Optional[int] = None) -> Opt
     else:
         raise SeqparError(f"{name} has an unknown type {suffix!r}; use .jsonl (text), .bin/.npy (token ids) or --doc-lens")
     counts = Counter(lengths)
-    return mix_from_counts(sorted(counts.items()), f"sample of {p.name}: {len(lengths)} document(s), {how}")
+    return sorted(counts.items()), f"sample of {p.name}: {len(lengths)} document(s), {how}"
 
 
 __all__ = ["sample_data"]

@@ -1,6 +1,6 @@
 """The document-length mix `seqpar advise` / `check` plan with: read from a file, modelled from a mean, or sampled from data.
 
-Three sources, one result, a ``seqpar.plan.schema.DocMix`` (quarter-octave histogram of (mean length, share of documents)):
+Three sources, one result, a ``seqpar.plan.specs.DocMix`` (quarter-octave histogram of (mean length, share of documents)):
 * ``--doc-lens FILE``: the lengths in tokens, one integer per line, or a JSON list of integers, or a histogram CSV of
   ``length,count`` rows (a header line is allowed). One line holding one number: every document that long.
 * ``--mean-doc-len N``: the long-tail mix seqpar measures packed attention with (bench/packed_kernels.py
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import DocMix
+from seqpar.plan.specs import DocMix
 
 BINS_PER_OCTAVE = 4
 SIGMA, SHORTEST = 1.6, 16  # bench/packed_kernels.py long_tail_lengths: log-normal, sigma 1.6, at least 16 tokens
@@ -198,7 +198,8 @@ def doc_mix(
     if data is not None:
         from seqpar.advisor.data_sample import sample_data
 
-        return sample_data(data, vocab_size, eos_id)
+        sample = sample_data(data, vocab_size, eos_id)
+        return mix_from_counts(*sample) if sample is not None else None
     return None
 
 

@@ -19,8 +19,8 @@ from seqpar.advisor.cost.throughput import call_efficiency, call_tokens
 from seqpar.advisor.gate import CheckResult
 from seqpar.advisor.render import documents_line
 from seqpar.advisor.search import describe
-from seqpar.plan.schema import LaunchPlan, format_tokens
-from seqpar.plan.units import GIB
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.units import GIB, format_tokens
 
 
 def _table(title: str, *cols: str) -> Table:

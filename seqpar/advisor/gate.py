@@ -17,16 +17,10 @@ from seqpar.advisor.cost.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, evaluate, layer_split_variant
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import (
-    NO_SPLIT,
-    ClusterSpec,
-    LaunchPlan,
-    Prediction,
-    Strategy,
-    checkpointing_text,
-    format_tokens,
-    plan_problems,
-)
+from seqpar.plan.launch_plan import LaunchPlan, Prediction
+from seqpar.plan.rules import NO_SPLIT, checkpointing_text, plan_problems
+from seqpar.plan.specs import ClusterSpec, Strategy
+from seqpar.plan.units import format_tokens
 
 
 @dataclass

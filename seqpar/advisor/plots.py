@@ -14,9 +14,10 @@ from typing import Optional
 from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.cost.memory import estimate_memory
 from seqpar.plan.extras import require
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.modes import MODES, split_multiple
-from seqpar.plan.schema import LaunchPlan, Strategy, format_tokens
-from seqpar.plan.units import GIB
+from seqpar.plan.specs import Strategy
+from seqpar.plan.units import GIB, format_tokens
 
 # One look per mode, told apart by colour, line style and marker (several modes' curves nearly coincide at one degree).
 MODE_STYLE = {

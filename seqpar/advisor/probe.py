@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import ClusterSpec, GpuSpec
+from seqpar.plan.specs import ClusterSpec, GpuSpec
 from seqpar.plan.units import GIB
 from seqpar.profiles import get_link, gpu_profile, match_nvml_name
 

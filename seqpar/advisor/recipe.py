@@ -15,7 +15,7 @@ from seqpar.advisor.advise import advise
 from seqpar.advisor.request import AdviseRequest
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.jobspec import launch_spec
-from seqpar.plan.schema import LaunchPlan, Rationale, Stage
+from seqpar.plan.launch_plan import LaunchPlan, Rationale, Stage
 
 
 class RecipeStage(NamedTuple):

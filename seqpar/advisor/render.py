@@ -18,8 +18,11 @@ from rich.table import Table
 from seqpar.advisor.bill import NOT_COUNTED, bill_lines, plan_bill
 from seqpar.advisor.search import describe
 from seqpar.advisor.training import training_rows
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import PINNED_FRACTION
-from seqpar.plan.schema import ClusterSpec, GpuSpec, LaunchPlan, LinkSpec, ModelSpec, Workload, checkpointing_text, format_tokens
+from seqpar.plan.rules import checkpointing_text
+from seqpar.plan.specs import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, Workload
+from seqpar.plan.units import format_tokens
 
 
 def _kv(title: str, rows: Iterable[tuple[str, object]]) -> Table:

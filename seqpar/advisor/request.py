@@ -9,24 +9,10 @@ from typing import Literal, Optional, get_args
 
 from pydantic import Field, model_validator
 
+from seqpar.plan.base import Checkpointing, DType, Frozen, FusedOps, KeptSaves, LossImpl, Mode, Optimizer, Sharding
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import (
-    Checkpointing,
-    ClusterSpec,
-    DocMix,
-    DType,
-    FusedOps,
-    KeptSaves,
-    LossImpl,
-    Mode,
-    ModelSpec,
-    Optimizer,
-    Sharding,
-    Strategy,
-    Workload,
-    _Frozen,
-    plan_problems,
-)
+from seqpar.plan.rules import plan_problems
+from seqpar.plan.specs import ClusterSpec, DocMix, ModelSpec, Strategy, Workload
 
 
 def check_workload(workload: Workload, cluster: ClusterSpec, fused_ops: Optional[str] = None) -> None:
@@ -42,7 +28,7 @@ def check_workload(workload: Workload, cluster: ClusterSpec, fused_ops: Optional
         raise SeqparError(problems[0][0])
 
 
-class AdviseRequest(_Frozen):
+class AdviseRequest(Frozen):
     model: ModelSpec = Field(description="The model to train.")
     seq_len: int = Field(ge=1, description="Tokens per sequence.")
     cluster: ClusterSpec = Field(description="The hardware (probed, declared or the default).")

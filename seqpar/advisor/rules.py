@@ -21,16 +21,10 @@ from seqpar import __version__
 from seqpar.advisor.request import AdviseRequest
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.jobspec import launch_spec
-from seqpar.plan.schema import (
-    ClusterSpec,
-    LaunchPlan,
-    ModelSpec,
-    Rationale,
-    Strategy,
-    format_tokens,
-    layout_problems,
-    plan_problems,
-)
+from seqpar.plan.launch_plan import LaunchPlan, Rationale
+from seqpar.plan.rules import layout_problems, plan_problems
+from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy
+from seqpar.plan.units import format_tokens
 
 K64, K256 = 64 * 1024, 256 * 1024
 

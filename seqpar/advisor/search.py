@@ -30,19 +30,10 @@ from seqpar.advisor.cost.throughput import estimate_time
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import tree_mode, written_plan
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.launch_plan import Alternative, LaunchPlan, Rationale
 from seqpar.plan.modes import FACTS, MODES, split_multiple
-from seqpar.plan.schema import (
-    NO_SPLIT,
-    Alternative,
-    ClusterSpec,
-    LaunchPlan,
-    ModelSpec,
-    Rationale,
-    Strategy,
-    Workload,
-    plan_problems,
-    split_tag,
-)
+from seqpar.plan.rules import NO_SPLIT, plan_problems, split_tag
+from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 
 CHECKPOINTING = ("full", "selective", "none", "offload")

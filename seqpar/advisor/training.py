@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from seqpar.advisor.bill import duration, gpu_hours, plan_bill
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.launch_plan import LaunchPlan, TrainingSpec
 from seqpar.plan.options import interval, kept
-from seqpar.plan.schema import LaunchPlan, TrainingSpec, format_tokens
+from seqpar.plan.units import format_tokens
 
 RECIPE_OWN = {"steps": "--steps", "rope_theta": "--rope-theta"}  # a recipe sets these per stage
 

@@ -41,8 +41,10 @@ from seqpar.cli.options import (
 )
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.extras import MissingExtra, from_error
+from seqpar.plan.files import first_error
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import KEEP_LAST
-from seqpar.plan.schema import LaunchPlan, first_error, format_tokens, parse_seq_len
+from seqpar.plan.units import format_tokens, parse_seq_len
 
 app = typer.Typer(
     name="seqpar",

@@ -18,7 +18,10 @@ from typing import Callable, Optional
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.extras import MissingExtra
-from seqpar.plan.schema import LaunchPlan, check_strategy_shape, format_tokens, write_atomic
+from seqpar.plan.files import write_atomic
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.specs import check_strategy_shape
+from seqpar.plan.units import format_tokens
 
 PLOTS = {"perplexity": "loss_by_position.png", "needle": "needle_heatmap.png"}
 

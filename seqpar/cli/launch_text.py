@@ -12,7 +12,8 @@ from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.jobspec import LaunchOptions, jobs_for
-from seqpar.plan.schema import LaunchPlan, format_tokens
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.units import format_tokens
 
 
 def bill_header(plan: LaunchPlan, steps: int | None) -> list[str]:

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Annotated, Optional, get_args, get_type_hints
 
 import typer
 
+from seqpar.plan.base import Checkpointing, FusedOps, KeptSaves, LossImpl, Mode, Optimizer, Sharding
+from seqpar.plan.launch_plan import TrainingSpec
 from seqpar.plan.options import KEEP_LAST
-from seqpar.plan.schema import Checkpointing, FusedOps, KeptSaves, LossImpl, Mode, Optimizer, Sharding, TrainingSpec
 
 if TYPE_CHECKING:
     from seqpar.advisor.request import AdviseRequest

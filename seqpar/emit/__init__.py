@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan, Prediction, Strategy, write_atomic
+from seqpar.plan.files import write_atomic
+from seqpar.plan.launch_plan import LaunchPlan, Prediction
+from seqpar.plan.specs import Strategy
 
 TOOLS = ("accelerate", "trl", "axolotl", "arctic", "deepspeed")
 

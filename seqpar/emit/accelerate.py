@@ -21,7 +21,8 @@ from pathlib import Path
 from seqpar.emit.common import Reading, ds_config, dump_json, load_json, read_ds, yaml_text
 from seqpar.emit.nearest import DEEPSPEED_ONLY, FSDP_ONLY, SAME_SHARDING, Caps, attn_implementation
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan, Strategy
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.specs import Strategy
 
 
 def fsdp_checkpointing(s: Strategy) -> tuple[Strategy, list[str]]:

@@ -19,7 +19,8 @@ from pathlib import Path
 from seqpar.emit.common import Reading, ds_config, model_ref, read_ds, yaml_text
 from seqpar.emit.nearest import DEEPSPEED_ONLY, Caps, attn_implementation
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan, Strategy
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.specs import Strategy
 
 CAPS = Caps(
     "arctic",

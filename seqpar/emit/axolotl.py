@@ -19,7 +19,8 @@ from pathlib import Path
 from seqpar.emit.common import Reading, load_json, model_ref, read_ds, trainer_ds, yaml_text
 from seqpar.emit.nearest import SAME_SHARDING, Caps, attn_implementation
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan, Strategy
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.specs import Strategy
 
 RING = "ring attention runs through ring-flash-attn's batch_ring (axolotl accepts no zigzag variant): the same K/V rotation over contiguous chunks, less even causal work; predicted as seqpar's zigzag_ring_attn"
 CAPS = Caps(

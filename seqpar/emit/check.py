@@ -18,7 +18,8 @@ from pathlib import Path
 from seqpar.emit import tool_module
 from seqpar.emit.common import Reading
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan, Prediction, Strategy
+from seqpar.plan.launch_plan import LaunchPlan, Prediction
+from seqpar.plan.specs import Strategy
 
 COMBOS = ({"trl", "accelerate", "deepspeed"}, {"axolotl"}, {"arctic"})
 ORDER = ("deepspeed", "accelerate", "trl", "axolotl", "arctic")  # later readings take precedence

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from seqpar.plan.jobspec import deepspeed_config
-from seqpar.plan.schema import LaunchPlan, ModelSpec, Strategy
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.specs import ModelSpec, Strategy
 
 STAGE_OF = {"ddp": 0, "zero2": 2, "zero3": 3, "zero3_offload": 3, "fsdp": 3}
 
@@ -130,7 +131,7 @@ def read_ds(r: Reading, ds: dict, prefix: str = "") -> None:
 
 
 def load_json(path: Path, what: str) -> dict:
-    from seqpar.plan.schema import read_json_object
+    from seqpar.plan.files import read_json_object
 
     return read_json_object(path, what, "config", missing_fix="check the path", invalid_fix="fix the file")
 

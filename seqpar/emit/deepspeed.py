@@ -12,7 +12,9 @@ from pathlib import Path
 
 from seqpar.emit.common import Reading, ds_config, dump_json, read_ds
 from seqpar.emit.nearest import Caps
-from seqpar.plan.schema import LaunchPlan, Strategy, checkpointing_text
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.rules import checkpointing_text
+from seqpar.plan.specs import Strategy
 
 ZERO = {"ddp": "ddp", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}
 CAPS = Caps(

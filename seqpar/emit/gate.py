@@ -12,7 +12,9 @@ from seqpar.emit import tool_module
 from seqpar.emit.check import SCRIPT_DEFAULTS, ConfigCheck, merge, read_all
 from seqpar.emit.nearest import expressible
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan, Rationale, Strategy, TrainingSpec, Workload, layout_problems
+from seqpar.plan.launch_plan import LaunchPlan, Rationale, TrainingSpec
+from seqpar.plan.rules import layout_problems
+from seqpar.plan.specs import Strategy, Workload
 
 
 def _cluster(values: dict, flags, where: str):
@@ -37,7 +39,7 @@ def check_configs(paths: list[Path], flags, note=print, coeffs=None) -> ConfigCh
     from seqpar.advisor.cost.coefficients import load_coefficients
     from seqpar.advisor.cost.memory import estimate_memory
     from seqpar.advisor.cost.predict import predict
-    from seqpar.plan.schema import parse_seq_len
+    from seqpar.plan.units import parse_seq_len
     from seqpar.profiles import get_model
 
     c = coeffs or load_coefficients()

@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from seqpar.plan.schema import NO_SPLIT, ClusterSpec, Strategy, Workload, checkpointed_layers, layout_problems, offloaded_layers
+from seqpar.plan.rules import NO_SPLIT, checkpointed_layers, layout_problems, offloaded_layers
+from seqpar.plan.specs import ClusterSpec, Strategy, Workload
 
 ALL_SHARDINGS = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp")
 DEEPSPEED_ONLY = {"ddp": "zero2", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}

@@ -23,8 +23,9 @@ from seqpar.emit import accelerate
 from seqpar.emit.common import Reading, dump_json, model_ref, read_ds, trainer_ds, yaml_text
 from seqpar.emit.nearest import Caps, attn_implementation
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.modes import split_multiple
-from seqpar.plan.schema import LaunchPlan, Strategy
+from seqpar.plan.specs import Strategy
 
 CAPS = Caps(
     "trl",

@@ -20,15 +20,16 @@ expected sum of its pieces' squares is
     g(l, S) = l^2 - l^3 / (3S)           for l <= S   (cut in two with probability l/S),
               S l - S^2 / 3              for l >= S,
 and a window holds S / E[l] documents on average: E[sum piece^2] = S * E[g(l, S)] / E[l], at most S^2 (one document,
-``doc_lens`` None). Dependency-free: it reads a seqpar.plan.schema.ModelSpec's fields and a DocMix's histogram.
+``doc_lens`` None). Dependency-free: it reads a seqpar.plan.specs.ModelSpec's fields and a DocMix's histogram.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Any, Iterable, Optional
 
-if TYPE_CHECKING:
-    from seqpar.plan.schema import DocMix, ModelSpec
+# Read by their fields only: specs.DocMix calls square_fraction, so this module stands below seqpar.plan.specs.
+ModelSpec = Any  # a seqpar.plan.specs.ModelSpec
+DocMix = Any  # a seqpar.plan.specs.DocMix
 
 
 def layer_matmul_params(m: ModelSpec) -> int:

@@ -20,8 +20,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from seqpar.plan.env import ALLOWED_ENV_TEXT, env_refusals
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import ALLOWED_ENV_TEXT, LaunchPlan, LaunchSpec, env_refusals
+from seqpar.plan.launch_plan import LaunchPlan, LaunchSpec
 
 # What a recorded multi-node command leaves to each node: its rank and the rendezvous host (the shell fills them in).
 NODE_RANK_VAR, ENDPOINT_VAR = "$NODE_RANK", "$MASTER_ADDR:29500"

@@ -75,7 +75,7 @@ def layer_split(
 ) -> LayerSplit:
     """The split a plan's ``checkpointing``, ``checkpoint_layers`` (None = all), ``offload_layers`` (None = all the
     checkpointed ones, offload only), ``kept_saves`` and ``kept_host_layers`` describe for a model of ``num_layers``
-    decoder layers. Assumes a valid plan (seqpar.plan.schema.plan_problems refuses the rest); counts are clipped to the model
+    decoder layers. Assumes a valid plan (seqpar.plan.rules.plan_problems refuses the rest); counts are clipped to the model
     so a plan for a deeper model stays safe."""
     if checkpointing == "none":
         return LayerSplit(0, 0, num_layers)

@@ -6,6 +6,43 @@ direction, ``_tflops`` = 10**12 FLOP/s, ``_s`` = seconds.
 
 from __future__ import annotations
 
+import re
+from fractions import Fraction
+
+from seqpar.plan.errors import SeqparError
+
 GIB = 2**30  # bytes in a GiB (what torch.cuda.max_memory_allocated / 2**30 and NVML's MiB / 1024 report)
 
-__all__ = ["GIB"]
+
+_SEQ_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+
+
+def parse_seq_len(text: str | int) -> int:
+    """'131072', '128k', '512K', '1M' (k = 1024, M = 1024**2) -> a positive int; SeqparError otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SEQ_RE.match(str(text))
+        if not m:
+            raise SeqparError(f"sequence length {text!r} is not a number; write it as 131072, 128k or 1M (k = 1024, M = 1048576)")
+        # Fraction, not float: 9007199254740993 must stay itself (a float rounds it to ...992)
+        num, suffix = Fraction(m.group(1)), m.group(2).lower()
+        scaled = num * {"": 1, "k": 1024, "m": 1024**2}[suffix]
+        if scaled.denominator != 1:
+            raise SeqparError(f"sequence length {text!r} is not a whole number of tokens ({float(scaled)}); use e.g. 128k")
+        value = int(scaled)
+    if value <= 0:
+        raise SeqparError(f"sequence length {text!r} must be positive; use e.g. 128k")
+    return value
+
+
+def format_tokens(n: int) -> str:
+    """131072 -> '128K', 1048576 -> '1M', 100000 -> '100000'."""
+    if n % (1024**2) == 0:
+        return f"{n // 1024**2}M"
+    if n % 1024 == 0:
+        return f"{n // 1024}K"
+    return str(n)
+
+
+__all__ = ["GIB", "format_tokens", "parse_seq_len"]

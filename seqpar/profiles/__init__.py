@@ -21,7 +21,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import GpuSpec, LinkSpec, ModelSpec, first_error, read_json_object
+from seqpar.plan.files import first_error, read_json_object
+from seqpar.plan.specs import GpuSpec, LinkSpec, ModelSpec
 from seqpar.profiles.hf_config import spec_from_config
 
 _HERE = Path(__file__).resolve().parent

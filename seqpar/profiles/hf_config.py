@@ -17,7 +17,8 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import ModelSpec, first_error
+from seqpar.plan.files import first_error
+from seqpar.plan.specs import ModelSpec
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # schema.Architecture; seqpar.runtime.hf.model builds these
 _CLASS_DEFAULTS = {"mistral": {"sliding_window": 4096}}  # transformers' MistralConfig default when the key is absent

@@ -122,7 +122,7 @@ def fetch_config(repo_id: str, revision: str | None = None) -> HubConfig:
             path, where = Path(hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache)), "Hub"
         except Exception as e:  # huggingface_hub's errors, and whatever the HTTP stack raises underneath
             raise _hub_error(e, repo_id, "config.json") from None
-    from seqpar.plan.schema import read_json_object
+    from seqpar.plan.files import read_json_object
 
     data = read_json_object(
         path, "model config", "config", missing_fix=_offline_fix(repo_id), invalid_fix=f"delete {path} and retry"

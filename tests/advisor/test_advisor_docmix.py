@@ -23,7 +23,8 @@ from seqpar.advisor.cost.predict import predict
 from seqpar.advisor.cost.throughput import call_efficiency, estimate_time
 from seqpar.advisor.doc_lens import lognormal_mix, mix_from_counts
 from seqpar.plan.flops import attention_fwd_flops, model_flops_per_sequence, square_fraction
-from seqpar.plan.schema import DocMix, LaunchPlan, Strategy, Workload
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.specs import DocMix, Strategy, Workload
 from seqpar.profiles import get_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, max_seq_len
 from seqpar.cli.commands import app
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan, ModelSpec, Strategy, Workload
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.specs import ModelSpec, Strategy, Workload
 from seqpar.profiles import get_model
 
 C = load_coefficients()

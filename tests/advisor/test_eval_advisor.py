@@ -9,7 +9,7 @@ from seqpar.advisor.cost.evaluate import estimate_eval_memory, estimate_eval_tim
 from seqpar.advisor.cost.throughput import estimate_time
 from seqpar.advisor.search import max_seq_len
 from seqpar.plan.flops import attention_fwd_flops, matmul_params
-from seqpar.plan.schema import ModelSpec, Strategy, Workload
+from seqpar.plan.specs import ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 from seqpar.profiles import get_model
 

@@ -20,8 +20,8 @@ from seqpar.advisor.cost.throughput import elementwise_bytes_per_token, estimate
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import PINNED_FRACTION, layer_split
-from seqpar.plan.schema import LaunchPlan
 from seqpar.plan.units import GIB
 
 S = 65536

@@ -12,7 +12,7 @@ from seqpar.advisor.gate import check
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, layer_split_variant, max_seq_len
 from seqpar.plan.options import LayerSplit, layer_split, pinned_block
-from seqpar.plan.schema import Strategy, Workload
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.plan.units import GIB
 from seqpar.profiles import get_model
 

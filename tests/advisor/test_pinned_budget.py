@@ -15,8 +15,9 @@ from seqpar.advisor.cost.throughput import estimate_time
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import PINNED_FRACTION
-from seqpar.plan.schema import ClusterSpec, LaunchPlan
+from seqpar.plan.specs import ClusterSpec
 
 S = 65536
 LAYER_MM_GIB = 4.6875  # Llama-2-7B's q, k, v, o, gate, up outputs at 64K, bf16 (tests/advisor/test_kept_matmuls_advisor.py)

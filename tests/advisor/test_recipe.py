@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from seqpar.cli.commands import app
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 
 runner = CliRunner()
 

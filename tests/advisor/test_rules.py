@@ -8,7 +8,7 @@ from seqpar.advisor.cluster import cluster_from_flags, cpu_cluster, default_clus
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import advise_by_rules, choose_mode
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.profiles import get_model
 
 K = 1024

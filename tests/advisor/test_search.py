@@ -10,7 +10,7 @@ from seqpar.advisor.gate import check
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, enumerate_strategies, max_seq_len
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import Strategy
+from seqpar.plan.specs import Strategy
 from seqpar.profiles import get_model
 
 M7 = get_model("llama-2-7b")

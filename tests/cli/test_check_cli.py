@@ -104,7 +104,7 @@ def test_check_never_proposes_deepspeed_for_an_optimizer_it_cannot_run():
     from seqpar.advisor.cluster import cluster_from_flags
     from seqpar.advisor.gate import check, variants
     from seqpar.advisor.request import AdviseRequest
-    from seqpar.plan.schema import Strategy
+    from seqpar.plan.specs import Strategy
     from seqpar.profiles import get_model
 
     for optimizer, allowed in (("none", False), ("adamw-bf16", False), ("adamw", True)):

@@ -15,7 +15,8 @@ from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import advise_by_rules
 from seqpar.cli.commands import app
-from seqpar.plan.schema import SCHEMA_VERSION, LaunchPlan
+from seqpar.plan.base import SCHEMA_VERSION
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.profiles import get_model
 
 runner = CliRunner()

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from seqpar.cli.commands import app
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import parse_seq_len
+from seqpar.plan.units import parse_seq_len
 from seqpar.profiles import get_model
 
 runner = CliRunner()

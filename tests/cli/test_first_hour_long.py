@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 
 from seqpar.advisor.bill import duration, plan_bill
 from seqpar.cli.commands import app
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import hourly
-from seqpar.plan.schema import LaunchPlan, format_tokens
+from seqpar.plan.units import format_tokens
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "400"}  # one table row per line

@@ -15,7 +15,7 @@ import typer
 from typer.testing import CliRunner
 
 from seqpar.cli.commands import app
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 
 runner = CliRunner()
 NARROW = {"COLUMNS": "80"}

@@ -16,7 +16,7 @@ import pytest
 import typer
 
 from seqpar.cli.commands import app
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -33,7 +33,9 @@ REQUESTS = harness.load_requests()
 def test_every_request_has_an_expected_record():
     names = {r["name"] for r in REQUESTS}
     recorded = {p.stem for p in harness.EXPECTED_DIR.glob("*.json")}
-    assert names == recorded, f"missing: {sorted(names - recorded)}; stale: {sorted(recorded - names)} (run tests/cli/golden/make.py)"
+    assert names == recorded, (
+        f"missing: {sorted(names - recorded)}; stale: {sorted(recorded - names)} (run tests/cli/golden/make.py)"
+    )
 
 
 @pytest.mark.parametrize("req", REQUESTS, ids=[r["name"] for r in REQUESTS])

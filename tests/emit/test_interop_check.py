@@ -16,7 +16,7 @@ from seqpar.cli.commands import app
 from seqpar.emit.arctic import human_int
 from seqpar.emit.check import detect
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import Strategy, Workload
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.profiles import get_model
 
 H100x8 = ["--gpu", "h100", "--gpus", "8"]

@@ -17,8 +17,12 @@ from seqpar.advisor.gate import variants
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import advise_by_rules
 from seqpar.advisor.search import enumerate_strategies
+from seqpar.plan.base import Sharding
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan, Rationale, Sharding, Strategy, Workload, first_error, plan_problems
+from seqpar.plan.files import first_error
+from seqpar.plan.launch_plan import LaunchPlan, Rationale
+from seqpar.plan.rules import plan_problems
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.profiles import get_model
 
 CLUSTERS = {  # name -> (cluster, model, seq_lens): one that every mode splits, one that some cannot

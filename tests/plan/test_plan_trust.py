@@ -15,9 +15,11 @@ from test_train import make_plan
 from typer.testing import CliRunner
 
 from seqpar.cli.commands import app
+from seqpar.plan.env import plan_env_allowed
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.files import write_atomic
 from seqpar.plan.jobspec import LaunchOptions, build_job, launch_spec
-from seqpar.plan.schema import LaunchPlan, plan_env_allowed, write_atomic
+from seqpar.plan.launch_plan import LaunchPlan
 
 runner = CliRunner()
 ESC = "\x1b"

@@ -8,19 +8,12 @@ import pytest
 from pydantic import ValidationError
 
 from seqpar.advisor.cluster import cluster_from_flags, default_cluster
+from seqpar.plan.base import SCHEMA_VERSION
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.launch_plan import LaunchPlan, Rationale
 from seqpar.plan.modes import check_heads, check_split, nearest_multiples
-from seqpar.plan.schema import (
-    SCHEMA_VERSION,
-    ClusterSpec,
-    LaunchPlan,
-    ModelSpec,
-    Rationale,
-    Strategy,
-    Workload,
-    format_tokens,
-    parse_seq_len,
-)
+from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
+from seqpar.plan.units import format_tokens, parse_seq_len
 from seqpar.profiles import get_link, get_model
 
 

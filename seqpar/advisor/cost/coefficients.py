@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import ClusterSpec, read_json_object
+from seqpar.plan.files import read_json_object
+from seqpar.plan.specs import ClusterSpec
 
 COEFFICIENTS_PATH = Path(__file__).resolve().parents[2] / "profiles" / "coefficients.json"
 

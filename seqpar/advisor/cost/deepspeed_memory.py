@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from seqpar.plan.schema import ModelSpec
+from seqpar.plan.specs import ModelSpec
 
 REDUCE_BUCKET = 5e8  # zero_optimization.reduce_bucket_size (DeepSpeed's default; seqpar's config does not set it)
 MAX_REUSE = 1e9  # zero_optimization.stage3_max_reuse_distance (default)

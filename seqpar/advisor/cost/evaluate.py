@@ -55,9 +55,10 @@ from seqpar.advisor.cost.throughput import (
     head_dim_efficiency,
     width_efficiency,
 )
+from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import attention_fwd_flops, matmul_params
 from seqpar.plan.modes import split_multiple
-from seqpar.plan.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy
+from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy
 from seqpar.plan.units import GIB
 
 RESULT_BYTES_PER_TOKEN = 16  # fp32 loss + int64 argmax + bool hit per local token (13 B), rounded up

@@ -36,7 +36,7 @@ from seqpar.advisor.cost.measurements import Measurement, load_measurements
 from seqpar.advisor.cost.predict import predict
 from seqpar.advisor.cost.throughput import estimate_time
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import write_atomic
+from seqpar.plan.files import write_atomic
 
 # n0 is held at its hardware-derived value (coefficients.json) unless a grid is passed: five rows cannot pin four numbers.
 N0_GRID = (0.0, 512.0, 1024.0, 2048.0, 3072.0, 4096.0, 6144.0, 8192.0)

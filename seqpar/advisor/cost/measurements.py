@@ -22,8 +22,11 @@ from pydantic import ValidationError
 
 from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.files import first_error
 from seqpar.plan.flops import model_flops_per_sequence
-from seqpar.plan.schema import ClusterSpec, LaunchPlan, Strategy, Workload, first_error, split_tag
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.rules import split_tag
+from seqpar.plan.specs import ClusterSpec, Strategy, Workload
 from seqpar.profiles import get_model
 
 MEASUREMENTS_DIR = Path(__file__).resolve().parents[2] / "profiles" / "measurements"

@@ -58,10 +58,12 @@ from dataclasses import dataclass, field
 
 from seqpar.advisor.cost import deepspeed_memory
 from seqpar.advisor.cost.coefficients import Coefficients
+from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import matmul_params
 from seqpar.plan.modes import FACTS, degrees, head_degree
 from seqpar.plan.options import LayerSplit, pinned_block
-from seqpar.plan.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload, layers_of
+from seqpar.plan.rules import layers_of
+from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 
 OPTIMIZER_BYTES = {"adamw": 12, "none": 0}  # per parameter: fp32 master + two fp32 moments (ZeRO paper's K = 12)

@@ -44,7 +44,7 @@ from typing import Callable
 
 from seqpar.plan.flops import piece_squares, square_fraction
 from seqpar.plan.modes import FACTS, degrees
-from seqpar.plan.schema import DocMix, Strategy
+from seqpar.plan.specs import DocMix, Strategy
 
 LONG_DOC = 1 << 62  # seqpar.runtime.parallel.varlen.LONG_DOC: documents this long run alone on the causal kernel (default: never)
 

@@ -2,7 +2,7 @@
 
 ``predict(workload, cluster, strategy)`` combines the memory model (memory.py: peak allocated bytes per GPU over the phases
 of a step) and the throughput model (throughput.py: step time split into compute / exposed communication / offload /
-optimizer) into a ``seqpar.plan.schema.Prediction``, with the coefficients of coefficients.py (the shipped ones unless
+optimizer) into a ``seqpar.plan.launch_plan.Prediction``, with the coefficients of coefficients.py (the shipped ones unless
 ``coeffs`` names another set). Pure Python: no torch, no numpy.
 """
 
@@ -13,7 +13,8 @@ from typing import Optional
 from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.cost.memory import estimate_memory
 from seqpar.advisor.cost.throughput import estimate_time, first_step_extra_s
-from seqpar.plan.schema import ClusterSpec, Prediction, Strategy, Workload
+from seqpar.plan.launch_plan import Prediction
+from seqpar.plan.specs import ClusterSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 
 

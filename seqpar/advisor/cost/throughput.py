@@ -58,10 +58,11 @@ from seqpar.advisor.cost.memory import (
     split,
     ulysses_ranks,
 )
+from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
 from seqpar.plan.modes import split_multiple
 from seqpar.plan.options import pinned_block
-from seqpar.plan.schema import DTYPE_BYTES, ClusterSpec, ModelSpec, Strategy, Workload
+from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 
 REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.jobspec import uses_deepspeed
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 
 # ModelSpec fields that shape the network (name and source only say where the figures came from)
 _MODEL_FIELDS = (

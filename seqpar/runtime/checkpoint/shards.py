@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import write_atomic
+from seqpar.plan.files import write_atomic
 from seqpar.runtime.checkpoint.resume import FORMAT, complete, digest, latest, step_dir
 
 # --------------------------------------------------------------------------------------------- writing

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seqpar.plan import options
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import HOURLY_S, hourly, kept
-from seqpar.plan.schema import LaunchPlan
 from seqpar.plan.units import GIB
 
 AUTO = "auto"  # --checkpoint-every auto: the interval from the step time, whatever the plan says

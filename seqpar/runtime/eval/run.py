@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan, parse_seq_len, write_atomic
+from seqpar.plan.files import write_atomic
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.units import parse_seq_len
 from seqpar.runtime.eval.forward import Evaluator, check_head, perplexity, score
 
 REPORTS = {"perplexity": "eval.json", "needle": "needle.json"}
@@ -74,7 +76,7 @@ def preflight(
 
 
 def parse_lengths(text: str | None, default: int) -> list[int]:
-    """'64k,128k' -> [65536, 131072] (seqpar.plan.schema.parse_seq_len each); None -> [default]."""
+    """'64k,128k' -> [65536, 131072] (seqpar.plan.units.parse_seq_len each); None -> [default]."""
     if not text:
         return [default]
     return [parse_seq_len(x) for x in text.split(",") if x.strip()]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from seqpar.plan.schema import format_tokens
+from seqpar.plan.units import format_tokens
 
 NEEDLE_COLOURS = ("#F0496E", "#EBB839", "#0CD79F")  # EasyContext's heatmap colours: fail, partial, pass
 

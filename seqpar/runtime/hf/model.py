@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import ModelSpec
+from seqpar.plan.specs import ModelSpec
 
 _CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 

@@ -72,7 +72,7 @@ class SeqparArguments:
     @classmethod
     def from_plan(cls, plan) -> SeqparArguments:
         """The mode, degrees and checkpointing (with its split and pinned budget) of a LaunchPlan (or a plan file's path)."""
-        from seqpar.plan.schema import LaunchPlan
+        from seqpar.plan.launch_plan import LaunchPlan
 
         p = plan if isinstance(plan, LaunchPlan) else LaunchPlan.load(plan)
         s = p.strategy

@@ -29,7 +29,8 @@ from pathlib import Path
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.extras import require
 from seqpar.plan.jobspec import Job, LaunchOptions, default_output, jobs_for, uses_deepspeed
-from seqpar.plan.schema import ClusterSpec, LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.specs import ClusterSpec
 
 __all__ = [
     "LaunchOptions",

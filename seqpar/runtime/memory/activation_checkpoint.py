@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.options import CHECKPOINTING, KEPT_SAVES, layer_split
-from seqpar.plan.schema import kept_problems, split_problems
+from seqpar.plan.rules import kept_problems, split_problems
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 
 
 def prepare(module, plan: LaunchPlan, total_steps: int):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.runtime.parallel.loss import loss, loss_from_hidden
 
 

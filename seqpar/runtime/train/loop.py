@@ -33,8 +33,9 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from seqpar.plan.errors import SeqparError, TrainingStopped
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import KEEP_LAST, kept
-from seqpar.plan.schema import LaunchPlan, checkpointing_text
+from seqpar.plan.rules import checkpointing_text
 from seqpar.runtime.checkpoint import resume
 from seqpar.runtime.checkpoint.storage import AUTO
 from seqpar.runtime.data.windows import add_arguments as add_data_arguments

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from seqpar.plan.schema import write_atomic
+from seqpar.plan.files import write_atomic
 
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
 GAPS = 5  # the longest kernel-free stretches listed

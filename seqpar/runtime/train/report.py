@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.files import write_atomic
 from seqpar.plan.flops import model_flops_per_sequence
-from seqpar.plan.schema import LaunchPlan, write_atomic
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.units import GIB
 
 

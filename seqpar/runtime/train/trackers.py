@@ -64,7 +64,7 @@ def new_run_id() -> str:
 def run_identity(out: Path, *, resumed: bool, project: str | None, run_name: str | None) -> dict:
     """{"project", "run_name", "run_id"} of this run, written to ``<out>/tracker_run.json`` (atomically). A resumed run
     reads the id (and, unless given again, the project and name) back; a fresh one gets a new id."""
-    from seqpar.plan.schema import write_atomic
+    from seqpar.plan.files import write_atomic
 
     path = out / RUN_FILE
     saved: dict = {}

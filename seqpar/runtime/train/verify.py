@@ -34,8 +34,9 @@ import sys
 from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.files import write_atomic
+from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.modes import check_split, split_multiple
-from seqpar.plan.schema import LaunchPlan, write_atomic
 
 BASE_TOLERANCE = {"fp32": 1e-5, "bf16": 8e-3, "fp16": 1e-3}
 RESULT = "verify.json"

@@ -13,7 +13,7 @@ from seqpar.advisor.cost.throughput import estimate_time
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.schema import Strategy, Workload
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.profiles import get_model
 
 C = load_coefficients()

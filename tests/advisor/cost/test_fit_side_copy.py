@@ -17,7 +17,7 @@ import fit_side_copy as fsc  # noqa: E402
 
 from seqpar.advisor.cost.coefficients import load_coefficients  # noqa: E402
 from seqpar.advisor.search import evaluate  # noqa: E402
-from seqpar.plan.schema import LaunchPlan  # noqa: E402
+from seqpar.plan.launch_plan import LaunchPlan  # noqa: E402
 
 ROWS = ROOT / "bench" / "results" / "h100_kept_matmuls_32k_paced.json"  # the runtime as shipped: spread, paced
 

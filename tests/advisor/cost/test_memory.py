@@ -6,7 +6,7 @@ from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.cost.coefficients import load_coefficients
 from seqpar.advisor.cost.memory import estimate_memory, kept_bytes_per_token, model_states, precision, saved_bytes_per_token
 from seqpar.advisor.cost.predict import predict
-from seqpar.plan.schema import ModelSpec, Strategy, Workload
+from seqpar.plan.specs import ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 from seqpar.profiles import get_model
 

@@ -6,7 +6,7 @@ from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.cost.throughput import elementwise_time, estimate_time, linear_flops_per_token, width_efficiency
 from seqpar.plan.flops import attention_fwd_flops, matmul_params, model_flops_per_sequence
-from seqpar.plan.schema import LinkSpec, ModelSpec, Strategy, Workload
+from seqpar.plan.specs import LinkSpec, ModelSpec, Strategy, Workload
 from seqpar.profiles import get_model
 
 TINY = ModelSpec(

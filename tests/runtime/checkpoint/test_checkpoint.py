@@ -27,7 +27,7 @@ N_7B = get_model("llama-2-7b").num_params
 
 def _gpu_plan(sharding="ddp", optimizer="adamw", dtype="bf16", every=None, step_time=None):
     """A one-H100 Llama-2-7B plan (fields of the CPU plan, so no advisor run)."""
-    from seqpar.plan.schema import LaunchPlan
+    from seqpar.plan.launch_plan import LaunchPlan
     from seqpar.profiles import get_gpu
 
     data = json.loads(make_plan(1).model_dump_json())
@@ -202,7 +202,7 @@ def test_a_torn_or_edited_checkpoint_is_refused_with_one_line(tmp_path, damage, 
 )
 def test_resume_refuses_what_changes_the_data_or_the_model_naming_the_field(tmp_path, change, field):
     """Through `seqpar launch --resume`: exit 2 and one line before any process starts."""
-    from seqpar.plan.schema import LaunchPlan
+    from seqpar.plan.launch_plan import LaunchPlan
 
     base = make_plan(2, "zigzag_ring_attn", 2, mbs=2, steps=8)
     _checkpoint(tmp_path / "out" / "checkpoints", base)

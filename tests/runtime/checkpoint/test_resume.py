@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from test_train import learnable_tokens, make_plan, read_metrics
 
-from seqpar.plan.schema import LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
 
 
 def _run(plan: LaunchPlan, tmp: str, name: str, data: str, *extra: str, rank: int):

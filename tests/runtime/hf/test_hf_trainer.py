@@ -194,7 +194,7 @@ def _token_file(path: str, n: int, seed: int) -> str:
 def _launch_plan(world: int, mode: str, sp: int, uly: int | None, mbs: int, ga: int):
     from test_train import make_plan
 
-    from seqpar.plan.schema import LaunchPlan
+    from seqpar.plan.launch_plan import LaunchPlan
 
     data = json.loads(make_plan(world, mode, sp, ulysses=uly or 1, ga=ga, mbs=mbs, steps=STEPS, lr=LAUNCH_LR).model_dump_json())
     data["training"].update(warmup_steps=0, lr_schedule="constant", weight_decay=0.0, grad_clip=1.0, seed=LAUNCH_SEED)

@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 
 from seqpar.cli.commands import app
 from seqpar.plan.jobspec import LaunchOptions, build_job, deepspeed_config, jobs_for
-from seqpar.plan.schema import ClusterSpec, LaunchPlan
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.specs import ClusterSpec
 from seqpar.runtime.launch.run import check_machine
 
 runner = CliRunner()
@@ -141,7 +142,7 @@ def test_multi_node_and_deepspeed_commands(tmp_path):
 
 
 def test_staged_plan_makes_one_job_per_stage(tmp_path):
-    from seqpar.plan.schema import Stage
+    from seqpar.plan.launch_plan import Stage
 
     base = make_plan(2, "zigzag_ring_attn", 2)
     stages = [

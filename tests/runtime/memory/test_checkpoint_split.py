@@ -322,7 +322,7 @@ def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
         strategy = report["plan"]["strategy"]
         if name == "matmuls_split":  # the one kept layer's matmul outputs, per step (rank 0's micro-batches), as counted
             from seqpar.advisor.cost.memory import matmul_bytes_per_token
-            from seqpar.plan.schema import LaunchPlan
+            from seqpar.plan.launch_plan import LaunchPlan
 
             plan = LaunchPlan.model_validate(report["plan"])
             w, s = plan.workload, plan.strategy

@@ -12,16 +12,9 @@ from typer.testing import CliRunner
 
 from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.cli.commands import app
-from seqpar.plan.schema import (
-    LaunchPlan,
-    Rationale,
-    Strategy,
-    Workload,
-    checkpointed_layers,
-    checkpointing_text,
-    offloaded_layers,
-    plan_problems,
-)
+from seqpar.plan.launch_plan import LaunchPlan, Rationale
+from seqpar.plan.rules import checkpointed_layers, checkpointing_text, offloaded_layers, plan_problems
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.profiles import get_model
 
 LAYERS = 32  # Llama-2-7B

@@ -155,7 +155,8 @@ def test_plans_refuse_liger_off_cuda_and_tiling_under_zero3():
     from pydantic import ValidationError
 
     from seqpar.advisor.cluster import cpu_cluster
-    from seqpar.plan.schema import LaunchPlan, Rationale, Strategy, Workload
+    from seqpar.plan.launch_plan import LaunchPlan, Rationale
+    from seqpar.plan.specs import Strategy, Workload
     from seqpar.profiles import get_model
 
     def plan(**strategy):

@@ -285,7 +285,7 @@ def test_zero_plans_run_deepspeed_or_are_refused_never_fsdp2(tmp_path, monkeypat
 
     from seqpar.cli.commands import app
     from seqpar.plan.errors import SeqparError
-    from seqpar.plan.schema import LaunchPlan
+    from seqpar.plan.launch_plan import LaunchPlan
     from seqpar.runtime.train import engine
 
     plan = make_plan(2, "zigzag_ring_attn", 2, sharding="zero3")

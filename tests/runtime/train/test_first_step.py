@@ -13,7 +13,7 @@ from seqpar.advisor.cost.measurements import row_from_report
 from seqpar.advisor.cost.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost
-from seqpar.plan.schema import Strategy, Workload
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.profiles import get_model
 
 C = load_coefficients()

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from seqpar.advisor.cluster import cpu_cluster
-from seqpar.plan.schema import LaunchPlan, Rationale, Strategy, TrainingSpec, Workload
+from seqpar.plan.launch_plan import LaunchPlan, Rationale, TrainingSpec
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.profiles import get_model
 
 SEQ = 64  # divisible by 2 * 4 (zigzag and usp on 4 ranks)
