@@ -21,7 +21,7 @@ import traceback
 from contextlib import nullcontext
 from dataclasses import asdict
 
-from alst_h200 import ds_config, host_need_gib, loss_shards, make_row, outcome, settings
+from alst_recipe import ds_config, host_need_gib, loss_shards, make_row, outcome, settings
 from single_gpu import hf_config, shape_spec
 
 

@@ -54,7 +54,7 @@ def label(model: str, sharding: str, seq_len: int) -> str:
 
 
 def seqpar(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "seqpar.cli.commands", *args], capture_output=True, text=True, **kw)
+    return subprocess.run([sys.executable, "-m", "seqpar.cli", *args], capture_output=True, text=True, **kw)
 
 
 def advise(model: str, sharding: str, seq_len: int, plan: Path) -> dict:

@@ -66,10 +66,10 @@ def main() -> None:
     result: dict = {"model": args.model, "gpu": "h200 x1", "lengths": lengths, "dropped_for_budget": dropped}
     with tempfile.TemporaryDirectory() as tmp:
         plan, out = Path(tmp) / "plan.json", Path(tmp) / "eval"
-        adv = [sys.executable, "-m", "seqpar.cli.commands", "advise", "--model", args.model, "--gpu", "h200", "--gpus", "1"]
+        adv = [sys.executable, "-m", "seqpar.cli", "advise", "--model", args.model, "--gpu", "h200", "--gpus", "1"]
         adv += ["--seq-len", str(min(lengths)), "--mode", "data_parallel", "--optimizer", "none", "-o", str(plan)]
         subprocess.run(adv, check=True, stdout=subprocess.DEVNULL)
-        cmd = [sys.executable, "-m", "seqpar.cli.commands", "eval", str(plan), "--seq-len", ",".join(map(str, lengths))]
+        cmd = [sys.executable, "-m", "seqpar.cli", "eval", str(plan), "--seq-len", ",".join(map(str, lengths))]
         cmd += ["--windows", "1", "--buckets", "8", "--data", "synthetic", "--output", str(out), "--json", "--force"]
         t0 = time.perf_counter()
         try:

@@ -135,7 +135,7 @@ def run_seqpar(
         adv = [
             sys.executable,
             "-m",
-            "seqpar.cli.commands",
+            "seqpar.cli",
             "advise",
             "--model",
             spec_name,
@@ -165,7 +165,7 @@ def run_seqpar(
         cmd = [
             sys.executable,
             "-m",
-            "seqpar.cli.commands",
+            "seqpar.cli",
             "launch",
             str(plan),
             "--steps",

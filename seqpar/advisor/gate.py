@@ -16,6 +16,7 @@ from seqpar.advisor.cost.memory import estimate_memory
 from seqpar.advisor.cost.predict import predict
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, evaluate, layer_split_variant
+from seqpar.plan.display import option_names
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan, Prediction
 from seqpar.plan.rules import NO_SPLIT, checkpointing_text, plan_problems
@@ -59,8 +60,7 @@ def variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]:
                 "checkpointing": s.checkpointing,
                 "sharding": s.sharding,
                 "loss_impl": s.loss_impl,
-                "fused_ops": s.fused_ops,
-                "tiled_mlp": s.tiled_mlp,
+                **{k: getattr(s, k) for k in option_names(s)},
             }
         ),
         req.workload(),

@@ -13,20 +13,30 @@ from typing import Optional
 
 from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.cost.memory import estimate_memory
+from seqpar.plan.display import tags
 from seqpar.plan.extras import require
 from seqpar.plan.launch_plan import LaunchPlan
-from seqpar.plan.modes import MODES, split_multiple
+from seqpar.plan.modes import names, split_multiple, splits_sequence, takes_ulysses_degree
 from seqpar.plan.specs import Strategy
 from seqpar.plan.units import GIB, format_tokens
 
-# One look per mode, told apart by colour, line style and marker (several modes' curves nearly coincide at one degree).
-MODE_STYLE = {
-    "data_parallel": ("tab:gray", "-", "o"),
-    "zigzag_ring_attn": ("tab:blue", "-", "s"),
-    "dist_flash_attn": ("tab:orange", "--", "^"),
-    "ulysses_attn": ("tab:green", "-.", "D"),
-    "usp_attn": ("tab:purple", ":", "v"),
-}
+# One look per mode, told apart by colour, line style and marker (several modes' curves nearly coincide at one degree):
+# the registered modes take them in registration order (seqpar.plan.modes), the five built-in ones first.
+STYLES = (
+    ("tab:gray", "-", "o"),
+    ("tab:blue", "-", "s"),
+    ("tab:orange", "--", "^"),
+    ("tab:green", "-.", "D"),
+    ("tab:purple", ":", "v"),
+    ("tab:brown", "--", "x"),
+    ("tab:pink", "-.", "P"),
+    ("tab:olive", ":", "*"),
+)
+
+
+def mode_style(mode: str) -> tuple[str, str, str]:
+    """(colour, line style, marker) of a registered mode."""
+    return STYLES[names().index(mode) % len(STYLES)]
 
 
 def _pyplot():
@@ -41,21 +51,18 @@ def _pyplot():
 
 def _title(plan: LaunchPlan) -> str:
     w, cl, s = plan.workload, plan.cluster, plan.strategy
-    return (
-        f"{w.model.name}, {cl.world_size}x {cl.gpu.name}, ckpt={s.checkpointing}, {s.sharding}, loss={s.loss_impl}"
-        + (", tiled MLP" if s.tiled_mlp else "")
-        + (f", {s.fused_ops} kernels" if s.fused_ops != "none" else "")
-    )
+    options = "".join(f", {t}" for t in tags(s, "title"))
+    return f"{w.model.name}, {cl.world_size}x {cl.gpu.name}, ckpt={s.checkpointing}, {s.sharding}, loss={s.loss_impl}{options}"
 
 
 def _mode_strategy(s: Strategy, mode: str, world: int) -> Optional[Strategy]:
     """The plan's choices in ``mode`` over all ranks (data_parallel: sp 1), or None when the mode cannot take them."""
-    if mode == "data_parallel":
+    if not splits_sequence(mode):
         return s.model_copy(update={"mode": mode, "sp_degree": 1, "dp_degree": world, "ulysses_degree": 1, "ring_degree": 1})
     if world < 2:
         return None
     u, ring = 1, 1
-    if mode == "usp_attn":
+    if takes_ulysses_degree(mode):
         u = next((u for u in range(world // 2, 1, -1) if world % u == 0 and world // u >= 2), None)
         if u is None:
             return None
@@ -81,7 +88,7 @@ def memory_vs_seq_len_figure(plan: LaunchPlan, coeffs: Optional[Coefficients] = 
     w, cl, s = plan.workload, plan.cluster, plan.strategy
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     lo, top = 1024, max(w.seq_len * 4, 8192)
-    for mode in MODES:
+    for mode in names():
         st = _mode_strategy(s, mode, cl.world_size)
         if st is None:
             continue
@@ -92,7 +99,7 @@ def memory_vs_seq_len_figure(plan: LaunchPlan, coeffs: Optional[Coefficients] = 
             n = max(mult, n - n % mult)
             xs.append(n)
             ys.append(estimate_memory(w.model_copy(update={"seq_len": n}), cl, st, c).peak_bytes / GIB)
-        color, line, marker = MODE_STYLE[mode]
+        color, line, marker = mode_style(mode)
         ax.plot(xs, ys, color=color, linestyle=line, marker=marker, markersize=4, label=f"{mode} (sp {st.sp_degree})")
     ax.axhline(cl.gpu.memory_gib, color="red", linestyle="--", label=f"{cl.gpu.name} capacity {cl.gpu.memory_gib:.0f} GiB")
     ax.axvline(w.seq_len, color="black", linestyle=":", linewidth=1, label=f"plan: {format_tokens(w.seq_len)}")
@@ -199,7 +206,8 @@ def explain_plots(plan: LaunchPlan, path: str | Path) -> list[Path]:
 
 
 __all__ = [
-    "MODE_STYLE",
+    "STYLES",
+    "mode_style",
     "explain_plots",
     "measured_vs_predicted_figure",
     "memory_by_phase_figure",

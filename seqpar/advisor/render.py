@@ -18,7 +18,9 @@ from rich.table import Table
 from seqpar.advisor.bill import NOT_COUNTED, bill_lines, plan_bill
 from seqpar.advisor.search import describe
 from seqpar.advisor.training import training_rows
+from seqpar.plan.display import rows as option_rows
 from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.modes import takes_ulysses_degree
 from seqpar.plan.options import PINNED_FRACTION
 from seqpar.plan.rules import checkpointing_text
 from seqpar.plan.specs import ClusterSpec, GpuSpec, LinkSpec, ModelSpec, Workload
@@ -57,7 +59,7 @@ def plan_summary(plan: LaunchPlan) -> str:
     """One line: mode, degrees, seq_len, model, cluster."""
     s, w = plan.strategy, plan.workload
     degrees = f"sp {s.sp_degree} x dp {s.dp_degree}" + (
-        f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})" if s.mode == "usp_attn" else ""
+        f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})" if takes_ulysses_degree(s.mode) else ""
     )
     return f"{s.mode}, {degrees}, seq_len {w.seq_len} ({format_tokens(w.seq_len)}), {w.model.name}, {cluster_line(plan.cluster)}"
 
@@ -102,14 +104,13 @@ def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[R
                 (
                     "degrees",
                     f"sp {s.sp_degree} x dp {s.dp_degree}"
-                    + (f", ulysses {s.ulysses_degree} x ring {s.ring_degree}" if s.mode == "usp_attn" else ""),
+                    + (f", ulysses {s.ulysses_degree} x ring {s.ring_degree}" if takes_ulysses_degree(s.mode) else ""),
                 ),
                 ("tokens per rank", w.seq_len // s.sp_degree),
                 ("checkpointing", checkpointing_text(s, w.model.num_layers)),
                 ("sharding", s.sharding),
                 ("loss", s.loss_impl),
-                ("fused ops", s.fused_ops),
-                ("tiled MLP", "yes" if s.tiled_mlp else "no"),
+                *option_rows(s),
                 ("grad accumulation", s.gradient_accumulation_steps),
             ],
         ),

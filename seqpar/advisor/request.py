@@ -10,6 +10,7 @@ from typing import Literal, Optional, get_args
 from pydantic import Field, model_validator
 
 from seqpar.plan.base import Checkpointing, DType, Frozen, FusedOps, KeptSaves, LossImpl, Mode, Optimizer, Sharding
+from seqpar.plan.display import option_names
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.rules import plan_problems
 from seqpar.plan.specs import ClusterSpec, DocMix, ModelSpec, Strategy, Workload
@@ -57,8 +58,8 @@ class AdviseRequest(Frozen):
     )
     kept_saves: Optional[KeptSaves] = Field(
         default=None,
-        description="Pinned kept_saves for the layers past checkpoint_layers (None = all: matmuls is measured on one H100 "
-        "only, so it is used only when asked).",
+        description="Pinned kept_saves for the layers past checkpoint_layers (None = all: the search uses matmuls only "
+        "when it is pinned, and says when it would be faster).",
     )
     kept_host_layers: Optional[int] = Field(
         default=None,
@@ -97,6 +98,11 @@ class AdviseRequest(Frozen):
         if not self.tokens_per_step:
             return 1
         return max(1, round(self.tokens_per_step / (self.micro_batch_size * self.seq_len * dp_degree)))
+
+    def option_pins(self) -> dict:
+        """The Strategy options (seqpar.plan.display.option_names: fused_ops, tiled_mlp, ...) this request pins, by name;
+        the others (and an option the request has no pin for) keep the Strategy's default unless the search tries them."""
+        return {k: getattr(self, k) for k in option_names(Strategy) if getattr(self, k, None) is not None}
 
     def workload(self) -> Workload:
         """What is trained: the request's fields that Workload has (all of them)."""

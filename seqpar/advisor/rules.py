@@ -22,6 +22,7 @@ from seqpar.advisor.request import AdviseRequest
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.jobspec import launch_spec
 from seqpar.plan.launch_plan import LaunchPlan, Rationale
+from seqpar.plan.modes import describe, hybrid_names, splits_sequence, takes_ulysses_degree
 from seqpar.plan.rules import layout_problems, plan_problems
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy
 from seqpar.plan.units import format_tokens
@@ -91,26 +92,26 @@ def check_mode(
 ) -> tuple[Optional[tuple[int, int]], str]:
     """((sp_degree, ulysses_degree), '') when the mode can run here, else (None, why)."""
     world = cluster.world_size
-    if mode == "data_parallel":
+    if not splits_sequence(mode):
         if sp_pin not in (None, 1):
-            return None, f"data_parallel keeps whole sequences, but sp_degree {sp_pin} is pinned"
+            return None, f"{mode} keeps whole sequences, but sp_degree {sp_pin} is pinned"
         if u_pin not in (None, 1):
-            return None, f"ulysses_degree {u_pin} is pinned, which only usp_attn takes"
+            return None, f"ulysses_degree {u_pin} is pinned, which only {hybrid_names()} takes"
         return (1, 1), ""
     sp = sp_pin or world
     if sp < 2:
         return None, f"{mode} needs at least 2 ranks to split a sequence over, the cluster has {world}"
-    if mode != "usp_attn" and u_pin not in (None, 1):
-        return None, f"ulysses_degree {u_pin} is pinned, which only usp_attn takes"
-    if mode == "dist_flash_attn" and sp % 2:
-        return None, f"dist_flash_attn pairs ranks in its balanced schedule and needs an even GPU count, not {sp}"
+    if not takes_ulysses_degree(mode) and u_pin not in (None, 1):
+        return None, f"ulysses_degree {u_pin} is pinned, which only {hybrid_names()} takes"
+    if describe(mode).pairs_ranks and sp % 2:
+        return None, f"{mode} pairs ranks in its balanced schedule and needs an even GPU count, not {sp}"
     u = 1
-    if mode == "usp_attn":
+    if takes_ulysses_degree(mode):
         u = u_pin or _usp_ulysses_degree(model, sp, cluster.gpus_per_node)
         if u < 2 or sp % u:
             return (
                 None,
-                f"usp_attn found no Ulysses degree >= 2 dividing sp_degree {sp} and {model.name}'s {model.num_attention_heads} heads",
+                f"{mode} found no Ulysses degree >= 2 dividing sp_degree {sp} and {model.name}'s {model.num_attention_heads} heads",
             )
     problems = layout_problems(Strategy.over(mode, sp, world, u), seq_len, model, cluster)  # ranks, split, heads
     return (None, problems[0]) if problems else ((sp, u), "")
@@ -157,7 +158,7 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
         f"seq_len {s} ({format_tokens(s)}) on {c.nodes} node(s) x {c.gpus_per_node} {c.gpu.name}: the guide's tree picks {ch.tree_mode}"
     ]
     reasons += [f"{m} rejected: {w}" for m, w in ch.rejected]
-    if ch.mode == "data_parallel":
+    if not splits_sequence(ch.mode):
         reasons.append(
             "the guide: start with data parallel and switch to sequence parallelism at the first OOM; "
             "the rules do not model memory, so check the fit with --policy cost or `seqpar check`"
@@ -165,7 +166,11 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
     else:
         reasons.append(
             f"{ch.mode} over sp_degree {ch.sp_degree}"
-            + (f" (ulysses {ch.ulysses_degree} x ring {ch.sp_degree // ch.ulysses_degree})" if ch.mode == "usp_attn" else "")
+            + (
+                f" (ulysses {ch.ulysses_degree} x ring {ch.sp_degree // ch.ulysses_degree})"
+                if takes_ulysses_degree(ch.mode)
+                else ""
+            )
             + f", dp_degree {dp}: {s // ch.sp_degree} tokens per rank"
         )
         hw = "multi-node cluster" if c.nodes > 1 else "one 8-GPU node" if c.gpus_per_node == 8 else None
@@ -182,8 +187,7 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
         checkpointing=ckpt,
         loss_impl=loss,
         gradient_accumulation_steps=gas,
-        fused_ops=req.fused_ops or "none",
-        tiled_mlp=bool(req.tiled_mlp),
+        **req.option_pins(),
     )
     # Sharding: the pin, else EasyContext's engine on CUDA (FSDP2 where the plan rules refuse ZeRO-3: another optimizer than
     # AdamW, tiled_mlp) and plain DDP on gloo CPU ranks (DeepSpeed is a GPU engine).
@@ -212,9 +216,8 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
         ("loss_impl", req.loss_impl, loss, "EasyContext computes the loss on full logits (transformers' way)"),
     ):
         reasons.append(f"{what} {val}: " + ("pinned" if pinned else why))
-    for what, pinned in (("fused_ops", req.fused_ops), ("tiled_mlp", req.tiled_mlp)):
-        if pinned is not None:
-            reasons.append(f"{what} {pinned}: pinned")
+    for what, pinned in req.option_pins().items():
+        reasons.append(f"{what} {pinned}: pinned")
     if req.tokens_per_step:
         per_micro = req.micro_batch_size * s * dp
         reasons.append(
@@ -223,11 +226,11 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
         )
     everything_pinned = bool(
         req.mode
-        and (req.mode == "data_parallel" or req.sp_degree)
+        and (not splits_sequence(req.mode) or req.sp_degree)
         and req.checkpointing
         and req.sharding
         and req.loss_impl
-        and (req.mode != "usp_attn" or req.ulysses_degree)
+        and (not takes_ulysses_degree(req.mode) or req.ulysses_degree)
     )
     rationale = Rationale(
         policy="pinned" if everything_pinned else "rules",

@@ -10,9 +10,10 @@ win where its untiled twin does not fit, and only there is it predicted. The pla
 (rules.py) and, where the cost model departs from it, why. ``max_seq_len`` binary-searches the longest sequence that fits
 per mode. The OOM gate (``seqpar check``) is gate.py.
 
-Search space, not validity: dist_flash_attn is searched with checkpointing only (EasyContext runs its schedule under
-gradient checkpointing, modes.FACTS' needs_checkpointing) unless checkpointing is pinned; usp_attn's Ulysses degree
-ranges over 2..sp_degree/2 (a ring of one is ulysses_attn, a Ulysses group of one zigzag_ring_attn).
+Search space, not validity: every registered mode (seqpar.plan.modes) is a candidate; a mode whose description
+needs_checkpointing (dist_flash_attn: EasyContext runs its schedule under gradient checkpointing) is searched with
+checkpointing only unless checkpointing is pinned; a hybrid mode's (usp_attn's) Ulysses degree ranges over
+2..sp_degree/2 (a ring of one is ulysses_attn, a Ulysses group of one zigzag_ring_attn).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from seqpar.advisor.cost.predict import predict
 from seqpar.advisor.cost.throughput import estimate_time
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import tree_mode, written_plan
+from seqpar.plan.display import tags
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import Alternative, LaunchPlan, Rationale
-from seqpar.plan.modes import FACTS, MODES, split_multiple
+from seqpar.plan.modes import describe as describe_mode
+from seqpar.plan.modes import names, split_multiple, splits_sequence, takes_ulysses_degree
 from seqpar.plan.rules import NO_SPLIT, plan_problems, split_tag
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
@@ -52,24 +55,25 @@ class Candidate:
 
 def _degrees(mode: str, world: int, req: AdviseRequest) -> Iterator[tuple[int, int, str]]:
     """(sp_degree, ulysses_degree, why not) the mode can take on ``world`` ranks, honouring the pinned degrees: a pinned
-    sp_degree > 1 rules out data_parallel, a pinned Ulysses degree (> 1) every mode but usp_attn. ``why not`` is set for
-    a pinned Ulysses degree that forms no usp_attn strategy over that sp_degree."""
-    if req.ulysses_degree not in (None, 1) and mode != "usp_attn":
+    sp_degree > 1 rules out whole sequences (data_parallel), a pinned Ulysses degree (> 1) every mode but a hybrid one
+    (usp_attn). ``why not`` is set for a pinned Ulysses degree that forms no hybrid strategy over that sp_degree."""
+    hybrid = takes_ulysses_degree(mode)
+    if req.ulysses_degree not in (None, 1) and not hybrid:
         return
-    if mode == "data_parallel":
+    if not splits_sequence(mode):
         if req.sp_degree in (None, 1):
             yield 1, 1, ""
         return
     sps = [req.sp_degree] if req.sp_degree else [d for d in range(2, world + 1) if world % d == 0]
     for sp in sps:
-        if mode != "usp_attn":
+        if not hybrid:
             yield sp, 1, ""
         elif req.ulysses_degree is None:
             yield from ((sp, u, "") for u in range(2, sp) if sp % u == 0)
         else:
             u = req.ulysses_degree
             ok = sp % u == 0 and 2 <= u < sp
-            yield sp, u, "" if ok else f"usp_attn needs ulysses_degree x ring_degree = {sp} with both >= 2, got ulysses {u}"
+            yield sp, u, "" if ok else f"{mode} needs ulysses_degree x ring_degree = {sp} with both >= 2, got ulysses {u}"
 
 
 def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[Strategy], list[tuple[Strategy | None, str]]]:
@@ -77,7 +81,7 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
     problems (schema.plan_problems), so LaunchPlan refuses each invalid strategy with that very line. The strategy is None
     where a pinned Ulysses degree forms none."""
     c, world = req.cluster, req.cluster.world_size
-    modes = [req.mode] if req.mode else list(MODES)
+    modes = [req.mode] if req.mode else list(names())
     ckpts = [req.checkpointing] if req.checkpointing else list(CHECKPOINTING)
     if req.sharding:
         shards = [req.sharding]
@@ -87,7 +91,7 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
         shards = ["ddp", "zero3_offload"] if world == 1 else list(SHARDING)
     losses = [req.loss_impl] if req.loss_impl else list(LOSS)
     tileds = [req.tiled_mlp] if req.tiled_mlp is not None else [False, True]
-    fused = req.fused_ops or "none"
+    pins = req.option_pins()  # fused_ops: none unless pinned (module docstring)
     L = workload.model.num_layers  # a pinned split that covers every layer is the plain policy: plans say so with None
     ckl = req.checkpoint_layers if req.checkpoint_layers != L else None
     valid: list[Strategy] = []
@@ -99,7 +103,7 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
                 continue
             gas = req.accumulation_steps(max(1, world // sp))
             for ck, sh, loss, tiled in product(ckpts, shards, losses, tileds):
-                if ck == "none" and FACTS[mode].needs_checkpointing and req.checkpointing is None:
+                if ck == "none" and describe_mode(mode).needs_checkpointing and req.checkpointing is None:
                     continue
                 st = Strategy.over(
                     mode,
@@ -112,8 +116,7 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
                     sharding=sh,
                     loss_impl=loss,
                     gradient_accumulation_steps=gas,
-                    fused_ops=fused,
-                    tiled_mlp=tiled,
+                    **{**pins, "tiled_mlp": tiled},
                 )
                 variants = [st]
                 if ckl is not None and ck != "none":  # the split is pinned: each host count is a strategy of its own
@@ -141,9 +144,9 @@ def evaluate(workload: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
 
 def describe(s: Strategy) -> str:
     deg = f" sp={s.sp_degree}" if s.sp_degree > 1 else ""
-    if s.mode == "usp_attn":
+    if takes_ulysses_degree(s.mode):
         deg += f" (ulysses {s.ulysses_degree} x ring {s.ring_degree})"
-    extra = (" mlp=tiled" if s.tiled_mlp else "") + (f" ops={s.fused_ops}" if s.fused_ops != "none" else "")
+    extra = "".join(f" {t}" for t in tags(s, "name"))
     return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing}{split_tag(s)} {s.sharding} loss={s.loss_impl}{extra}"
 
 
@@ -392,7 +395,7 @@ def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
     checkpoint_layers keeping only their matmul outputs, re-split for the memory that frees, and the same with as many
     of those layers' outputs in pinned host memory as the pinned budget holds (--kept-host-layers, the advisor picking the
     count) when that is faster still. Not searched unasked: it pins host memory and its speed rests on a side stream's
-    copies, measured on two machines so far (one H100 at 32K, one H200 at 64K: BENCHMARKS.md)."""
+    copies hiding under compute (their measurements: BENCHMARKS.md)."""
     s = best.strategy
     if req.kept_saves is not None or not best.fits or s.checkpointing not in ("full", "selective") or s.tiled_mlp:
         return []
@@ -416,7 +419,7 @@ def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
             f"kept_saves matmuls (the layers past the recomputed ones keep only their matmul outputs and attention's out + "
             f"lse) would run {x.tokens_per_s:,.0f} tokens/s ({x.tokens_per_s / best.tokens_per_s - 1:+.1%}) with "
             f"{alt.checkpoint_layers} of {w.model.num_layers} layers recomputed, at a peak of {x.peak_gib:.1f} GiB: "
-            "pin --kept-saves matmuls to use it (exact in the GPU tests; run on one H100, Llama-2-7B at 32K)"
+            "pin --kept-saves matmuls to use it (the search uses it only when pinned)"
         )
     if xh is not None:
         _, layer_bytes, on_host = kept_host_matmuls(w, cl, alt_host)
@@ -432,8 +435,7 @@ def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
             f"({on_host * layer_bytes / GIB:.1f} GiB{bound}) would run {xh.tokens_per_s:,.0f} tokens/s "
             f"({xh.tokens_per_s / best.tokens_per_s - 1:+.1%}) with {alt_host.checkpoint_layers} of {w.model.num_layers} "
             f"layers recomputed, at a peak of {xh.peak_gib:.1f} GiB: pin --kept-saves matmuls --kept-host-layers "
-            f"{w.model.num_layers} to use it (measured exact and faster on one H100 at 32K and on one H200 at 64K, there "
-            "1.355x stock transformers with 15 host-kept layers, Llama-2-7B)"
+            f"{w.model.num_layers} to use it (the search uses it only when pinned)"
         )
     return out
 
@@ -476,7 +478,7 @@ def _alternatives(best, fitting, cands, w, cl, c) -> list[Alternative]:
                 taken.add(x.strategy)
                 gain = x.tokens_per_s / best.tokens_per_s - 1
                 picks.append((x, f"slower: {x.tokens_per_s:,.0f} vs {best.tokens_per_s:,.0f} tokens/s ({gain:+.0%})"))
-    for mode in MODES:
+    for mode in names():
         ms = [x for x in cands if x.strategy.mode == mode]
         if ms and not any(x.fits for x in ms) and mode != best.strategy.mode:
             low = min(ms, key=lambda x: x.peak_gib)
@@ -510,7 +512,7 @@ def max_seq_len(
     c = coeffs or load_coefficients()
     out: dict[str, tuple[int, Optional[Strategy]]] = {}
     pinned_split = pins.get("checkpoint_layers") is not None or pins.get("offload_layers") is not None
-    for mode in modes or list(MODES):
+    for mode in modes or list(names()):
         req0 = _request_for(model, cluster, 1024, mode=mode, **pins)
         w0 = req0.workload()
         any_len = 2 * math.lcm(

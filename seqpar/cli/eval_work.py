@@ -1,4 +1,4 @@
-"""The work behind ``seqpar eval`` (the commands in seqpar.cli.commands only declare options): check the inputs, print the
+"""The work behind ``seqpar eval`` (the commands in seqpar.cli.eval only offer options): check the inputs, print the
 advisor's forward-only prediction, start seqpar.runtime.eval.run on every rank with torchrun (seqpar.plan.jobspec.eval_job, the
 environment of a launch), then show the report the ranks wrote (seqpar.runtime.eval.show).
 
@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.extras import MissingExtra
 from seqpar.plan.files import write_atomic
+from seqpar.plan.job_options import EvalJobOptions
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import check_strategy_shape
 from seqpar.plan.units import format_tokens
@@ -26,17 +27,15 @@ from seqpar.plan.units import format_tokens
 PLOTS = {"perplexity": "loss_by_position.png", "needle": "needle_heatmap.png"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalOptions:
-    model_path: Optional[str] = None
-    data: Optional[str] = None
+    """What seqpar eval does around the job (the job's own options: seqpar.plan.job_options.EvalJobOptions)."""
+
     output: Optional[Path] = None
     json_out: bool = False
     plot: Optional[Path] = None
     max_seq_len: bool = False
     force: bool = False
-    depths: list[float] = field(default_factory=list)  # needle
-    samples: int = 1  # needle
 
 
 def resolve_model_path(path: str | None) -> str | None:
@@ -78,20 +77,18 @@ def check_this_machine(plan: LaunchPlan, plan_path: Path, nnodes: int | None = N
         )
 
 
-def run_eval(
-    task: str, plan_path: Path, lengths: list[int] | None, runtime_args: list[str], o: EvalOptions, note: Callable[[str], None]
-) -> tuple[int, dict | None]:
+def run_eval(plan_path: Path, job: EvalJobOptions, o: EvalOptions, note: Callable[[str], None]) -> tuple[int, dict | None]:
     """(exit status, report): the longest evaluable length alone with --max-seq-len (report {"max_eval_seq_len": N}),
-    else the job's exit status and, when it succeeded, the report it wrote."""
+    else the job's exit status and, when it succeeded, the report it wrote. ``job.seq_len`` empty: the plan's."""
     from seqpar.advisor.cost.evaluate import max_eval_seq_len, predict_eval
     from seqpar.profiles import model_from_config
     from seqpar.runtime.eval.show import prediction_lines
 
     plan = LaunchPlan.load(plan_path)
     s, cl = plan.strategy, plan.cluster
-    model_path = resolve_model_path(o.model_path)
+    task, model_path = job.task, resolve_model_path(job.model_path)
     spec = model_from_config(model_path) if model_path else plan.workload.model
-    lengths = lengths or [plan.workload.seq_len]
+    lengths = list(job.seq_len) or [plan.workload.seq_len]
     for n in lengths:  # one line naming the length, the mode's rule and the nearest valid lengths
         check_strategy_shape(s, n, spec)
     longest = max_eval_seq_len(spec, cl, s, plan.workload.dtype)
@@ -101,7 +98,7 @@ def run_eval(
         return 0, {"max_eval_seq_len": longest, "strategy": s.model_dump()}
     from seqpar.runtime.eval import run as rt
 
-    rt.preflight(task, lengths, o.data, model_path, spec.vocab_size, o.depths, o.samples)
+    rt.preflight(task, lengths, job.data, model_path, spec.vocab_size, list(job.depths), job.samples)
     if cl.nodes > 1:
         raise SeqparError(
             f"plan {str(plan_path)!r} spans {cl.nodes} nodes; seqpar eval starts the ranks of one node, so evaluate with a "
@@ -115,16 +112,15 @@ def run_eval(
     out = output_dir(plan_path, o)
     pred_file = out / "prediction.json"
     write_atomic(pred_file, json.dumps({"lengths": {str(p["seq_len"]): p for p in preds}, "max_eval_seq_len": longest}, indent=2))
-    args = runtime_args + ["--task", task, "--seq-len", ",".join(map(str, lengths)), "--prediction", str(pred_file)]
-    args += (["--model-path", model_path] if model_path else []) + (["--data", o.data] if o.data else [])
     from seqpar.plan.jobspec import eval_job
 
-    job = eval_job(plan, plan_path, args, output=out)
-    note(f"seqpar eval: {' '.join(job.argv)}")
+    ranks = replace(job, seq_len=tuple(lengths), prediction=str(pred_file), model_path=model_path)
+    run = eval_job(plan, plan_path, ranks, output=out)
+    note(f"seqpar eval: {' '.join(run.argv)}")
     report = out / rt.REPORTS[task]
     report.unlink(missing_ok=True)  # a failed job must not leave an older report to be shown as its own
     # With --json the ranks' output goes to stderr (fd 2: the process's own, also under a test runner).
-    rc = subprocess.run(job.argv, env={**os.environ, **job.env}, stdout=2 if o.json_out else None).returncode
+    rc = subprocess.run(run.argv, env={**os.environ, **run.env}, stdout=2 if o.json_out else None).returncode
     if rc:
         done = json.loads(report.read_text())["lengths"] if report.is_file() else []
         kept = (

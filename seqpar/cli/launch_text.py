@@ -1,4 +1,4 @@
-"""What `seqpar launch` tells people around the run (cli.py assembles the command; seqpar.runtime.launch.run runs it).
+"""What `seqpar launch` tells people around the run (seqpar.cli.launch is the command; seqpar.runtime.launch.run runs it).
 
 Before: the plan's predicted bill (seqpar.advisor.bill: wall time and GPU-hours), and the refusal of a plan whose
 prediction says it does not fit (unless --force). After: what the run measured beside what the plan predicted (tokens/s,
@@ -52,13 +52,12 @@ def refuse_fsdp_offload(plan: LaunchPlan) -> None:
     )
 
 
-def launch_tracker_flags(report_to: str, project: str | None, run_name: str | None) -> list[str]:
-    """The trainer's tracker flags; SeqparError (exit 2) for a ``--report-to`` name that is unknown or not installed,
-    checked before anything runs (seqpar.runtime.train.trackers.parse, torch-free)."""
+def check_trackers(report_to: str) -> None:
+    """SeqparError (exit 2) for a ``--report-to`` name that is unknown or not installed, checked before anything runs
+    (seqpar.runtime.train.trackers.parse, torch-free)."""
     from seqpar.runtime.train.trackers import parse
 
     parse(report_to)
-    return (["--project", project] if project else []) + (["--run-name", run_name] if run_name else [])
 
 
 def run_summary(plan: LaunchPlan, plan_path: Path, opts: LaunchOptions) -> list[str]:
@@ -81,7 +80,7 @@ def run_summary(plan: LaunchPlan, plan_path: Path, opts: LaunchOptions) -> list[
         model = last / "model" if last is not None else None
         if model is not None and (model / "config.json").is_file():
             lines.append(f"{head}model exported to {model} (transformers' from_pretrained reads it)")
-        elif opts.final_checkpoint:
+        elif opts.train.final_checkpoint:
             lines.append(f"{head}no exported model found under {job.output / 'checkpoints'}")
         else:
             lines.append(f"{head}no export (--no-final-checkpoint)")
@@ -105,4 +104,4 @@ def _compare(measured: dict, predicted: dict, cpu: bool) -> list[str]:
     return out or ["nothing measured"]
 
 
-__all__ = ["bill_header", "launch_tracker_flags", "oom_verdict", "refuse_fsdp_offload", "run_summary"]
+__all__ = ["bill_header", "check_trackers", "oom_verdict", "refuse_fsdp_offload", "run_summary"]

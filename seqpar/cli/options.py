@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Annotated, Optional, get_args, get_type_hints
 import typer
 
 from seqpar.plan.base import Checkpointing, FusedOps, KeptSaves, LossImpl, Mode, Optimizer, Sharding
+from seqpar.plan.job_options import parse_checkpoint_every
 from seqpar.plan.launch_plan import TrainingSpec
+from seqpar.plan.modes import names as mode_names
 from seqpar.plan.options import KEEP_LAST
 
 if TYPE_CHECKING:
@@ -122,7 +124,12 @@ class RequestFlags:
             "(default: 40% of the host RAM); the plan carries it and seqpar launch pins within exactly that.",
         ),
     ] = None
-    mode: Annotated[Optional[Mode], typer.Option("--mode", rich_help_panel=PINS, help="The sequence-parallel mode.")] = None
+    mode: Annotated[
+        Optional[Mode],  # a registered mode (seqpar.plan.modes), checked when the command runs
+        typer.Option(
+            "--mode", metavar="MODE", rich_help_panel=PINS, help=f"The sequence-parallel mode. One of: {', '.join(mode_names())}."
+        ),
+    ] = None
     sp_degree: Annotated[
         Optional[int], typer.Option("--sp-degree", min=1, rich_help_panel=PINS, help="The sequence-parallel degree.")
     ] = None
@@ -355,17 +362,6 @@ class TrainingFlags:
         return out
 
 
-def parse_checkpoint_every(text: str) -> int | str:
-    """--checkpoint-every N|auto (advise and launch): a number of steps >= 0, or "auto"."""
-    from seqpar.plan.errors import SeqparError
-
-    if text == "auto":
-        return text
-    if not text.isdigit():
-        raise SeqparError(f"--checkpoint-every {text!r} is not a number of steps >= 0 or 'auto'; e.g. --checkpoint-every 500")
-    return int(text)
-
-
 def with_training_flags(command):
     """Add TrainingFlags' options to ``command`` (before its own); the command receives them as ``training``."""
     return with_dataclass_flags(command, TrainingFlags, "training")
@@ -388,7 +384,6 @@ __all__ = [
     "WORKLOAD",
     "advise_request",
     "request_doc_mix",
-    "parse_checkpoint_every",
     "with_request_flags",
     "with_training_flags",
 ]

@@ -1,7 +1,8 @@
 """Plans handed to the tools users already train with (``seqpar advise --emit TOOL``) and those tools' configs read back
 (``seqpar check CONFIG...``, in check.py): accelerate, TRL's SFTTrainer, Axolotl, ArcticTraining, DeepSpeed.
 
-One module per tool holds both directions, so a key has one home: ``CAPS`` (what the tool runs, seqpar.emit.nearest),
+What each tool runs is one table, capabilities.py (``CAPS`` in each tool's module is its row; a mode's own description
+says which of a tool's modes it runs for it). One module per tool holds both directions, so a key has one home:
 ``files(plan, strategy, stem)`` (the config files, the command, what the config leaves to the user) and
 ``read(data, path)`` (a Reading). Where a tool cannot express a plan's choice, ``emit`` says so in one line per choice
 and emits the nearest strategy the tool runs, predicted by the cost model as that strategy; it refuses only when no
@@ -14,17 +15,17 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from seqpar.emit.capabilities import TABLE, caps
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.files import write_atomic
 from seqpar.plan.launch_plan import LaunchPlan, Prediction
 from seqpar.plan.specs import Strategy
 
-TOOLS = ("accelerate", "trl", "axolotl", "arctic", "deepspeed")
+TOOLS = tuple(TABLE)  # accelerate, trl, axolotl, arctic, deepspeed
 
 
 def tool_module(tool: str):
-    if tool not in TOOLS:
-        raise SeqparError(f"--emit {tool!r} is not a tool seqpar writes for; use one of {', '.join(TOOLS)}")
+    caps(tool)  # SeqparError naming the tools for an unknown one
     return importlib.import_module(f"seqpar.emit.{tool}")
 
 

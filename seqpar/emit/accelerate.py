@@ -18,48 +18,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from seqpar.emit.capabilities import TABLE
 from seqpar.emit.common import Reading, ds_config, dump_json, load_json, read_ds, yaml_text
-from seqpar.emit.nearest import DEEPSPEED_ONLY, FSDP_ONLY, SAME_SHARDING, Caps, attn_implementation
+from seqpar.emit.nearest import attn_implementation
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import Strategy
 
-
-def fsdp_checkpointing(s: Strategy) -> tuple[Strategy, list[str]]:
-    """Under FSDP accelerate applies checkpointing itself (fsdp_activation_checkpointing[_offload]): no selective policy."""
-    if s.sharding == "fsdp" and s.checkpointing == "selective":
-        note = "accelerate's FSDP2 checkpointing has no selective policy; emitted checkpointing full instead"
-        return s.model_copy(update={"checkpointing": "full"}), [note]
-    return s, []
-
-
-WHY = {
-    "mode dist_flash_attn": "no tool runs LightSeq's dist_flash_attn schedule; its nearest is ring attention (accelerate's torch context parallelism)",
-    "mode usp_attn->ulysses_attn": "accelerate cannot combine Ulysses and ring (its sp_size and cp_size are mutually exclusive)",
-    "mode usp_attn->zigzag_ring_attn": "accelerate cannot combine Ulysses and ring, and the heads do not split for Ulysses alone",
-    "sharding ->fsdp": "accelerate runs torch context parallelism on FSDP2 only",
-    "sharding ->zero2": "accelerate runs DeepSpeed's Ulysses on ZeRO only (stage 2 nearest DDP's replicas)",
-    "sharding ->zero3": "accelerate runs DeepSpeed's Ulysses on ZeRO only (stage 3 nearest FSDP)",
-}
-APPROX = {
-    "zigzag_ring_attn": "ring attention runs as torch context parallelism (head-tail balanced like zigzag, SDPA kernels, "
-    "cp_comm_strategy alltoall): predicted as seqpar's zigzag_ring_attn",
-    "ulysses_attn": "Ulysses runs as DeepSpeed's ALST (the same all-to-alls): predicted as seqpar's ulysses_attn",
-}
-CAPS = Caps(
-    "accelerate",
-    modes={
-        "data_parallel": ("data_parallel",),
-        "ulysses_attn": ("ulysses_attn",),
-        "zigzag_ring_attn": ("zigzag_ring_attn",),
-        "dist_flash_attn": ("zigzag_ring_attn",),
-        "usp_attn": ("ulysses_attn", "zigzag_ring_attn"),
-    },
-    shardings={"data_parallel": SAME_SHARDING, "ulysses_attn": DEEPSPEED_ONLY, "zigzag_ring_attn": FSDP_ONLY},
-    why=WHY,
-    approx=APPROX,
-    adjust=fsdp_checkpointing,
-)
+CAPS = TABLE["accelerate"]
 
 
 def accelerate_config(plan: LaunchPlan, s: Strategy, ds_path: str | None, *, fsdp_checkpointing: bool = True) -> dict:
@@ -90,12 +56,13 @@ def accelerate_config(plan: LaunchPlan, s: Strategy, ds_path: str | None, *, fsd
     if nodes > 1:
         cfg |= {"main_process_ip": "127.0.0.1", "main_process_port": 29500}
     pc = {"dp_replicate_size": 1, "dp_shard_size": s.dp_degree}
-    if s.mode == "ulysses_attn":
+    axis = CAPS.native(s.mode)  # the ParallelismConfig axis of the mode (capabilities.py), "" for none
+    if axis == "sp_size":
         pc |= {"sp_size": s.sp_degree, "sp_backend": "deepspeed", "sp_seq_length_is_variable": True}
         pc["sp_attn_implementation"] = attn_implementation(plan.cluster)
-    elif s.mode == "zigzag_ring_attn":
+    elif axis == "cp_size":
         pc |= {"cp_size": s.sp_degree, "cp_backend": "torch", "cp_comm_strategy": "alltoall"}
-    if s.mode != "data_parallel":
+    if axis:
         cfg["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in pc.items()}
     return cfg
 
@@ -204,10 +171,10 @@ def _read_parallelism(r: Reading, pc: dict, path: Path, *, deepspeed: bool) -> N
     if size["tp"] > 1:
         r.not_understood.append(f"parallelism_config_tp_size {size['tp']} (tensor parallelism)")
     if size["sp"] > 1:
-        r.put("mode", "ulysses_attn", f"parallelism_config_sp_size {size['sp']}")
+        r.put("mode", CAPS.mode_named("sp_size"), f"parallelism_config_sp_size {size['sp']}")
         r.values["sp_degree"] = size["sp"]
     elif size["cp"] > 1:
-        r.put("mode", "zigzag_ring_attn", f"parallelism_config_cp_size {size['cp']} (torch ring attention)")
+        r.put("mode", CAPS.mode_named("cp_size"), f"parallelism_config_cp_size {size['cp']} (torch ring attention)")
         r.values["sp_degree"] = size["cp"]
     total = size["dp_replicate"] * size["dp_shard"] * size["tp"] * size["cp"] * size["sp"]
     world = r.values.get("world_size")

@@ -16,35 +16,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from seqpar.emit.capabilities import TABLE
 from seqpar.emit.common import Reading, ds_config, model_ref, read_ds, yaml_text
-from seqpar.emit.nearest import DEEPSPEED_ONLY, Caps, attn_implementation
+from seqpar.emit.nearest import attn_implementation
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import Strategy
 
-CAPS = Caps(
-    "arctic",
-    modes={
-        "data_parallel": ("data_parallel",),
-        "ulysses_attn": ("ulysses_attn",),
-        "zigzag_ring_attn": ("ulysses_attn",),
-        "dist_flash_attn": ("ulysses_attn",),
-        "usp_attn": ("ulysses_attn",),
-    },
-    shardings={"data_parallel": DEEPSPEED_ONLY, "ulysses_attn": DEEPSPEED_ONLY},
-    checkpointing={"none": "none", "full": "full", "offload": "offload", "selective": "full"},
-    loss_impl={"hf": "chunked", "chunked": "chunked"},
-    why={
-        "mode zigzag_ring_attn": "ArcticTraining has no ring attention (its sequence parallelism is DeepSpeed Ulysses)",
-        "mode dist_flash_attn": "no tool runs LightSeq's dist_flash_attn schedule; ArcticTraining's nearest is Ulysses",
-        "mode usp_attn": "ArcticTraining has no ring half for usp_attn: Ulysses over all its ranks",
-        "sharding ddp": "ArcticTraining runs DeepSpeed ZeRO only (stage 2 nearest DDP's replicas)",
-        "sharding fsdp": "ArcticTraining runs DeepSpeed ZeRO only (stage 3 nearest FSDP)",
-        "checkpointing selective": "ArcticTraining has no selective checkpointing",
-        "loss_impl hf": "ArcticTraining computes the loss a tile of logits at a time (no full-logits switch)",
-    },
-    approx={"ulysses_attn": "Ulysses runs as DeepSpeed's ALST (the same all-to-alls): predicted as seqpar's ulysses_attn"},
-)
+CAPS = TABLE["arctic"]
 
 
 def arctic_config(plan: LaunchPlan, s: Strategy) -> dict:
@@ -147,7 +126,7 @@ def read(data: dict, path: Path) -> Reading:
         "gradient_accumulation_steps",
     )
     sp = human_int(data.get("sequence_parallel_size", 1), "sequence_parallel_size", path)
-    r.put("mode", "ulysses_attn" if sp > 1 else "data_parallel", f"sequence_parallel_size {sp}")
+    r.put("mode", CAPS.mode_named("sequence_parallel_size" if sp > 1 else ""), f"sequence_parallel_size {sp}")
     r.values["sp_degree"] = sp
     ck = (
         "none"

@@ -16,30 +16,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from seqpar.emit.capabilities import TABLE
 from seqpar.emit.common import Reading, load_json, model_ref, read_ds, trainer_ds, yaml_text
-from seqpar.emit.nearest import SAME_SHARDING, Caps, attn_implementation
+from seqpar.emit.nearest import attn_implementation
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import Strategy
 
-RING = "ring attention runs through ring-flash-attn's batch_ring (axolotl accepts no zigzag variant): the same K/V rotation over contiguous chunks, less even causal work; predicted as seqpar's zigzag_ring_attn"
-CAPS = Caps(
-    "axolotl",
-    modes={
-        "data_parallel": ("data_parallel",),
-        "zigzag_ring_attn": ("zigzag_ring_attn",),
-        "ulysses_attn": ("zigzag_ring_attn",),
-        "dist_flash_attn": ("zigzag_ring_attn",),
-        "usp_attn": ("zigzag_ring_attn",),
-    },
-    shardings={"data_parallel": SAME_SHARDING, "zigzag_ring_attn": SAME_SHARDING},
-    why={
-        "mode ulysses_attn": "axolotl has no Ulysses (its context parallelism is ring attention only)",
-        "mode dist_flash_attn": "no tool runs LightSeq's dist_flash_attn schedule; its nearest in axolotl is ring attention",
-        "mode usp_attn": "axolotl has no Ulysses half for usp_attn: ring attention over all its ranks",
-    },
-    approx={"zigzag_ring_attn": RING},
-)
+CAPS = TABLE["axolotl"]
 LIGER = "axolotl.integrations.liger.LigerPlugin"
 CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
 LAYER_CLASS = {
@@ -76,7 +60,7 @@ def axolotl_config(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
         cfg["activation_offloading"] = "hidden_states"
     if s.checkpointing == "selective":
         cfg |= {"selective_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    if s.mode == "zigzag_ring_attn":
+    if CAPS.native(s.mode) == "context_parallel_size":
         cfg |= {"context_parallel_size": s.sp_degree, "ring_attn_func": "batch_ring"}
     if s.tiled_mlp:
         cfg["tiled_mlp"] = True
@@ -108,7 +92,7 @@ def files(plan: LaunchPlan, s: Strategy, stem: Path) -> tuple[dict[Path, str], s
     text = yaml_text(cfg, f"axolotl config for {plan.workload.model.name}, written by seqpar advise --emit axolotl")
     notes = ["set datasets: to your data (YOUR/DATASET is a placeholder)"]
     notes += [model_ref(plan.workload.model)[1]] if model_ref(plan.workload.model)[1] else []
-    notes += ["context_parallel_size needs pip install ring-flash-attn flash-attn"] if s.mode == "zigzag_ring_attn" else []
+    notes += ["context_parallel_size needs pip install ring-flash-attn flash-attn"] if CAPS.native(s.mode) else []
     return {yml: text}, f"axolotl train {yml}", notes
 
 
@@ -155,12 +139,12 @@ def read(data: dict, path: Path) -> Reading:
     )
     cp = _int(data.get("context_parallel_size") or data.get("sequence_parallel_degree") or 1, "context_parallel_size", path)
     if cp > 1:
-        r.put("mode", "zigzag_ring_attn", f"context_parallel_size {cp} (ring-flash-attn)")
+        r.put("mode", CAPS.mode_named("context_parallel_size"), f"context_parallel_size {cp} (ring-flash-attn)")
         r.values["sp_degree"] = cp
         if data.get("ring_attn_func", "batch_ring" if not data.get("sample_packing") else "varlen_llama3") == "varlen_llama3":
             r.not_understood.append("ring_attn_func varlen_llama3 (Llama-3-style all-gather of K/V; predicted as ring attention)")
     else:
-        r.put("mode", "data_parallel", "context_parallel_size 1")
+        r.put("mode", CAPS.mode_named(""), "context_parallel_size 1")
         r.values["sp_degree"] = 1
     if (data.get("tensor_parallel_size") or 1) > 1:
         r.not_understood.append(f"tensor_parallel_size {data['tensor_parallel_size']}")

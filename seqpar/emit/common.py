@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from seqpar.emit.capabilities import TABLE, deepspeed_ulysses
 from seqpar.plan.jobspec import deepspeed_config
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import ModelSpec, Strategy
@@ -71,7 +72,7 @@ def ds_config(plan: LaunchPlan, s: Strategy, *, sp_key: bool) -> dict:
     ds["zero_optimization"]["stage"] = STAGE_OF[s.sharding]
     if s.sharding == "ddp":
         ds["zero_optimization"] = {"stage": 0}
-    if s.mode == "ulysses_attn":
+    if deepspeed_ulysses(s):
         ds["seq_parallel_communication_data_type"] = plan.workload.dtype
         if sp_key:
             ds["sequence_parallel_size"] = s.sp_degree
@@ -126,7 +127,7 @@ def read_ds(r: Reading, ds: dict, prefix: str = "") -> None:
             r.put("dtype", dt, f"{prefix}{dt}.enabled")
     sp = ds.get("sequence_parallel_size")
     if isinstance(sp, int) and sp > 1:
-        r.put("mode", "ulysses_attn", f"{prefix}sequence_parallel_size {sp}")
+        r.put("mode", TABLE["deepspeed"].mode_named("sequence_parallel_size"), f"{prefix}sequence_parallel_size {sp}")
         r.values["sp_degree"] = sp
 
 

@@ -10,33 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from seqpar.emit.capabilities import TABLE
 from seqpar.emit.common import Reading, ds_config, dump_json, read_ds
-from seqpar.emit.nearest import Caps
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.rules import checkpointing_text
 from seqpar.plan.specs import Strategy
 
-ZERO = {"ddp": "ddp", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}
-CAPS = Caps(
-    "deepspeed",
-    modes={
-        "data_parallel": ("data_parallel",),
-        "ulysses_attn": ("ulysses_attn",),
-        "zigzag_ring_attn": ("ulysses_attn",),
-        "dist_flash_attn": ("ulysses_attn",),
-        "usp_attn": ("ulysses_attn",),
-    },
-    shardings={"data_parallel": ZERO, "ulysses_attn": {**ZERO, "ddp": "zero2"}},
-    why={
-        "mode zigzag_ring_attn": "DeepSpeed's sequence parallelism is Ulysses only",
-        "mode dist_flash_attn": "DeepSpeed's sequence parallelism is Ulysses only",
-        "mode usp_attn": "DeepSpeed's sequence parallelism is Ulysses only (no ring half)",
-        "sharding fsdp": "DeepSpeed has no FSDP (ZeRO stage 3 is its full sharding)",
-        "sharding ddp->zero2": "DeepSpeed's Ulysses runs on ZeRO stages >= 1 (stage 2 nearest DDP's replicas)",
-    },
-    approx={"ulysses_attn": "Ulysses runs as DeepSpeed's ALST (the same all-to-alls): predicted as seqpar's ulysses_attn"},
-    layer_split=True,  # checkpointing is the script's (seqpar.apply's checkpoint_layers / offload_layers can split it)
-)
+CAPS = TABLE["deepspeed"]
 
 
 def files(plan: LaunchPlan, s: Strategy, stem: Path) -> tuple[dict[Path, str], str, list[str]]:
@@ -47,7 +27,7 @@ def files(plan: LaunchPlan, s: Strategy, stem: Path) -> tuple[dict[Path, str], s
     path = stem.with_name(stem.name + ".deepspeed.json")
     ckpt = checkpointing_text(s, plan.workload.model.num_layers)
     left = [f"your script keeps checkpointing {ckpt} and loss {s.loss_impl}"]
-    if s.mode == "ulysses_attn":
+    if CAPS.native(s.mode):
         left.append("register Ulysses in your script (deepspeed UlyssesSPAttentionHF.register_with_transformers)")
     return {path: dump_json(ds)}, f"deepspeed --num_gpus {plan.cluster.gpus_per_node} YOUR_SCRIPT.py --deepspeed {path}", left
 

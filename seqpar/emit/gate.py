@@ -13,6 +13,7 @@ from seqpar.emit.check import SCRIPT_DEFAULTS, ConfigCheck, merge, read_all
 from seqpar.emit.nearest import expressible
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan, Rationale, TrainingSpec
+from seqpar.plan.modes import splits_sequence
 from seqpar.plan.rules import layout_problems
 from seqpar.plan.specs import Strategy, Workload
 
@@ -78,7 +79,7 @@ def check_configs(paths: list[Path], flags, note=print, coeffs=None) -> ConfigCh
     if "micro_batch_size" not in v:
         v["micro_batch_size"] = flags.micro_batch
         defaults.append(f"micro_batch_size {flags.micro_batch} (--micro-batch)")
-    if v.get("mode") == "data_parallel":
+    if "mode" in v and not splits_sequence(v["mode"]):
         v.setdefault("sp_degree", 1)
     for name, value in SCRIPT_DEFAULTS.items():
         if name not in v:
@@ -148,9 +149,8 @@ def _variants(caps, s: Strategy, w: Workload, cl):
     singles += [("loss_impl", "chunked"), ("tiled_mlp", True)]
     out = [(f"{k} {val}", s.model_copy(update={k: val})) for k, val in singles if getattr(s, k) != val]
     world = cl.world_size
-    modes = sorted({m for ms in caps.modes.values() for m in ms})
-    for mode in modes:
-        for sp in [1] if mode == "data_parallel" else [d for d in range(2, world + 1) if world % d == 0]:
+    for mode in sorted(caps.runs):
+        for sp in [1] if not splits_sequence(mode) else [d for d in range(2, world + 1) if world % d == 0]:
             if (mode, sp) != (s.mode, s.sp_degree):  # one key changes: the accumulation stays the config's
                 keep = {k: getattr(s, k) for k in ("checkpointing", "sharding", "loss_impl", "fused_ops", "tiled_mlp")}
                 keep["gradient_accumulation_steps"] = s.gradient_accumulation_steps

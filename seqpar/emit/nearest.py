@@ -1,56 +1,21 @@
-"""What each training tool can run, stated once, and the strategy nearest a plan's that a tool runs.
+"""The strategy nearest a plan's that a tool runs, from the tool's row of the capability table (capabilities.py).
 
-A tool's ``Caps`` maps every plan choice onto the choice the tool has: the mode (nearest first, several when the first
-may not split the heads), the sharding per mode (DeepSpeed's Ulysses runs on ZeRO, torch's context parallelism on
-FSDP2), checkpointing, the loss, the fused kernels, TiledMLP. ``nearest`` walks them and yields strategies that split
-the sequence and the heads (schema.layout_problems), each with one line per choice the tool changed; ``expressible``
-says whether a tool runs a strategy unchanged (``seqpar check`` proposes only fixes the tool can write).
-
-Facts (read in the released wheels; accelerate 1.16.0, TRL 1.16.0, axolotl 0.19.0, arctic-training 0.8.0):
-- accelerate's ParallelismConfig: ``sp_size`` is DeepSpeed's Ulysses/ALST (needs distributed_type DEEPSPEED),
-  ``cp_size`` torch's context parallelism (ring attention with head-tail load balancing, FSDP2 and SDPA only); the two
-  are mutually exclusive, so USP has no equivalent; nothing runs LightSeq's dist_flash_attn schedule.
-- Axolotl's ``context_parallel_size`` is ring attention through ring-flash-attn (``ring_attn_func`` batch_ring or
-  varlen_llama3; zigzag variants are commented out of its enum); it has no Ulysses.
-- ArcticTraining's ``sequence_parallel_size`` is DeepSpeed Ulysses (ALST); it runs DeepSpeed ZeRO only, has no ring
-  attention and no selective checkpointing.
-- None of them splits the decoder layers between checkpointing policies (the plan's checkpoint_layers, offload_layers):
-  accelerate's FSDP checkpointing wraps every layer, transformers' checkpointing (TRL, Axolotl, ArcticTraining) has
-  ``every_n_layers`` (every n-th layer, not the first k) and one offload switch for all of them. The nearest is the
-  policy on every layer (and every checkpointed input offloaded): less GPU memory than the plan, more recomputation.
-- TRL >= 1.15 computes the SFT loss through a fused LM head, chunk by chunk ("without materializing the full logits"):
-  seqpar's ``chunked``; it has no switch back to full logits.
+``nearest`` walks the row: the modes the tool runs for the plan's mode (nearest first, several when the first may not
+split the heads), the sharding per mode (DeepSpeed's Ulysses runs on ZeRO, torch's context parallelism on FSDP2),
+checkpointing, the loss, the fused kernels, TiledMLP; it yields strategies that split the sequence and the heads
+(plan.rules.layout_problems), each with one line per choice the tool changed. ``expressible`` says whether a tool runs a
+strategy unchanged (``seqpar check`` proposes only fixes the tool can write). A choice the row has nothing for is
+``capabilities.Unsupported``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
+from seqpar.emit.capabilities import OPTIONS, Caps, Unsupported
+from seqpar.plan.modes import splits_sequence
 from seqpar.plan.rules import NO_SPLIT, checkpointed_layers, layout_problems, offloaded_layers
 from seqpar.plan.specs import ClusterSpec, Strategy, Workload
-
-ALL_SHARDINGS = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp")
-DEEPSPEED_ONLY = {"ddp": "zero2", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload", "fsdp": "zero3"}
-FSDP_ONLY = dict.fromkeys(ALL_SHARDINGS, "fsdp")
-SAME_SHARDING = {s: s for s in ALL_SHARDINGS}
-
-
-@dataclass(frozen=True)
-class Caps:
-    """How one tool expresses a plan's choices: plan value -> the tool's nearest value (itself when it has it)."""
-
-    tool: str
-    modes: dict[str, tuple[str, ...]]  # plan mode -> modes the tool runs, nearest first (empty: none)
-    shardings: dict[str, dict[str, str]]  # tool mode -> {plan sharding -> tool sharding}
-    checkpointing: dict[str, str] = field(default_factory=lambda: {c: c for c in ("none", "full", "offload", "selective")})
-    loss_impl: dict[str, str] = field(default_factory=lambda: {"hf": "hf", "chunked": "chunked"})
-    fused_ops: dict[str, str] = field(default_factory=lambda: {"none": "none", "liger": "liger"})
-    tiled_mlp: dict[bool, bool] = field(default_factory=lambda: {False: False, True: True})
-    why: dict[str, str] = field(default_factory=dict)  # "field value" -> why the tool lacks it (a clause)
-    approx: dict[str, str] = field(default_factory=dict)  # tool mode -> how the tool runs it, when not seqpar's kernel
-    adjust: Callable[[Strategy], tuple[Strategy, list[str]]] | None = None  # rules across choices (e.g. FSDP's policies)
-    layer_split: bool = False  # the tool runs checkpoint_layers / offload_layers (none of today's tools does)
 
 
 def _note(caps: Caps, name: str, old, new) -> str:
@@ -62,7 +27,7 @@ def _note(caps: Caps, name: str, old, new) -> str:
 
 def _degrees(sp: int, world: int, mode: str) -> list[int]:
     """sp degrees to try for ``mode``: the plan's first, then the other divisors of the world, nearest first."""
-    if mode == "data_parallel":
+    if not splits_sequence(mode):
         return [1]
     divisors = [d for d in range(2, world + 1) if world % d == 0]
     return sorted(divisors, key=lambda d: (abs(d - sp), -d))
@@ -72,7 +37,8 @@ def nearest(caps: Caps, s: Strategy, w: Workload, cluster: ClusterSpec) -> Itera
     """Strategies the tool runs, nearest to ``s`` first, each with a line per choice the tool changed. Only strategies
     that split the sequence and the heads on this cluster; the same tokens per step (gradient accumulation follows dp)."""
     world = cluster.world_size
-    for mode in caps.modes.get(s.mode, ()):
+    options = {name: caps.option(name, getattr(s, name)) for name in OPTIONS}
+    for mode in caps.modes_for(s.mode):
         for sp in _degrees(s.sp_degree, world, mode):
             dp = world // sp
             accum = max(1, round(s.gradient_accumulation_steps * s.dp_degree / dp))
@@ -80,19 +46,19 @@ def nearest(caps: Caps, s: Strategy, w: Workload, cluster: ClusterSpec) -> Itera
                 mode,
                 sp,
                 world,
-                checkpointing=caps.checkpointing[s.checkpointing],
-                sharding=caps.shardings[mode][s.sharding],
-                loss_impl=caps.loss_impl[s.loss_impl],
+                checkpointing=options["checkpointing"],
+                sharding=caps.sharding(mode, s.sharding),
+                loss_impl=options["loss_impl"],
                 gradient_accumulation_steps=accum,
-                fused_ops=caps.fused_ops[s.fused_ops],
-                tiled_mlp=caps.tiled_mlp[s.tiled_mlp],
+                fused_ops=options["fused_ops"],
+                tiled_mlp=options["tiled_mlp"],
             )
             if layout_problems(cand, w.seq_len, w.model, cluster):
                 continue
             notes = []
             if mode != s.mode:
                 notes.append(_note(caps, "mode", s.mode, mode))
-            if sp != s.sp_degree and mode != "data_parallel":
+            if sp != s.sp_degree and splits_sequence(mode):
                 notes.append(
                     f"sp_degree {s.sp_degree} cannot split {w.model.name}'s heads or the sequence in {mode}; emitted {sp}"
                 )
@@ -134,19 +100,19 @@ def _split_notes(caps: Caps, s: Strategy, cand: Strategy, n: int) -> list[str]:
 
 
 def expressible(caps: Caps, s: Strategy) -> bool:
-    """Does the tool run ``s`` as it is (every choice maps onto itself)?"""
+    """Does the tool run ``s`` as it is (every choice maps onto itself)? False for a choice its row lacks."""
     if caps.adjust is not None and caps.adjust(s)[0] != s:
         return False
     if not caps.layer_split and (s.checkpoint_layers is not None or s.offload_layers is not None or s.kept_saves != "all"):
         return False
-    return (
-        s.mode in caps.modes.get(s.mode, ())
-        and caps.shardings[s.mode][s.sharding] == s.sharding
-        and caps.checkpointing[s.checkpointing] == s.checkpointing
-        and caps.loss_impl[s.loss_impl] == s.loss_impl
-        and caps.fused_ops[s.fused_ops] == s.fused_ops
-        and caps.tiled_mlp[s.tiled_mlp] == s.tiled_mlp
-    )
+    try:
+        return (
+            s.mode in caps.modes_for(s.mode)
+            and caps.sharding(s.mode, s.sharding) == s.sharding
+            and all(caps.option(name, getattr(s, name)) == getattr(s, name) for name in OPTIONS)
+        )
+    except Unsupported:
+        return False
 
 
 def attn_implementation(cluster: ClusterSpec) -> str:
@@ -154,13 +120,4 @@ def attn_implementation(cluster: ClusterSpec) -> str:
     return "flash_attention_2" if cluster.accelerator == "cuda" else "sdpa"
 
 
-__all__ = [
-    "ALL_SHARDINGS",
-    "Caps",
-    "DEEPSPEED_ONLY",
-    "FSDP_ONLY",
-    "SAME_SHARDING",
-    "attn_implementation",
-    "expressible",
-    "nearest",
-]
+__all__ = ["attn_implementation", "expressible", "nearest"]

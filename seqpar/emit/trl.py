@@ -20,36 +20,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from seqpar.emit import accelerate
+from seqpar.emit.capabilities import TABLE
 from seqpar.emit.common import Reading, dump_json, model_ref, read_ds, trainer_ds, yaml_text
-from seqpar.emit.nearest import Caps, attn_implementation
+from seqpar.emit.nearest import attn_implementation
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.modes import split_multiple
 from seqpar.plan.specs import Strategy
 
-CAPS = Caps(
-    "trl",
-    modes=accelerate.CAPS.modes,
-    shardings=accelerate.CAPS.shardings,
-    loss_impl={"hf": "chunked", "chunked": "chunked"},
-    tiled_mlp={False: False, True: False},
-    why={
-        **accelerate.WHY,
-        "loss_impl hf": "TRL >= 1.15 computes the SFT loss through a fused LM head a chunk at a time (no full-logits switch)",
-        "tiled_mlp True": "TRL, transformers and accelerate have no TiledMLP",
-    },
-    approx=accelerate.APPROX,
-    adjust=accelerate.fsdp_checkpointing,
-)
+CAPS = TABLE["trl"]
 
 
 def sft_args(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
     w, t, cl = plan.workload, plan.training, plan.cluster
     fp32_master = w.optimizer != "adamw-bf16" or s.sharding.startswith("zero")  # DeepSpeed keeps an fp32 master itself
+    axis = CAPS.native(s.mode)  # accelerate's ParallelismConfig axis (capabilities.py)
     args: dict = {
         "model_name_or_path": model_ref(w.model)[0],
         "dtype": "float32" if fp32_master or w.dtype == "fp32" else "bfloat16",
-        "attn_implementation": "sdpa" if s.mode == "zigzag_ring_attn" else attn_implementation(cl),  # torch CP: SDPA only
+        "attn_implementation": "sdpa" if axis == "cp_size" else attn_implementation(cl),  # torch CP: SDPA only
         "output_dir": output_dir,
         "max_length": w.seq_len,
         "per_device_train_batch_size": w.micro_batch_size,
@@ -78,7 +67,7 @@ def sft_args(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
         args["pad_to_multiple_of"] = mult
     if s.fused_ops == "liger":
         args["use_liger_kernel"] = True
-    if s.mode == "ulysses_attn":  # accelerate >= 1.16 evaluates whole sequences on every rank unless told (env only)
+    if axis == "sp_size":  # accelerate >= 1.16 evaluates whole sequences on every rank unless told (env only)
         args["env"] = {"PARALLELISM_CONFIG_SP_DISABLE_IN_EVAL": "false"}
     return args
 

@@ -7,17 +7,40 @@ lone surrogates. Field names carry their unit (seqpar.plan.units).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic_core import PydanticCustomError, core_schema
 
-from seqpar.plan.modes import MODES
+from seqpar.plan.modes import is_registered, names
 from seqpar.plan.options import CHECKPOINTING, KEPT_SAVES
 
 SCHEMA_VERSION = 1
 SEED_MAX = 2**32 - 1
 
-Mode = Literal[MODES]  # the names of seqpar.plan.modes.MODES_TABLE
+
+class _RegisteredMode:
+    """A registered mode's name (seqpar.plan.modes): checked against the registry when a plan is built, so a mode registered
+    after import is a valid ``strategy.mode``; the JSON schema lists the names registered when it is written."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return core_schema.no_info_after_validator_function(_registered_mode, core_schema.str_schema())
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema, handler):
+        return {"enum": list(names()), "type": "string"}
+
+
+def _registered_mode(value: str) -> str:
+    if not is_registered(value):
+        *rest, last = (repr(n) for n in names())
+        expected = f"{', '.join(rest)} or {last}" if rest else last
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return value
+
+
+Mode = Annotated[str, _RegisteredMode]  # the names registered in seqpar.plan.modes
 Checkpointing = Literal[CHECKPOINTING]  # seqpar.plan.options: the runtime reads the same names
 KeptSaves = Literal[KEPT_SAVES]
 Sharding = Literal["ddp", "zero2", "zero3", "zero3_offload", "fsdp"]

@@ -10,6 +10,9 @@ torchrun with the same c10d rendezvous, so both engines need the same endpoint o
 
 Staged plans (``plan.stages``, progressive recipes) are one job per stage, into ``<output>/stage-<i>``; each stage starts
 its weights from the previous stage's final checkpoint (``--init-from``), with a fresh optimizer, as EasyContext does.
+
+The ranks' flags are their options dataclass written by seqpar.plan.flags.to_argv (seqpar.plan.job_options declares
+them): only the options that differ from their defaults, in field order, never assembled here.
 """
 
 from __future__ import annotations
@@ -17,36 +20,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from seqpar.plan.env import ALLOWED_ENV_TEXT, env_refusals
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.flags import to_argv
+from seqpar.plan.job_options import EvalJobOptions, LaunchOptions, default_output
 from seqpar.plan.launch_plan import LaunchPlan, LaunchSpec
 
 # What a recorded multi-node command leaves to each node: its rank and the rendezvous host (the shell fills them in).
 NODE_RANK_VAR, ENDPOINT_VAR = "$NODE_RANK", "$MASTER_ADDR:29500"
-
-
-@dataclass
-class LaunchOptions:
-    steps: int | None = None
-    data: str = "synthetic"
-    model_path: str | None = None
-    tokenizer: str | None = None  # tokenizer folder for text data (default: model_path)
-    output: str | None = None
-    resume: bool = False
-    nnodes: int | None = None
-    node_rank: int | str = 0  # a recorded plan's command: NODE_RANK_VAR
-    rdzv_endpoint: str | None = None
-    report_to: str = ""
-    checkpoint_every: int | str | None = None  # None: the plan's training.checkpoint_every; "auto": about hourly
-    keep_last: int | None = None  # None: the trainer's default (seqpar.plan.options.KEEP_LAST)
-    final_checkpoint: bool = True
-    skip_nonfinite: bool = False
-    extra: list[str] = field(default_factory=list)
-    allow_env: list[str] = field(default_factory=list)  # launch.env names allowed beyond the allow-list (--allow-env)
-    entry: str = "seqpar.runtime.train"  # the module every rank runs (seqpar verify: seqpar.runtime.train.verify)
 
 
 @dataclass
@@ -57,10 +41,6 @@ class Job:
     output: Path
     plan_file: Path
     launcher: str = "torchrun"  # or "accelerate" (zero* plans: DeepSpeed)
-
-
-def default_output(plan_path: str | Path) -> Path:
-    return Path("runs") / Path(plan_path).stem
 
 
 def uses_deepspeed(plan: LaunchPlan) -> bool:
@@ -190,11 +170,11 @@ def require_endpoint(nnodes: int, endpoint: str | None) -> None:
         )
 
 
-def eval_job(plan: LaunchPlan, plan_file: Path, args: list[str], *, output: Path, python: str = sys.executable) -> Job:
-    """What ``seqpar eval`` runs: torchrun on this node starting ``seqpar.runtime.eval.run`` with ``args`` on every rank
+def eval_job(plan: LaunchPlan, plan_file: Path, opts: EvalJobOptions, *, output: Path, python: str = sys.executable) -> Job:
+    """What ``seqpar eval`` runs: torchrun on this node starting ``seqpar.runtime.eval.run`` with ``opts`` on every rank
     (forward only, so never DeepSpeed: weights are whole on every rank), in the environment of a launch."""
     argv = torchrun_argv(plan, LaunchOptions(), rdzv_id=f"seqpar-eval-{plan_file.stem}", python=python)
-    argv += ["-m", "seqpar.runtime.eval", *args, "--plan", str(plan_file), "--output", str(output)]
+    argv += ["-m", opts.MODULE, *to_argv(replace(opts, plan=str(plan_file), output=str(output)))]
     return Job(argv, job_env(plan, os.cpu_count() or 1), {}, output, plan_file)
 
 
@@ -207,43 +187,23 @@ def build_job(
     init_from: str | None = None,
     python: str = sys.executable,
 ) -> Job:
-    """The job that runs ``plan`` (read from ``plan_file``) with ``python`` as the interpreter."""
+    """The job that runs ``plan`` (read from ``plan_file``) with ``python`` as the interpreter: every rank runs the
+    module of ``opts.ranks(...)`` (the trainer, or the verify job) with those options as its flags."""
     nnodes = opts.nnodes or plan.cluster.nodes
     _endpoint(opts.rdzv_endpoint, nnodes)
-    train = ["--data", opts.data, "--output", str(output)]
-    if opts.steps:
-        train += ["--steps", str(opts.steps)]
-    if opts.model_path:
-        train += ["--model-path", opts.model_path]
-    if opts.tokenizer:
-        train += ["--tokenizer", opts.tokenizer]
-    if opts.resume:
-        train.append("--resume")
-    if init_from:
-        train += ["--init-from", init_from]
-    if opts.report_to:
-        train += ["--report-to", opts.report_to]
-    if opts.checkpoint_every is not None:
-        train += ["--checkpoint-every", str(opts.checkpoint_every)]
-    if opts.keep_last is not None:
-        train += ["--keep-last", str(opts.keep_last)]
-    train += [] if opts.final_checkpoint else ["--no-final-checkpoint"]
-    train += ["--skip-nonfinite"] if opts.skip_nonfinite else []
-    for name in opts.allow_env:
-        train += ["--allow-env", name]
-    train += opts.extra + ["--plan", str(plan_file)]
+    ranks = opts.ranks(plan_file, output, init_from)
     configs: dict[str, str] = {}
     if uses_deepspeed(plan):
         require_endpoint(nnodes, opts.rdzv_endpoint)
         ds_path, acc_path = output / "deepspeed.json", output / "accelerate.yaml"
         configs[ds_path.name] = json.dumps(deepspeed_config(plan), indent=2) + "\n"
         configs[acc_path.name] = accelerate_config(plan, ds_path, nnodes, opts.node_rank, opts.rdzv_endpoint)
-        argv = [python, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), "-m", opts.entry]
+        argv = [python, "-m", "accelerate.commands.launch", "--config_file", str(acc_path), "-m", ranks.MODULE]
     else:
-        argv = torchrun_argv(plan, opts, rdzv_id=f"seqpar-{plan_file.stem}", python=python) + ["-m", opts.entry]
+        argv = torchrun_argv(plan, opts, rdzv_id=f"seqpar-{plan_file.stem}", python=python) + ["-m", ranks.MODULE]
     return Job(
-        argv + train,
-        job_env(plan, os.cpu_count() or 1, opts.allow_env),
+        argv + to_argv(ranks),
+        job_env(plan, os.cpu_count() or 1, ranks.allow_env),
         configs,
         output,
         plan_file,
@@ -268,7 +228,7 @@ def jobs_for(
     plan: LaunchPlan, plan_path: Path, opts: LaunchOptions, python: str = sys.executable
 ) -> list[tuple[Job, LaunchPlan | None]]:
     """One job, or one per stage (with the stage plan to write before it runs)."""
-    out = Path(opts.output) if opts.output else default_output(plan_path)
+    out = Path(opts.train.output) if opts.train.output else default_output(plan_path)
     if not plan.stages:
         return [(build_job(plan, plan_path, opts, output=out, python=python), None)]
     jobs, prev = [], None

@@ -57,9 +57,9 @@ class LayerSplit:
         """The layers (0 = the first decoder layer) whose kept matmul outputs wait in host memory: spread evenly over
         the kept layers, the first kept layer first, so that each one's copies (out in forward, back one layer ahead in
         backward) run under the compute of the GPU-kept layers between them, and the top kept layer stays on the GPU
-        while any does (backward starts there, with nothing below it fetched yet). A host-kept layer copies its matmul
-        outputs (4.7 GiB for Llama-2-7B at 64K tokens) in about its own forward's time at 55 GB/s: back to back, the
-        copies out fall behind the forward and hold its GPU memory longer."""
+        while any does (backward starts there, with nothing below it fetched yet). Copying a layer's matmul outputs out
+        over PCIe takes about as long as that layer's forward: back to back, the copies out would fall behind the
+        forward and hold its GPU memory longer."""
         k, n = self.kept, self.kept_host
         return tuple(self.checkpointed + j * k // n for j in range(n)) if n else ()
 

@@ -4,7 +4,7 @@ mix) and the strategy. Each validates where it is built, and its messages carry 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -22,8 +22,9 @@ from seqpar.plan.base import (
     Optimizer,
     Sharding,
 )
+from seqpar.plan.display import Shown
 from seqpar.plan.flops import square_fraction
-from seqpar.plan.modes import check_heads, check_split
+from seqpar.plan.modes import check_heads, check_split, hybrid_names, splits_sequence, takes_ulysses_degree, ulysses_arg
 from seqpar.plan.options import PINNED_FRACTION
 
 
@@ -273,12 +274,12 @@ class Strategy(Frozen):
         default="chunked", description="hf: full fp32 logits as transformers computes them; chunked: logits a chunk at a time."
     )
     gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
-    fused_ops: FusedOps = Field(
+    fused_ops: Annotated[FusedOps, Shown(row="fused ops", name="ops={}", label="{}", title="{} kernels")] = Field(
         default="none",
         description="none: the model's own RMSNorm, RoPE and SwiGLU modules; liger: Liger-Kernel's fused Triton kernels for them "
         "(CUDA and the liger-kernel package; fewer bytes moved and saved per token).",
     )
-    tiled_mlp: bool = Field(
+    tiled_mlp: Annotated[bool, Shown(row="tiled MLP", name="mlp=tiled", label="tiled", title="tiled MLP")] = Field(
         default=False,
         description="Run each decoder MLP one sequence tile at a time (ALST's TiledMLP): its intermediates exist for one tile "
         "only, at the cost of one more MLP forward per step.",
@@ -286,18 +287,18 @@ class Strategy(Frozen):
 
     @model_validator(mode="after")
     def _degrees(self) -> Strategy:
-        if self.mode == "data_parallel" and self.sp_degree != 1:
+        if not splits_sequence(self.mode) and self.sp_degree != 1:
             raise ValueError(
-                f"data_parallel keeps whole sequences, so sp_degree must be 1, not {self.sp_degree}; pick a sequence-parallel mode"
+                f"{self.mode} keeps whole sequences, so sp_degree must be 1, not {self.sp_degree}; pick a sequence-parallel mode"
             )
-        if self.mode == "usp_attn":
+        if takes_ulysses_degree(self.mode):
             if self.ulysses_degree * self.ring_degree != self.sp_degree:
                 raise ValueError(
-                    f"usp_attn needs ulysses_degree x ring_degree = sp_degree, got {self.ulysses_degree} x {self.ring_degree} "
+                    f"{self.mode} needs ulysses_degree x ring_degree = sp_degree, got {self.ulysses_degree} x {self.ring_degree} "
                     f"= {self.ulysses_degree * self.ring_degree} != {self.sp_degree}"
                 )
         elif self.ulysses_degree != 1 or self.ring_degree != 1:
-            raise ValueError(f"ulysses_degree/ring_degree are for usp_attn only; {self.mode} takes sp_degree alone")
+            raise ValueError(f"ulysses_degree/ring_degree are for {hybrid_names()} only; {self.mode} takes sp_degree alone")
         return self
 
     @property
@@ -308,7 +309,7 @@ class Strategy(Frozen):
     def over(cls, mode: str, sp_degree: int, world_size: int, ulysses_degree: Optional[int] = None, **options) -> Strategy:
         """``mode`` over groups of sp_degree ranks, data parallel across the groups of ``world_size`` ranks (usp_attn:
         ulysses_degree x ring_degree = sp_degree); ``options``: the other fields."""
-        usp = mode == "usp_attn"
+        usp = takes_ulysses_degree(mode)
         u = ulysses_degree if usp and ulysses_degree else 1
         return cls(
             mode=mode,
@@ -323,6 +324,6 @@ class Strategy(Frozen):
 def check_strategy_shape(strategy: Strategy, seq_len: int, model: ModelSpec) -> None:
     """SeqparError when the strategy's mode cannot split seq_len over its ranks or split the model's heads
     (seqpar.plan.modes holds the rules; this maps a Strategy onto them)."""
-    u = strategy.ulysses_degree if strategy.mode == "usp_attn" else None
+    u = ulysses_arg(strategy.mode, strategy.ulysses_degree)
     check_split(strategy.mode, seq_len, strategy.sp_degree, u)
     check_heads(strategy.mode, model.num_attention_heads, model.num_key_value_heads, strategy.sp_degree, u, owner=model.name)

@@ -14,7 +14,7 @@ from seqpar.advisor.cost.throughput import elementwise_time, estimate_time, line
 from seqpar.advisor.gate import check
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies, max_seq_len
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import ModelSpec, Strategy, Workload

@@ -5,7 +5,6 @@ beyond the pinned budget recomputed), and the search uses it only when pinned, s
 No torch (the runtime's side, against a real model: tests/runtime/memory/test_matmul_keep.py)."""
 
 import pytest
-from test_layer_split_advisor import L7, M7, C, dp, h200, work
 
 from seqpar.advisor.cost.memory import (
     estimate_memory,
@@ -23,6 +22,8 @@ from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import PINNED_FRACTION, layer_split
 from seqpar.plan.units import GIB
+
+from seqpar_testing.advisor import L7, M7, C, dp, h200, work
 
 S = 65536
 
@@ -98,7 +99,7 @@ def test_the_search_uses_kept_matmuls_only_when_pinned_and_says_when_it_would_be
     plain = advise_by_cost(_req())
     assert plain.strategy.kept_saves == "all"
     note = [r for r in plain.rationale.reasons if r.startswith("kept_saves matmuls")]
-    assert len(note) == 2 and "pin --kept-saves matmuls to use it (exact in the GPU tests" in note[0]
+    assert len(note) == 2 and note[0].endswith(": pin --kept-saves matmuls to use it (the search uses it only when pinned)")
     pinned = advise_by_cost(_req(kept_saves="matmuls"))
     s = pinned.strategy
     assert s.kept_saves == "matmuls" and s.kept_host_layers == 0
@@ -122,7 +123,7 @@ def test_the_search_uses_kept_matmuls_only_when_pinned_and_says_when_it_would_be
     assert f"{host.prediction.tokens_per_s:,.0f} tokens/s" in note[1] and f"{h.checkpoint_layers} of 32 layers" in note[1]
     gain = host.prediction.tokens_per_s / plain.prediction.tokens_per_s - 1
     assert f"({gain:+.1%})" in note[1] and f"at a peak of {host.prediction.peak_memory_gib:.1f} GiB" in note[1]
-    assert "pin --kept-saves matmuls --kept-host-layers 32 to use it (measured" in note[1]
+    assert note[1].endswith(": pin --kept-saves matmuls --kept-host-layers 32 to use it (the search uses it only when pinned)")
     # kept_saves pinned: no note of either kind
     assert not [r for r in pinned.rationale.reasons if r.startswith("kept_saves matmuls")]
     assert not [r for r in host.rationale.reasons if r.startswith("kept_saves matmuls")]
@@ -217,7 +218,7 @@ def test_the_top_host_kept_layer_backward_counts_its_outputs_and_the_ones_below(
 
 
 def test_the_top_host_layers_fetch_is_exposed_when_no_gpu_kept_layer_starts_it():
-    from test_layer_split_advisor import both
+    from seqpar_testing.advisor import both
 
     w = work()
     _, some_gpu = both(w, h200(), sel(22, "matmuls", 9))  # 9 host-kept layers, one GPU-kept above them

@@ -4,37 +4,15 @@ copies beyond the pinned budget, and the search and the OOM gate pick the split 
 
 import pytest
 
-from seqpar.advisor.cluster import cluster_from_flags
-from seqpar.advisor.cost.coefficients import load_coefficients
 from seqpar.advisor.cost.memory import estimate_memory, host_bytes
 from seqpar.advisor.cost.throughput import estimate_time
 from seqpar.advisor.gate import check
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.search import advise_by_cost, layer_split_variant, max_seq_len
 from seqpar.plan.options import LayerSplit, layer_split, pinned_block
-from seqpar.plan.specs import Strategy, Workload
 from seqpar.plan.units import GIB
-from seqpar.profiles import get_model
 
-C = load_coefficients()
-M7, M1 = get_model("llama-2-7b"), get_model("llama-3.2-1b")
-L7 = M7.num_layers
-
-
-def h200(host_gib: float = 125.0):
-    return cluster_from_flags("h200", 1).model_copy(update={"host_ram_gib": host_gib})
-
-
-def work(model=M7, seq_len=65536, optimizer="none") -> Workload:
-    return Workload(model=model, seq_len=seq_len, optimizer=optimizer)
-
-
-def dp(**kw) -> Strategy:
-    return Strategy(mode="data_parallel", **kw)
-
-
-def both(w, cl, s):
-    return estimate_memory(w, cl, s, C), estimate_time(w, cl, s, C)
+from seqpar_testing.advisor import L7, M1, M7, C, both, dp, h200, work
 
 
 def test_layer_split_counts():

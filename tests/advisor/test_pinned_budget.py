@@ -6,8 +6,6 @@ The search's host-kept layer count (a pinned kept_host_layers is a most) is chec
 import json
 
 import pytest
-from test_cli import run
-from test_layer_split_advisor import L7, M7, C, dp, h200, work
 
 from seqpar.advisor.cluster import with_pinned_host
 from seqpar.advisor.cost.memory import estimate_memory, kept_host_matmuls, offloaded_inputs
@@ -18,6 +16,9 @@ from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import PINNED_FRACTION
 from seqpar.plan.specs import ClusterSpec
+
+from seqpar_testing.advisor import L7, M7, C, dp, h200, work
+from seqpar_testing.cli import run
 
 S = 65536
 LAYER_MM_GIB = 4.6875  # Llama-2-7B's q, k, v, o, gate, up outputs at 64K, bf16 (tests/advisor/test_kept_matmuls_advisor.py)

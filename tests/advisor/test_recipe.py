@@ -1,7 +1,9 @@
 """Progressive recipes: the staged plan follows EasyContext's schedule, and `seqpar launch` runs the stages in order.
 
 The end-to-end case runs the `smoke` recipe (2 stages, tiny model, 2 gloo ranks): stage 1 must start from stage 0's
-final weights with its own rope theta, and `--resume` on a finished staged run must skip every stage.
+final weights with its own rope theta, and `--resume` on a finished staged run must skip every stage. It is in the slow
+set; the default set builds a stage's model from the previous stage's export in-process (what ``--init-from`` loads),
+and tests/runtime/launch/test_launch.py checks that each stage's job passes it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.launch_plan import LaunchPlan
 
 runner = CliRunner()
@@ -53,6 +55,23 @@ def test_unknown_recipe_is_exit_2(tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+def test_a_stage_starts_from_the_weights_the_previous_stage_exported(tmp_path):
+    """What ``--init-from <previous stage's output>`` gives a stage: the saved weights, under its own rope theta."""
+    from seqpar.profiles import get_model
+    from seqpar.runtime.hf.model import build_model
+
+    spec, folder = get_model("tiny"), tmp_path / "stage-0"
+    build_model(spec, model_path=None, seed=1, rope_theta=None).save_pretrained(folder)
+    saved = load_file(str(folder / "model.safetensors"))
+    start = build_model(spec, model_path=None, seed=2, rope_theta=1e5, init_from=str(folder))
+    fresh = build_model(spec, model_path=None, seed=2, rope_theta=1e5).state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert start.state_dict()[name].equal(saved[name]) and not fresh[name].equal(saved[name])
+    theta = start.config.to_dict().get("rope_parameters", {}).get("rope_theta", getattr(start.config, "rope_theta", None))
+    assert theta == 1e5
+
+
+@pytest.mark.slow
 def test_launch_runs_stages_in_order_from_the_previous_weights(tmp_path):
     plan = tmp_path / "staged.json"
     r = runner.invoke(
@@ -77,7 +96,7 @@ def test_launch_runs_stages_in_order_from_the_previous_weights(tmp_path):
     )
     assert r.exit_code == 0, r.stderr
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "seqpar.cli.commands", "launch", str(plan), "--output", str(out)]
+    cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan), "--output", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     s0, s1 = out / "stage-0", out / "stage-1"

@@ -1,4 +1,5 @@
-"""bench/alst_h200.py, the ALST recipe's one-GPU benchmark: its pure parts exactly, then one tiny step on CPU.
+"""bench/alst_h200.py, the ALST recipe's one-GPU benchmark (its recipe: bench/alst_recipe.py): its pure parts exactly, then
+one tiny step on CPU.
 
 - The host-memory arithmetic against hand-worked numbers for Llama-3.1-8B (8,030,261,248 parameters), the DeepSpeed
   config each recipe gives, the length search and the budget's estimate, the rows and the failure kinds.
@@ -23,6 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import alst_h200 as ab  # noqa: E402
+import alst_recipe as ar  # noqa: E402
 
 from seqpar.profiles import get_model  # noqa: E402
 
@@ -45,37 +47,37 @@ def test_llama_8b_shape_is_the_one_costed():
     ],
 )
 def test_host_need(recipe, edits, per_param, states_gib):
-    s = ab.settings(recipe, edits)
-    need = ab.host_need_gib(N_8B, SPEC_8B, s, 131072)
+    s = ar.settings(recipe, edits)
+    need = ar.host_need_gib(N_8B, SPEC_8B, s, 131072)
     assert need["bytes_per_param"] == per_param
     assert need["states_gib"] == pytest.approx(states_gib)
     assert need["ckpt_offload_gib"] == pytest.approx(31 * 131072 * 4096 * 2 / GIB)  # 31 layers offloaded = 31.0 GiB
-    assert need["total_gib"] == pytest.approx(states_gib + 31.0 + ab.HOST_OVERHEAD_GIB)
+    assert need["total_gib"] == pytest.approx(states_gib + 31.0 + ar.HOST_OVERHEAD_GIB)
     assert s["edits"] == sorted(edits)
-    assert ab.host_need_gib(N_8B, SPEC_8B, ab.settings(recipe, {"ckpt_offload": False}), 131072)["ckpt_offload_gib"] == 0
+    assert ar.host_need_gib(N_8B, SPEC_8B, ar.settings(recipe, {"ckpt_offload": False}), 131072)["ckpt_offload_gib"] == 0
 
 
 def test_published_recipe_cannot_start_on_this_host_and_the_bf16_one_can():
-    assert ab.host_need_gib(N_8B, SPEC_8B, ab.settings("published", {}), 0)["total_gib"] > ab.HOST_RAM_GIB
-    bf16 = ab.host_need_gib(N_8B, SPEC_8B, ab.settings("alst-bf16", {}), 0)["total_gib"]
+    assert ar.host_need_gib(N_8B, SPEC_8B, ar.settings("published", {}), 0)["total_gib"] > ab.HOST_RAM_GIB
+    bf16 = ar.host_need_gib(N_8B, SPEC_8B, ar.settings("alst-bf16", {}), 0)["total_gib"]
     # the length where the offloaded checkpoints fill the host: ~128K tokens, the recipe's first-principles limit here
     limit = (ab.HOST_RAM_GIB - bf16) * GIB / (31 * 4096 * 2)
     assert 112 * 1024 < limit < 144 * 1024
 
 
 def test_ds_config_follows_the_recipe():
-    pub, bf16 = ab.ds_config(ab.settings("published", {})), ab.ds_config(ab.settings("alst-bf16", {}))
+    pub, bf16 = ar.ds_config(ar.settings("published", {})), ar.ds_config(ar.settings("alst-bf16", {}))
     assert pub["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
     assert pub["bf16"] == {"enabled": True}
     assert bf16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     assert (pub["gradient_clipping"], pub["train_micro_batch_size_per_gpu"]) == (1.0, 1)
-    lean = ab.ds_config(ab.settings("alst-bf16", {"offload_param": False}))
+    lean = ar.ds_config(ar.settings("alst-bf16", {"offload_param": False}))
     assert "offload_param" not in lean["zero_optimization"]
 
 
 def test_loss_shards_about_one_gib_of_fp32_logits():
-    assert ab.loss_shards(131072, 128256) == math.ceil(131072 * 128256 * 4 / GIB) == 63
-    assert ab.loss_shards(64, 256) == 1
+    assert ar.loss_shards(131072, 128256) == math.ceil(131072 * 128256 * 4 / GIB) == 63
+    assert ar.loss_shards(64, 256) == 1
 
 
 def _runner(ok_up_to: int, fail_kind: str = "gpu", budget_rows: int = 99):
@@ -87,7 +89,7 @@ def _runner(ok_up_to: int, fail_kind: str = "gpu", budget_rows: int = 99):
         calls.append(n)
         if n <= ok_up_to:
             return {"seq_len": n, "ok": True}
-        return {"seq_len": n, **ab.outcome(-9 if fail_kind == "host" else 1, "CUDA out of memory. Tried to allocate")}
+        return {"seq_len": n, **ar.outcome(-9 if fail_kind == "host" else 1, "CUDA out of memory. Tried to allocate")}
 
     return run, calls
 
@@ -129,17 +131,17 @@ def test_max_seq_search_host_oom_budget_and_limit():
     ],
 )
 def test_outcome_kinds(rc, tail, oom, kind):
-    assert ab.outcome(rc, tail) | {"error": None} == {"ok": False, "oom": oom, "oom_kind": kind, "error": None}
+    assert ar.outcome(rc, tail) | {"error": None} == {"ok": False, "oom": oom, "oom_kind": kind, "error": None}
 
 
 def test_make_row_and_estimate():
-    s = ab.settings("alst-bf16", {})
+    s = ar.settings("alst-bf16", {})
     mem = {"peak_memory_gib": 40.0, "host_peak_rss_gib": 120.0}
-    row = ab.make_row(131072, "llama-3.1-8b", s, [11.9, 11.8, 11.8, 11.8], [60.0, 30.0, 20.0, 25.0], 1, 100.0, 1e16, mem)
+    row = ar.make_row(131072, "llama-3.1-8b", s, [11.9, 11.8, 11.8, 11.8], [60.0, 30.0, 20.0, 25.0], 1, 100.0, 1e16, mem)
     assert (row["step_times_s"], row["step_time_s"], row["tokens_per_s"]) == ([30.0, 20.0, 25.0], 25.0, 131072 / 25.0)
     assert row["mfu_datasheet"] == pytest.approx(1e16 / 25.0 / 989e12)
     assert (row["ok"], row["oom"], row["loss"], row["first_step_s"], row["peak_memory_gib"]) == (True, False, 11.8, 60.0, 40.0)
-    one_step = ab.make_row(131072, "llama-3.1-8b", s, [11.9], [60.0], 0, 100.0, 1e16, mem)
+    one_step = ar.make_row(131072, "llama-3.1-8b", s, [11.9], [60.0], 0, 100.0, 1e16, mem)
     assert (one_step["step_times_s"], one_step["first_step_s"], one_step["tokens_per_s"]) == ([60.0], 60.0, 131072 / 60.0)
     flops = lambda n: 2.0 * n
     assert ab.est_run_s(1000, 2, [], flops) == pytest.approx(ab.START_S + 2 * (2000 / ab.EST_FLOPS + ab.CPU_STEP_S))

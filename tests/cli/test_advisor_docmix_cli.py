@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from seqpar.advisor.doc_lens import mix_from_counts
-from seqpar.cli.commands import app
+from seqpar.cli import app
 
 LENGTHS = [16, 16, 300, 1200, 5000, 40000]  # 40000: longer than the 32K window, split into window-sized pieces
 H200 = ["--gpu", "h200", "--gpus", "8"]
@@ -151,11 +151,11 @@ def test_bad_input_is_one_line_and_exit_2(runner, tmp_path, args, message):
 def test_advisor_reads_the_mix_without_torch(tmp_path):
     (tmp_path / "t.bin").write_bytes(array.array("H", [5, 6, 2, 7, 2]).tobytes())
     code = (
-        "import sys; from typer.testing import CliRunner; import seqpar.cli.commands; "
-        f"r = CliRunner().invoke(seqpar.cli.commands.app, ['advise', '--seq-len', '512k', '--json', '--data', {str(tmp_path / 't.bin')!r}, '--eos-id', '2']); "
+        "import sys; from typer.testing import CliRunner; import seqpar.cli; "
+        f"r = CliRunner().invoke(seqpar.cli.app, ['advise', '--seq-len', '512k', '--json', '--data', {str(tmp_path / 't.bin')!r}, '--eos-id', '2']); "
         "assert r.exit_code == 0, r.output; "
-        "r = CliRunner().invoke(seqpar.cli.commands.app, ['explain', '--help']); "
-        "r = CliRunner().invoke(seqpar.cli.commands.app, ['check', '--seq-len', '512k', '--mean-doc-len', '4096']); "
+        "r = CliRunner().invoke(seqpar.cli.app, ['explain', '--help']); "
+        "r = CliRunner().invoke(seqpar.cli.app, ['check', '--seq-len', '512k', '--mean-doc-len', '4096']); "
         "assert r.exit_code in (0, 1), r.output; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

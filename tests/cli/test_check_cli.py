@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from seqpar.advisor.cost.measurements import load_measurements
-from seqpar.cli.commands import app
+from seqpar.cli import app
 
 PIN_64K = [
     "--seq-len",

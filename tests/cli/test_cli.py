@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import advise_by_rules
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.base import SCHEMA_VERSION
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.profiles import get_model
@@ -272,8 +272,8 @@ def test_advise_and_check_list_the_shared_options_in_panels(cmd, own):
 
 def test_advisor_and_cli_never_import_torch():
     code = (
-        "import seqpar.advisor.rules, seqpar.advisor.probe, seqpar.cli.commands, sys; "
-        "from typer.testing import CliRunner; r = CliRunner().invoke(seqpar.cli.commands.app, ['advise', '--seq-len', '512k', '--json']); "
+        "import seqpar.advisor.rules, seqpar.advisor.probe, seqpar.cli, sys; "
+        "from typer.testing import CliRunner; r = CliRunner().invoke(seqpar.cli.app, ['advise', '--seq-len', '512k', '--json']); "
         "assert r.exit_code == 0, r.output; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_eval import char_model
-from test_train import make_plan
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
+
+from seqpar_testing.hf import char_model
+from seqpar_testing.train import make_plan
 
 runner = CliRunner()
 
@@ -82,9 +83,10 @@ def test_max_seq_len_is_the_advisors_and_runs_nothing(tmp_path):
 
 
 def test_eval_job_is_torchrun_of_the_eval_module(tmp_path):
+    from seqpar.plan.job_options import EvalJobOptions
     from seqpar.plan.jobspec import eval_job
 
-    job = eval_job(make_plan(2, "zigzag_ring_attn", 2), Path("p.json"), ["--task", "needle"], output=tmp_path)
+    job = eval_job(make_plan(2, "zigzag_ring_attn", 2), Path("p.json"), EvalJobOptions(task="needle"), output=tmp_path)
     argv = " ".join(job.argv)
     assert "-m torch.distributed.run --nnodes 1 --nproc-per-node 2 --max-restarts 0 --standalone -m seqpar.runtime.eval" in argv
     assert argv.endswith(f"--task needle --plan p.json --output {tmp_path}") and job.env["SEQPAR_PG_TIMEOUT_S"] == "60"

@@ -13,13 +13,14 @@ import stat
 from pathlib import Path
 
 import pytest
-from test_train import make_plan
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.units import parse_seq_len
 from seqpar.profiles import get_model
+
+from seqpar_testing.train import make_plan
 
 runner = CliRunner()
 MEASUREMENTS = Path(__file__).resolve().parents[2] / "seqpar" / "profiles" / "measurements"

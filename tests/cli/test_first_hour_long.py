@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from seqpar.advisor.bill import duration, plan_bill
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import hourly
 from seqpar.plan.units import format_tokens
@@ -164,13 +164,15 @@ def test_rope_warning_past_the_models_positions_and_the_recipes_schedule(tmp_pat
 # --------------------------------------------------------------------------------------------- a real run
 
 
+@pytest.mark.slow
 def test_launch_keeps_the_plans_last_checkpoints_and_ends_with_measured_vs_predicted(tmp_path):
     """Two gloo ranks: the plan's keep_last (1) prunes, the first lines are the bill, the last ones the comparison and
-    the export."""
+    the export. In the slow set: the default set reads the same lines from the README's first run
+    (test_first_hour_readme.py), and --keep-last prunes in tests/runtime/checkpoint/test_resume.py."""
     plan = tmp_path / "plan.json"
     assert invoke("advise", *TINY, "--steps", 3, "--checkpoint-every", 1, "--keep-last", 1, "-o", plan).exit_code == 0
     p = subprocess.run(
-        [sys.executable, "-m", "seqpar.cli.commands", "launch", str(plan), "--output", str(tmp_path / "run")],
+        [sys.executable, "-m", "seqpar.cli", "launch", str(plan), "--output", str(tmp_path / "run")],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.launch_plan import LaunchPlan
 
 runner = CliRunner()
@@ -91,7 +91,7 @@ def test_profile_listings_keep_whole_names_and_round_figures():
 
     names = [g.name for g in list_gpus()] + [x.kind for x in list_links()] + [m.name for m in list_models()]
     piped = subprocess.run(
-        [sys.executable, "-m", "seqpar.cli.commands", "profiles", "list"],
+        [sys.executable, "-m", "seqpar.cli", "profiles", "list"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from test_train import make_plan
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.runtime.train.loop import parser as train_parser
+
+from seqpar_testing.train import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -96,7 +97,7 @@ def test_launch_passes_tokenizer_log_every_and_fsdp_offload_to_the_trainer(tmp_p
     assert r.exit_code == 0, r.output
     cmd = next(ln for ln in r.stdout.splitlines() if "seqpar.runtime.train" in ln).split()
     args = train_parser().parse_args(cmd[cmd.index("seqpar.runtime.train") + 1 :])  # the trainer understands them all
-    assert (args.tokenizer, args.log_every, args.fsdp_cpu_offload) == (str(tok), 3, True)
+    assert (args.data_options.tokenizer, args.log_every, args.fsdp_cpu_offload) == (str(tok), 3, True)
     ddp = tmp_path / "ddp.json"
     make_plan(2).write(ddp)
     assert "applies to FSDP2 plans" in error_line(invoke("launch", ddp, "--dry-run", "--fsdp-cpu-offload"), 2)
@@ -127,7 +128,7 @@ allowed = {m for m, ds in owners.items() if any(norm(x) in dists for x in ds)} |
 for m in owners:
     if m not in allowed or m in sys.argv[2].split(","):
         sys.modules[m] = None  # absent: import raises ModuleNotFoundError, importlib.util.find_spec returns None
-from seqpar.cli.commands import app
+from seqpar.cli import app
 try:
     app(sys.argv[3:], prog_name="seqpar")
 except SystemExit as e:

@@ -5,6 +5,7 @@ two gloo ranks, with only what a CPU needs changed, without a deprecation warnin
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.launch_plan import LaunchPlan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +60,7 @@ def test_readme_shell_commands_run_as_written(tmp_path):
     """Each block in a fresh folder, except that a block repeating lines of an earlier one (the quick start's CPU run,
     again in "Train with seqpar") continues in that block's folder: each distinct command runs once."""
     ran: dict[str, Path] = {}  # command -> the folder it ran in
+    stderr: dict[str, str] = {}
     for i, block in enumerate(blocks("bash")):
         commands = []
         for line in block:
@@ -75,11 +77,23 @@ def test_readme_shell_commands_run_as_written(tmp_path):
                 continue
             p = shell(cmd, here)
             assert p.returncode == 0, f"README: {line}\n{p.stderr[-3000:]}"
-            ran[cmd] = here
+            ran[cmd], stderr[cmd] = here, p.stderr
     first = next(ran[c] for c in ran if "--mode zigzag_ring_attn" in c)
     plan = LaunchPlan.load(first / "plan.json")
     assert plan.strategy.mode == "zigzag_ring_attn" and plan.strategy.sp_degree == 2  # the first run shows sequence parallelism
-    assert (first / "runs" / "plan" / "run_report.json").is_file()
+    # what the README says the first run prints: the predicted bill first, then the measured tokens/s beside the
+    # predicted, and the folder of the exported model last
+    launch = next(c for c in ran if c.startswith("seqpar launch") and ran[c] == first)
+    lines = [ln for ln in stderr[launch].splitlines() if ln.startswith("seqpar launch: ")]
+    steps = int(re.search(r"--steps (\d+)", launch).group(1))
+    assert lines[0].startswith(f"seqpar launch: predicted {steps} steps x ") and "rank-hours on 2 CPU ranks" in lines[0]
+    report = json.loads((first / "runs" / "plan" / "run_report.json").read_text())
+    m, pr = report["measured"]["tokens_per_s"], report["predicted"]["tokens_per_s"]
+    done = f"seqpar launch: done, {steps} steps; tokens/s {m:,.0f} measured, {pr:,.0f} predicted ({m / pr - 1:+.0%})"
+    assert lines[-2].startswith(done), lines
+    model = Path("runs", "plan", "checkpoints", f"step-{steps:06d}", "model")
+    assert lines[-1] == f"seqpar launch: model exported to {model} (transformers' from_pretrained reads it)", lines
+    assert (first / model / "config.json").is_file()
     assert any(r.startswith("seqpar calibrate") for r in ran) and any(r.startswith("seqpar explain") for r in ran)
     assert len(ran) >= 7
 
@@ -102,7 +116,7 @@ def _options() -> dict[tuple[str, ...], set[str]]:
             if hasattr(cmd, "commands"):
                 walk(cmd, (*path, name))
             else:
-                out[(*path, name)] = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+                out[(*path, name)] = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}  # every command's
 
     walk(typer.main.get_command(app), ())
     return out

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 
 H100x8 = ["--gpu", "h100", "--gpus", "8"]
 ULYSSES = ["--seq-len", "256k", "--model", "llama-3-8b", *H100x8, "--mode", "ulysses_attn", "--sp-degree", "4"]
@@ -242,7 +242,7 @@ def test_emit_and_check_import_no_torch(tmp_path):
     import sys
 
     code = (
-        "import sys; from typer.testing import CliRunner; from seqpar.cli.commands import app; r = CliRunner().invoke(app, "
+        "import sys; from typer.testing import CliRunner; from seqpar.cli import app; r = CliRunner().invoke(app, "
         f"['advise', '--seq-len', '128k', '--gpu', 'h100', '--gpus', '8', '-o', r'{tmp_path / 'p.json'}', '--emit', 'trl']); "
         "assert r.exit_code == 0, r.output; "
         f"r = CliRunner().invoke(app, ['check', r'{tmp_path / 'p.sft.yaml'}', r'{tmp_path / 'p.accelerate.yaml'}', '--gpu', 'h100']); "

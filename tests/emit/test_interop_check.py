@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from seqpar.advisor.cost.predict import predict
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.emit.arctic import human_int
 from seqpar.emit.check import detect
 from seqpar.plan.errors import SeqparError

@@ -18,7 +18,7 @@ import subprocess
 import pytest
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 
 H100x8 = ["--gpu", "h100", "--gpus", "8"]
 PLANS = {  # name -> advise flags; each fits, and each exercises other keys

@@ -11,15 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train import make_plan
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.env import plan_env_allowed
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.files import write_atomic
 from seqpar.plan.jobspec import LaunchOptions, build_job, launch_spec
 from seqpar.plan.launch_plan import LaunchPlan
+
+from seqpar_testing.train import make_plan
 
 runner = CliRunner()
 ESC = "\x1b"
@@ -111,7 +112,7 @@ def test_plan_text_is_printed_literally(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="FIFOs and device nodes as on Linux")
 def test_write_atomic_writes_only_files(tmp_path):
-    from test_exit_codes import device_node  # our own node: a broken write_atomic must never replace the real /dev/null
+    from seqpar_testing.cli import device_node  # our own node: a broken write_atomic must never replace the real /dev/null
 
     fifo, folder, link = tmp_path / "fifo", tmp_path / "folder", tmp_path / "link"
     os.mkfifo(fifo)

@@ -13,7 +13,7 @@ import pytest
 from hub_cache import add_folder, add_repo, use_cache
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.errors import SeqparError
 from seqpar.profiles import find_profile, get_model, hub_id
 

@@ -2,10 +2,8 @@
 parameters it keeps for reuse, and what its optimizer step allocates.
 
 Read from DeepSpeed 0.19's runtime/zero/stage_1_and_2.py, stage3.py and partitioned_param_coordinator.py, with the
-config seqpar writes (seqpar.plan.jobspec.deepspeed_config: DeepSpeed's defaults for the sizes below), and checked against
-`seqpar launch` on one H200 (bench/deepspeed_h200.py, bench/results/h200_deepspeed.json, Llama-3.2-1B bf16 + AdamW):
-without these terms ZeRO-2/3/3-offload peaks were under-predicted by 2.2-3.0 GiB at 64K-128K and ZeRO-2 at 16K (whose
-peak is the optimizer step) by 7.6 GiB.
+config seqpar writes (seqpar.plan.jobspec.deepspeed_config: DeepSpeed's defaults for the sizes below); checked against
+`seqpar launch` runs in BENCHMARKS.md, "DeepSpeed ZeRO on one H200".
 
 * Gradients live in buffers sized for the whole partition from the first backward on, not built layer by layer:
   ZeRO-2's ``grads_in_partition`` and ZeRO-3's ``grad_partitions_flat_buffer`` (the partition's numel in the gradient

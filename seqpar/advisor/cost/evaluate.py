@@ -53,11 +53,12 @@ from seqpar.advisor.cost.throughput import (
     call_tokens,
     elementwise_bytes_per_token,
     head_dim_efficiency,
+    imbalance,
     width_efficiency,
 )
 from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import attention_fwd_flops, matmul_params
-from seqpar.plan.modes import split_multiple
+from seqpar.plan.modes import describe, split_multiple, takes_ulysses_degree
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy
 from seqpar.plan.units import GIB
 
@@ -113,7 +114,7 @@ def estimate_eval_memory(m: ModelSpec, seq_len: int, cluster: ClusterSpec, s: St
     totals = {k: sum(v.values()) for k, v in phases.items()}
     phase = max(totals, key=totals.get)
     peak = totals[phase]
-    groups = 0 if s.world_size == 1 else 1 + (s.sp_degree > 1) + (s.mode == "usp_attn")
+    groups = 0 if s.world_size == 1 else 1 + (s.sp_degree > 1) + takes_ulysses_degree(s.mode)
     reserved = peak + c.allocator_slack(peak) + (c.cuda_context_gib + c.nccl_buffer_gib_per_group * groups) * GIB
     capacity = cluster.gpu.memory_gib * GIB
     reason = ""
@@ -145,7 +146,7 @@ def estimate_eval_time(m: ModelSpec, seq_len: int, cluster: ClusterSpec, s: Stra
     linear = linear / width_efficiency(m.hidden_size, c.matmul_width_h0) * lin_factor
     eff = call_efficiency(call_tokens(s, S), c) * head_dim_efficiency(d, c.attn_head_dim_d0)
     attn_rate = c.kernel_rate_tflops(cluster, c.attention_backend(cluster)) * 1e12
-    attention = attention_fwd_flops(m, S) / P / attn_rate / eff * attn_factor
+    attention = attention_fwd_flops(m, S) / P / attn_rate / eff * attn_factor * imbalance(s)  # the busiest rank
     # the model's own norms, RoPE and SwiGLU: eval applies neither the plan's fused_ops nor its tiled MLP
     hbm = cluster.gpu.hbm_bandwidth_gb_s * 1e9 * c.elementwise_efficiency
     elementwise = t * L * elementwise_bytes_per_token(m, "none")[0] / hbm
@@ -158,10 +159,13 @@ def estimate_eval_time(m: ModelSpec, seq_len: int, cluster: ClusterSpec, s: Stra
     if r > 1:
         step_comm = 2 * p * t * kv_eff * d / _bw(cluster, r, c, contiguous_inner=u)
         comm += L * (r - 1) * _hidden(step_comm, attention / L / r, c.ring_overlap)
-    if s.mode == "dist_flash_attn" and P > 1:
+    shape = describe(s.mode).comm
+    if "peer_blocks" in shape and P > 1:
         steps = P / 2
         fwd_bytes = t * (p * (a * d + 2 * kv * d) + 4 * a * d + 4 * a)
         comm += L * steps * _hidden(fwd_bytes / _bw(cluster, P, c), attention / L / (steps + 1), c.ring_overlap)
+    if "all_gather_kv" in shape and P > 1:  # the other ranks' K and V, gathered once per layer
+        comm += L * (P - 1) * t * 2 * p * kv * d / _bw(cluster, P, c)
     total = linear + attention + elementwise + comm
     return {
         "forward_time_s": total,

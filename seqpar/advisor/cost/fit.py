@@ -12,15 +12,15 @@ the overlap terms that depend on the compute time. Two shape terms are searched 
 one coordinate at a time until none moves (three passes at most): the matmul width saturation h0 (matmul_width_h0) and
 the share of HBM bandwidth the elementwise kernels reach (elementwise_efficiency). Held at their measured values unless
 a grid is passed: the attention call saturation n0 (attn_block_tokens, an outer grid) and the attention head-width
-saturation d0 (attn_head_dim_d0, searched with the others): both are kernel measurements (bench/attention.py,
-bench/shape_kernels.py), and the rows have one model of each narrow shape to tell them from everything else that model
+saturation d0 (attn_head_dim_d0, searched with the others): both are kernel measurements (their sources in
+coefficients.json), and the rows have one model of each narrow shape to tell them from everything else that model
 does differently. The two time factors are fitted once on all rows (the global fallback) and again per GPU profile on
-that GPU's rows (``time_factors``): A100 + ZeRO-3 offload overheads do not carry over to an H200. The shape terms are
-shared by all GPUs, and each is searched only when the rows can tell it from the factors: h0 when they span two model
-widths, d0 two head widths, the elementwise efficiency both fused (Liger) and unfused layers, whose elementwise bytes
-differ ~5x at the same matmul work. A coefficient no row informs (e.g. CPU Adam without ZeRO-3 offload rows) keeps its
-value. The leave-one-out errors refit the factors and h0 without the row; the elementwise efficiency stays at the full
-fit's value (searching both per row would take minutes). Pure Python.
+that GPU's rows (``time_factors``): one GPU's engine overheads (e.g. ZeRO-3 offload's) do not carry over to another.
+The shape terms are shared by all GPUs, and each is searched only when the rows can tell it from the factors: h0 when
+they span two model widths, d0 two head widths, the elementwise efficiency both fused (Liger) and unfused layers,
+whose elementwise bytes differ ~5x at the same matmul work. A coefficient no row informs (e.g. CPU Adam without ZeRO-3
+offload rows) keeps its value. The leave-one-out errors refit the factors and h0 without the row; the elementwise
+efficiency stays at the full fit's value (searching both per row would take minutes). Pure Python.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from typing import Iterable, Optional
 from pydantic import ValidationError
 
 from seqpar.advisor.cluster import cluster_from_flags
+from seqpar.plan.display import tags
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.files import first_error
 from seqpar.plan.flops import model_flops_per_sequence
@@ -192,8 +193,7 @@ def row_from_report(report: dict, source: str) -> Measurement:
     label = (
         f"{s.mode} {plan.workload.seq_len} x{plan.cluster.world_size} {plan.cluster.gpu.name} {plan.workload.model.name} "
         f"ckpt={s.checkpointing}{split_tag(s)}"
-        + (" liger" if s.fused_ops != "none" else "")
-        + (" tiled" if s.tiled_mlp else "")
+        + "".join(f" {t}" for t in tags(s, "label"))
         + (f" {s.sharding}" if s.sharding != "ddp" else "")
     )
     return _plausible(Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom), where)

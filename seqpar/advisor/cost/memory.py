@@ -44,7 +44,8 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
 * Mode buffers: ring (zigzag, usp's ring part): K,V blocks double-buffered, fp32 out and lse accumulators, in backward
   dq / dk / dv fp32 accumulators plus dk, dv in flight; Ulysses: the all-to-all send/receive copies of q, k, v, o at full
   length and 1/P heads (KV heads replicated up to P); dist flash: the Q, K, V block it computes for a peer and the O / lse
-  it returns.
+  it returns; all-gather of K,V: the whole sequence's K and V in forward, and again with their gradients in backward.
+  Which of these a mode has is its description's ``comm`` (seqpar.plan.modes).
 * DeepSpeed ZeRO's own buffers (preallocated gradient partitions, ZeRO-3's bucket and the gathered parameters it keeps
   for reuse, its optimizer step's fp32 pieces): seqpar.advisor.cost.deepspeed_memory.
 * Outside PyTorch's allocator (reserved only): the caching allocator's slack, the CUDA context, NCCL buffers.
@@ -60,7 +61,7 @@ from seqpar.advisor.cost import deepspeed_memory
 from seqpar.advisor.cost.coefficients import Coefficients
 from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import matmul_params
-from seqpar.plan.modes import FACTS, degrees, head_degree
+from seqpar.plan.modes import degrees, describe, head_degree, takes_ulysses_degree
 from seqpar.plan.options import LayerSplit, pinned_block
 from seqpar.plan.rules import layers_of
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
@@ -236,9 +237,9 @@ def ulysses_ranks(s: Strategy) -> int:
 
 
 def ring_ranks(s: Strategy) -> int:
-    """Ranks of the zigzag ring passing K,V blocks (zigzag_ring_attn, usp_attn's ring part); 1 without one. dist_flash_attn's
-    contiguous schedule moves other tensors and is costed on its own."""
-    return degrees(s.mode, s.sp_degree, s.ulysses_degree)[0] if "zigzag" in FACTS[s.mode].layout else 1
+    """Ranks of the ring passing K,V blocks (comm ring_kv: zigzag_ring_attn, usp_attn's ring part); 1 without one.
+    dist_flash_attn's contiguous schedule moves other tensors and is costed on its own."""
+    return degrees(s.mode, s.sp_degree, s.ulysses_degree)[0] if "ring_kv" in describe(s.mode).comm else 1
 
 
 def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tuple[float, float]:
@@ -258,9 +259,14 @@ def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tupl
         fwd += t * (2 * p * kv_loc * d) + t * (4 * hq * d + 4 * hq)
         # backward: K,V in flight, dq/dk/dv fp32, dk/dv fp32 in flight, the kernel's bf16 block grads
         bwd += t * (2 * p * kv_loc * d + 4 * hq * d + 16 * kv_loc * d + p * (hq * d + 2 * kv_loc * d))
-    if strategy.mode == "dist_flash_attn" and strategy.sp_degree > 1:
+    comm, P = describe(strategy.mode).comm, strategy.sp_degree
+    if "peer_blocks" in comm and P > 1:
         fwd += t * (p * (2 * a * d + 2 * kv * d) + 4 * a * d + 4 * a)  # a peer's q,k,v + its o,lse to return (fp32)
         bwd += t * (p * (3 * a * d + 2 * kv * d) + 4 * (a * d + 2 * kv * d))  # + do; dq, dk, dv fp32 for the peer
+    if "all_gather_kv" in comm and P > 1:
+        gathered = P * t * 2 * p * kv * d  # every rank's K and V: the whole sequence's
+        fwd += gathered
+        bwd += 2 * gathered  # gathered again, and their gradients at full length before the reduce-scatter
     return fwd, bwd
 
 
@@ -268,8 +274,8 @@ def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coeff
     """Terms at the loss's peak. hf: forward holds bf16 logits + fp32 copy + log_softmax output (10 B/token/vocab), its
     backward the saved output + incoming grad + result (12); seqpar's LossModule returns only the loss, so nothing of the
     logits outlives the loss. chunked: one (chunk, V) block in both dtypes and its fp32 grads, the fp32 grad of the hidden,
-    and the fp32 (V, h) accumulator of the head's weight gradient (seqpar.runtime.parallel.loss sums the chunks' products in fp32:
-    1 GiB for a 128K vocabulary at h 2048, what the 1B's loss-phase peaks were short of)."""
+    and the fp32 (V, h) accumulator of the head's weight gradient (seqpar.runtime.parallel.loss sums the chunks' products in
+    fp32)."""
     p, v, h = DTYPE_BYTES[dtype], m.vocab_size, m.hidden_size
     if strategy.fused_ops == "liger":  # Liger's RMSNorm: its input (the last layer's output), fp32 rstd, its output
         final_norm = t * (r * h + 4 + p * h)
@@ -279,8 +285,7 @@ def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coeff
         return {"final_norm": final_norm, "loss_fp32_logits": t * v * 12}
     chunk = min(t, c.loss_chunk_tokens)
     # one chunk: its logits in the model dtype, their fp32 copy and the fp32 log-softmax (forward), or the fp32 product,
-    # its softmax and the gradient in the model dtype (backward): p + 8 bytes per token and vocabulary entry (the 1B
-    # shape's 128K vocabulary measured it on the H200: p + 12 over-predicted its 64K peak by 12%)
+    # its softmax and the gradient in the model dtype (backward): p + 8 bytes per token and vocabulary entry
     return {
         "final_norm": final_norm,
         "hidden_grad_fp32": t * h * 4,
@@ -292,7 +297,7 @@ def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coeff
 def _nccl_groups(strategy: Strategy, world: int) -> int:
     if world == 1:
         return 0
-    return 1 + (strategy.sp_degree > 1) + (strategy.mode == "usp_attn")
+    return 1 + (strategy.sp_degree > 1) + takes_ulysses_degree(strategy.mode)  # a hybrid mode: ring and Ulysses groups
 
 
 def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> MemoryEstimate:
@@ -368,8 +373,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     # maximum is at the top layer (j = L-1), the top checkpointed layer or the bottom one (j = 0)
     recompute = saved_bytes_per_token(m, dtype, r, s.fused_ops, s.tiled_mlp) * t
     # the layer's backward peaks either in the MLP's backward (two intermediates' gradients) or in attention's (dq, dk,
-    # dv beside the saved q, k, v, out); untiled the MLP moment is larger, tiled it is attention's (measured on the H200:
-    # without this term tiled runs were under-predicted by ~6h bytes per token, the size of dq + dk + dv for MHA)
+    # dv beside the saved q, k, v, out); untiled the MLP moment is larger, tiled it is attention's
     attn_grads = t * p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
     if s.tiled_mlp:
         grad_flow = t * 2 * r * h + max(tile * 2 * p * i, attn_grads)  # hidden grads in and out + the larger moment
@@ -378,7 +382,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         tiled_buffers = tile * (3 if s.fused_ops == "liger" else 4) * p * i + 3 * h * i * 4
     else:
         # Liger's SwiGLU backward writes the gate and up gradients into its saved inputs (in place): only the
-        # product's gradient is new there (the H200's 7B liger rows: +5-6% over-predicted with 2pI, 384K +18%)
+        # product's gradient is new there
         mlp_grads = (1 if s.fused_ops == "liger" else 2) * p * i
         grad_flow = t * (2 * r * h + max(mlp_grads, p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim))
         tiled_buffers = 0.0
@@ -455,7 +459,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
 
 
 def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> float:
-    """Host RAM per node: every CUDA rank's own process (libraries and CUDA's host-side state, measured before any offload),
+    """Host RAM per node: every CUDA rank's own process (libraries and CUDA's host-side state: host_process_gib),
     ZeRO-3 offload's bf16 params, fp32 grads and optimizer, and the offloaded layer inputs. CPU clusters count none of it
     here: their ranks' memory is the "GPU" memory the rest of this module estimates."""
     m, p = w.model, DTYPE_BYTES[w.dtype]

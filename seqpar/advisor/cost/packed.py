@@ -8,23 +8,21 @@ dense model):
 * ``attention_time_share``: packed / dense attention time of one window. Each document runs at its own kernel rate, as
   seqpar.runtime.parallel.varlen runs them: a document that fills the mode's kernel calls runs on the attention backend's causal
   kernel (cuDNN on Hopper, else flash) at throughput.py's call efficiency eff(call); the documents sharing a call go
-  together into one FA2 varlen call at the flash kernel's rate (the runtime's default since cuDNN's plan per new
-  document length cost 0.2-28 s a window on the H200: bench/results/h200_packed_attention.json; a document of at least
-  LONG_DOC tokens would run alone at eff(its length), the opt-in split) (measured on one H200, bench/results/h200_packed_kernels.json: FA2 varlen 294-304 useful
-  TFLOP/s on the long-tail mix at 16K-128K, the flash rate of coefficients.json is 322). A document is weighted by the
-  expected squares of the pieces the window edges cut it into (seqpar.plan.flops.piece_squares) at the rate of its whole length.
+  together into one FA2 varlen call at the flash kernel's rate (the runtime's default, as cuDNN builds a new plan for
+  every new document length; a document of at least LONG_DOC tokens would run alone at eff(its length), the opt-in
+  split). A document is weighted by the expected squares of the pieces the window edges cut it into
+  (seqpar.plan.flops.piece_squares) at the rate of its whole length.
 * ``imbalance``: the busiest rank over the mean. Ring and dist flash layouts skip the blocks that share no document, so
   the work left is the sum of the documents' pieces each rank holds, and a rank holding the middle of a long document
   does more than one holding many short ones; a step waits for the busiest rank. Measured, not modelled here (the
-  runtime's seqpar.runtime.parallel.balance counts it exactly and reorders documents to even it out): busiest / mean at W = 8
-  over 8 windows of the long-tail mix after that reordering (bench/packed_balance.py, bench/results/packed_balance.json
-  "after_mean"; in the packed order as it comes: zigzag 2.0-2.7, dist flash 2.6-3.2, usp 1.6-1.9), interpolated in
-  log S between the measured lengths and held outside them. ulysses_attn (every rank the whole sequence on 1/W of the
-  heads) and data_parallel (whole windows) are balanced whatever the documents. Another mix: the measured excess
-  scaled by how far the mix is from one document per window, (1 - f) / (1 - f_ref) capped at 1, f = square_fraction
-  (the mix's, the long-tail mix's at the same S): one document per window is balanced by the layout (f = 1 -> 1.0), and
-  where attention matters most (long documents) the long-tail measurement is the relevant one. W other than 8 and
-  usp with U other than 2 use the same figures (nothing else is measured).
+  runtime's seqpar.runtime.parallel.balance counts it exactly and reorders documents to even it out): busiest / mean per
+  mode and window length at W = 8 on the long-tail mix after that reordering (seqpar/profiles/packed_imbalance.json,
+  with its source), interpolated in log S between the points and held outside them. ulysses_attn (every rank the whole
+  sequence on 1/W of the heads) and data_parallel (whole windows) are balanced whatever the documents. Another mix: the
+  tabled excess scaled by how far the mix is from one document per window, (1 - f) / (1 - f_ref) capped at 1, f =
+  square_fraction (the mix's, the long-tail mix's at the same S): one document per window is balanced by the layout
+  (f = 1 -> 1.0), and where attention matters most (long documents) the long-tail figure is the relevant one. W other
+  than 8 and usp with U other than 2 use the same figures (the table has no others).
 * ``transfer_share``: ring K,V blocks travel only as far as the farthest rank that uses them and dist flash leaves a
   block that shares no document idle, without a transfer (seqpar.runtime.parallel.zigzag_ring_attn, dist_flash_attn). Two
   positions D tokens apart of a packed stream lie in one document with probability rho(D) = E[(l - D)+] / E[l]; a block
@@ -38,22 +36,28 @@ Pure Python.
 
 from __future__ import annotations
 
+import json
 import math
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 from seqpar.plan.flops import piece_squares, square_fraction
-from seqpar.plan.modes import FACTS, degrees
+from seqpar.plan.modes import degrees, describe
 from seqpar.plan.specs import DocMix, Strategy
 
 LONG_DOC = 1 << 62  # seqpar.runtime.parallel.varlen.LONG_DOC: documents this long run alone on the causal kernel (default: never)
 
-# bench/results/packed_balance.json (W = 8, long-tail mix, after seqpar.runtime.parallel.balance.balanced_order): seq_len -> busiest/mean
-MEASURED_IMBALANCE = {
-    "zigzag_ring_attn": ((131072, 1.516), (524288, 1.797), (1048576, 1.786)),
-    "dist_flash_attn": ((131072, 1.953), (524288, 2.111), (1048576, 2.130)),
-    "usp_attn": ((131072, 1.177), (524288, 1.220), (1048576, 1.225)),  # ulysses_degree 2, ring 4
-}
+IMBALANCE_PATH = Path(__file__).resolve().parents[2] / "profiles" / "packed_imbalance.json"
+
+
+def _measured_imbalance() -> dict[str, tuple[tuple[int, float], ...]]:
+    """mode -> ((seq_len, busiest / mean), ...) in seq_len order, from seqpar/profiles/packed_imbalance.json."""
+    modes = json.loads(IMBALANCE_PATH.read_text())["modes"]
+    return {mode: tuple(sorted((int(s), float(v)) for s, v in points)) for mode, points in modes.items()}
+
+
+MEASURED_IMBALANCE = _measured_imbalance()
 
 
 def attention_time_share(mix: DocMix, seq_len: int, call: float, eff: Callable[[float], float], short_rate: float) -> float:
@@ -66,7 +70,7 @@ def attention_time_share(mix: DocMix, seq_len: int, call: float, eff: Callable[[
 
 
 def document_rate(length: float, call: float, eff: Callable[[float], float], short_rate: float) -> float:
-    """Attention rate of a document of ``length`` tokens, relative to the backend's measured rate: its own causal call
+    """Attention rate of a document of ``length`` tokens, relative to the backend's kernel rate: its own causal call
     (cut into the mode's calls when longer) from LONG_DOC tokens on, the shared varlen call below."""
     if length >= call:
         return eff(call)
@@ -74,7 +78,7 @@ def document_rate(length: float, call: float, eff: Callable[[float], float], sho
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], seq_len: int) -> float:
-    """Piecewise linear in log2(seq_len) through the measured points, held flat outside them."""
+    """Piecewise linear in log2(seq_len) through the points, held flat outside them."""
     if seq_len <= points[0][0]:
         return points[0][1]
     for (s0, v0), (s1, v1) in zip(points, points[1:]):
@@ -88,15 +92,16 @@ def _interpolate(points: tuple[tuple[int, float], ...], seq_len: int) -> float:
 def _reference() -> DocMix:
     from seqpar.advisor.doc_lens import lognormal_mix
 
-    return lognormal_mix()  # the long-tail mix the imbalance was measured on (median 512, sigma 1.6)
+    return lognormal_mix()  # the long-tail mix of packed_imbalance.json (median 512, sigma 1.6)
 
 
 def imbalance(s: Strategy, mix: DocMix, seq_len: int) -> float:
     """Busiest rank's attention work over the mean, for packed windows of ``mix`` (module docstring)."""
     ring, _ = degrees(s.mode, s.sp_degree, s.ulysses_degree)
-    if s.mode not in MEASURED_IMBALANCE or ring < 2:
+    row = describe(s.mode).packed_imbalance  # the measured row the mode follows (None: documents leave ranks even)
+    if row not in MEASURED_IMBALANCE or ring < 2:
         return 1.0
-    measured = _interpolate(MEASURED_IMBALANCE[s.mode], seq_len)
+    measured = _interpolate(MEASURED_IMBALANCE[row], seq_len)
     f, f_ref = square_fraction(mix.histogram, seq_len), square_fraction(_reference().histogram, seq_len)
     return 1.0 + (measured - 1.0) * min(1.0, (1.0 - f) / max(1.0 - f_ref, 1e-12))
 
@@ -133,7 +138,7 @@ def transfer_share(s: Strategy, mix: DocMix, seq_len: int) -> float:
     ring, _ = degrees(s.mode, s.sp_degree, s.ulysses_degree)
     if ring < 2:
         return 1.0
-    layout = "zigzag" if "zigzag" in FACTS[s.mode].layout else "contiguous"
+    layout = "zigzag" if "zigzag" in describe(s.mode).layout else "contiguous"
     return _share(tuple(tuple(b) for b in mix.histogram), seq_len, layout, ring)
 
 

@@ -21,23 +21,23 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
 * Packed documents (``workload.doc_lens``; None = one document per window, all of the above as it is): attention counts
   the documents' squares (seqpar.plan.flops), each document at its own kernel rate, times the busiest rank's share where the
   layout leaves ranks uneven, and ring / dist flash transfers only where a block shares a document (packed.py).
-* Rates: measured kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops; hardware.md) times fitted factors (the
-  GPU's own when it has measurement rows, else the global pair); the matmul rate falls with model width, h / (h + h0),
-  normalised to the 8192-wide GEMM it was measured on; the attention rate falls for short kernel calls, eff(n) ~ n/(n+n0)
-  (n = query tokens per call: S for data parallel and Ulysses, S/(2P) for zigzag chunks, S/P for dist flash blocks), and
-  for narrow heads, d / (d + d0) (d0 measured on the kernel, bench/shape_kernels.py), normalised to the 128-wide heads
-  it was measured with; past 64K-token calls it stays flat. The head-width term and the elementwise efficiency are what
-  short sequences and small models showed: warm 16K steps on the H200 (Llama-2-13B, Llama-2-7B, Llama-3.2-1B) were
-  mispredicted by +17%, +8% and -6% by a fit that had only h0 to tell shapes apart; the long rows had let the matmul and
-  attention factors trade against each other (0.70 and 1.19, a matmul rate above the GEMM's own).
+* Rates: kernel TFLOP/s per GPU profile (coefficients.json kernel_tflops) times fitted factors (the GPU's own when it
+  has measurement rows, else the global pair); the matmul rate falls with model width, h / (h + h0), normalised to the
+  8192-wide GEMM of kernel_tflops; the attention rate falls for short kernel calls, eff(n) ~ n/(n+n0) (n = query tokens
+  per call: S for data parallel and Ulysses, S/(2P) for zigzag chunks, S/P for dist flash blocks), and for narrow heads,
+  d / (d + d0), normalised to the 128-wide heads of kernel_tflops; past 64K-token calls it stays flat. h0, d0, n0 and
+  the elementwise efficiency: coefficients.json (each with its source); what each term fixed: BENCHMARKS.md, "Cost
+  model accuracy".
 * Communication (bytes per GPU, bandwidth = link datasheet x NCCL efficiency): ring: P-1 K,V blocks per layer and pass
   (plus fp32 dK,dV in backward), each against 1/P of the pass's attention compute, hidden up to ``ring_overlap``; Ulysses:
   four all-to-alls per layer and pass, each moving (u-1)/u of a q/k/v/o tensor, not hidden; dist flash: P/2 helper steps
-  carrying Q,K,V out and O,lse back; gradients: ring all-reduce 2(N-1)/N*2Psi (DDP), reduce-scatter + all-gather (ZeRO-2),
+  carrying Q,K,V out and O,lse back; all-gather of K,V: the other ranks' K,V gathered in forward and again in backward,
+  their gradients reduce-scattered, not hidden (which of these a mode has is its description's ``comm``); gradients:
+  ring all-reduce 2(N-1)/N*2Psi (DDP), reduce-scatter + all-gather (ZeRO-2),
   per-layer all-gathers in forward and backward + reduce-scatter (ZeRO-3 / FSDP), hidden up to ``grad_comm_overlap``
   under backward; ZeRO-3 offload adds PCIe copies of the parameter shards and fp32 gradients and the CPU Adam step.
 * Checkpoint offload (the plan's offloaded layers): pinned copies mostly hidden under compute, pageable ones beyond the
-  pinned budget exposed (``offload_copy_time``, rates measured on the H200); the first step adds its one-off costs
+  pinned budget exposed (``offload_copy_time``, rates: coefficients.json); the first step adds its one-off costs
   (``first_step_extra_s``: the prediction's first_step_s, which the bill counts once).
 * MFU: seqpar.plan.flops' model FLOPs (no recompute) over the datasheet bf16 peak of every GPU, the count measured MFU
   (seqpar.runtime.train.report) uses too.
@@ -60,7 +60,7 @@ from seqpar.advisor.cost.memory import (
 )
 from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
-from seqpar.plan.modes import split_multiple
+from seqpar.plan.modes import describe, split_multiple
 from seqpar.plan.options import pinned_block
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
@@ -151,7 +151,7 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
     compute; beyond it seqpar.runtime.memory.offload falls back to pageable memory, whose copies are synchronous: exposed.
     The host-kept matmul outputs (kept_host_layers) go out and come back the same way, on a side stream, each layer's
     fetched one layer ahead (the top one, with no GPU-kept layer above it to start it, when its own backward begins).
-    Their overlap (coefficients' side_copy_overlap, 0.93) is fitted to one H100's rows (bench/fit_side_copy.py)."""
+    Their overlap: coefficients.json side_copy_overlap (fitted)."""
     host, layer, pinned = offloaded_inputs(w, cluster, s)
     _, mm_layer, mm_pinned = kept_host_matmuls(w, cluster, s)
     if not host and not mm_pinned:
@@ -178,23 +178,29 @@ def call_tokens(s: Strategy, seq_len: int) -> float:
 
 def call_efficiency(n: float, c: Coefficients) -> float:
     """eff(n) = n / (n + n0) of a kernel call of n query tokens, normalised to 1 at REF_CALL_TOKENS and no higher beyond
-    it: the H200's causal kernel runs 553-563 TFLOP/s at 64K and 539-543 from 128K to 1M (bench/results/
-    h200_attention_bench.json, h200_shape_kernels.json), so longer calls gain nothing the curve would give them."""
+    it: the causal kernel's rate is flat past 64K-token calls (BENCHMARKS.md, "Cost model accuracy"), so longer calls
+    gain nothing the curve would give them."""
     n0 = c.attn_block_tokens
     return min(1.0, (n / (n + n0)) / (REF_CALL_TOKENS / (REF_CALL_TOKENS + n0)))
 
 
 def head_dim_efficiency(head_dim: int, d0: float) -> float:
-    """Attention kernel efficiency vs head width, d / (d + d0), relative to the 128-wide heads the kernel rates were
-    measured with: a 64-wide head does half the FLOPs per byte of q, k, v loaded and per softmax element (Llama-3.2-1B's
-    heads; FlashAttention-2's own figures show the same fall, Dao 2023 fig. 4)."""
+    """Attention kernel efficiency vs head width, d / (d + d0), relative to the 128-wide heads of the kernel rates: a
+    64-wide head does half the FLOPs per byte of q, k, v loaded and per softmax element (Dao 2023, fig. 4; d0:
+    coefficients.json)."""
     return (head_dim / (head_dim + d0)) / (REF_HEAD_DIM / (REF_HEAD_DIM + d0))
 
 
 def imbalance(s: Strategy) -> float:
-    # zigzag and Ulysses are balanced by construction; our dist_flash_attn schedule is too: LightSeq's P/2+1 steps leave
-    # the busiest rank P/2+1/2 blocks, but seqpar.runtime.parallel.dist_flash_attn splits the last step's blocks by query rows
-    # between owner and idle helper (odd P balances exactly as it is), so every rank does P/2 blocks of work.
+    """The busiest rank's causal attention work over the mean, by the mode's balance (seqpar.plan.modes).
+
+    zigzag and Ulysses are balanced by construction; our dist_flash_attn schedule is too: LightSeq's P/2+1 steps leave
+    the busiest rank P/2+1/2 blocks, but seqpar.runtime.parallel.dist_flash_attn splits the last step's blocks by query
+    rows between owner and idle helper (odd P balances exactly as it is), so every rank does P/2 blocks of work. A plain
+    contiguous split leaves the last of P ranks r + 1/2 = P - 1/2 blocks against a mean of P/2: (2P - 1)/P."""
+    P = s.sp_degree
+    if describe(s.mode).balance == "contiguous" and P > 1:
+        return (2 * P - 1) / P
     return 1.0
 
 
@@ -266,7 +272,8 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
         # the recomputed layers' forward K,V pass, once more for each layer whose recomputation runs attention
         step_comm, step_compute = kv_block / bw, attn_fwd_t / L / r
         sp_comm += recompute_share * L * (r - 1) * transfers * _hidden(step_comm, step_compute, c.ring_overlap)
-    if s.mode == "dist_flash_attn" and P > 1:
+    comm = describe(s.mode).comm
+    if "peer_blocks" in comm and P > 1:
         bw = _bw(cluster, P, c)
         steps = P / 2
         fwd_bytes = t * (p * (a * d + 2 * kv * d) + 4 * a * d + 4 * a)
@@ -276,6 +283,10 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
         for pass_bytes, pass_compute, share in df_passes:
             step_compute = pass_compute / L / (steps + 1)
             sp_comm += share * L * steps * transfers * _hidden(pass_bytes / bw, step_compute, c.ring_overlap)
+    if "all_gather_kv" in comm and P > 1:
+        gathered = (P - 1) * t * 2 * p * kv * d  # the other ranks' K and V of one layer
+        # forward gathers; backward gathers again and reduce-scatters dK, dV (as many bytes); a recomputed layer gathers again
+        sp_comm += (3 + recompute_share) * L * gathered / _bw(cluster, P, c)
 
     # ---- model-state traffic
     psi = m.num_params

@@ -199,8 +199,8 @@ def tensors(wrapped, optimizer) -> dict:
 
 
 def _deepspeed(wrapped):
-    """seqpar.runtime.train.deepspeed when ``wrapped`` is a DeepSpeed engine, else None (deepspeed is optional)."""
-    from seqpar.runtime.train import deepspeed
+    """seqpar.runtime.checkpoint.deepspeed when ``wrapped`` is a DeepSpeed engine, else None (deepspeed is optional)."""
+    from seqpar.runtime.checkpoint import deepspeed
 
     return deepspeed if deepspeed.is_engine(wrapped) else None
 

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seqpar.plan import options
+from seqpar.plan.job_options import AUTO  # --checkpoint-every auto: the interval from the step time, whatever the plan says
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.options import HOURLY_S, hourly, kept
 from seqpar.plan.units import GIB
-
-AUTO = "auto"  # --checkpoint-every auto: the interval from the step time, whatever the plan says
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ def space_problem(
 
 
 def launch_problem(plan: LaunchPlan, output: Path, opts, reserved: int = 0) -> tuple[str | None, int]:
-    """space_problem for a job of ``seqpar launch`` (opts: seqpar.plan.jobspec.LaunchOptions), counting the checkpoints
+    """space_problem for a job of ``seqpar launch`` (opts: seqpar.plan.job_options.TrainOptions), counting the checkpoints
     already in ``output`` and, on --resume, starting at the newest one's step."""
     import json
 

@@ -31,7 +31,6 @@ import numpy as np
 
 from seqpar.plan.errors import SeqparError
 
-POLICIES = ("split", "truncate", "error")
 FORMAT = 1  # of the cached packing files
 
 

@@ -24,68 +24,17 @@ check (and tokenize) the data before starting any process.
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
-
 import numpy as np
 
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.job_options import DataOptions  # the trainer's data options (--no-doc-boundaries, --data-cache, ...)
 from seqpar.runtime.data import pack as data_pack
-from seqpar.runtime.data.pack import POLICIES, first_window, window_index
-
-STREAM = "stream (--no-doc-boundaries), windows shuffled"
-
-
-@dataclass(frozen=True)
-class DataOptions:
-    """How ``--data`` becomes windows: the trainer's flags, which ``seqpar launch`` passes through."""
-
-    doc_boundaries: bool = True  # False: --no-doc-boundaries, the EOS-separated stream
-    long_documents: str = "split"  # a document longer than the window: split | truncate | error
-    cache: str | None = None  # --data-cache: the tokenized-data cache root (default data_cache.default_root())
-    procs: int | None = None  # --data-procs: tokenizer processes (default: the cores, fewer for small data)
-    tokenizer: str | None = None  # --tokenizer: a local tokenizer folder for text (default: --model-path's)
-
-    def flags(self) -> list[str]:
-        out = [] if self.doc_boundaries else ["--no-doc-boundaries"]
-        out += ["--tokenizer", self.tokenizer] if self.tokenizer else []
-        out += [] if self.long_documents == "split" else ["--long-documents", self.long_documents]
-        out += ["--data-cache", self.cache] if self.cache else []
-        return out + (["--data-procs", str(self.procs)] if self.procs else [])
-
-    @property
-    def packing(self) -> str:
-        """What a checkpoint records (resume refuses a change: it changes the windows)."""
-        return f"documents, long ones: {self.long_documents}" if self.doc_boundaries else STREAM
+from seqpar.runtime.data.pack import first_window, window_index
 
 
 def packing_fact(spec: str, opts: DataOptions) -> str:
     """How ``spec`` becomes windows, as a checkpoint records it ('' for synthetic data, which has no documents)."""
     return "" if spec == "synthetic" else opts.packing
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokenizer", default=None, help="local tokenizer folder for text data (default: --model-path)")
-    p.add_argument(
-        "--no-doc-boundaries",
-        dest="doc_boundaries",
-        action="store_false",
-        help="concatenate documents (EOS-separated) into seq_len + 1 windows that attend across them (the older behaviour)",
-    )
-    p.add_argument("--long-documents", choices=POLICIES, default="split", help="a document longer than seq_len")
-    p.add_argument("--data-cache", default=None, help="folder of the tokenized-data cache (default ~/.cache/seqpar/data)")
-    p.add_argument("--data-procs", type=int, default=None, help="tokenizer processes (default: the cores)")
-
-
-def options(args: argparse.Namespace) -> DataOptions:
-    return DataOptions(args.doc_boundaries, args.long_documents, args.data_cache, args.data_procs, args.tokenizer)
-
-
-def parse_flags(argv: list[str]) -> DataOptions:
-    """The DataOptions among trainer flags (seqpar launch's LaunchOptions.extra)."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_arguments(p)
-    return options(p.parse_known_args(argv)[0])
 
 
 class TokenData:

@@ -20,7 +20,6 @@ Errors in the input are one line and exit code 2 on every rank.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -32,28 +31,18 @@ import torch.distributed as dist
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.files import write_atomic
+from seqpar.plan.flags import OptionsParser
+from seqpar.plan.job_options import EvalJobOptions
 from seqpar.plan.launch_plan import LaunchPlan
-from seqpar.plan.units import parse_seq_len
+from seqpar.plan.modes import ulysses_arg
 from seqpar.runtime.eval.forward import Evaluator, check_head, perplexity, score
 
 REPORTS = {"perplexity": "eval.json", "needle": "needle.json"}
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m seqpar.runtime.eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", required=True, help="launch plan JSON (seqpar advise -o)")
-    p.add_argument("--task", choices=sorted(REPORTS), default="perplexity")
-    p.add_argument("--model-path", default=None, help="local Hugging Face model folder (default: plan's model, random weights)")
-    p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: --model-path)")
-    p.add_argument("--data", default=None, help="held-out data: synthetic | .jsonl | .bin | .npy | datasets folder")
-    p.add_argument("--seq-len", default=None, help="comma list of lengths, e.g. 64k,128k (default: the plan's seq_len)")
-    p.add_argument("--windows", type=int, default=4, help="perplexity: windows per length, over all data-parallel groups")
-    p.add_argument("--buckets", type=int, default=16, help="perplexity: position buckets per length")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle: depths, fractions of the haystack")
-    p.add_argument("--samples", type=int, default=1, help="needle: needles (random numbers) per (length, depth)")
-    p.add_argument("--output", default="runs/eval", help="folder for the report")
-    p.add_argument("--prediction", default=None, help="the advisor's prediction per length (JSON written by seqpar eval)")
-    return p
+def parser() -> OptionsParser:
+    """The eval job's argv parser, built from EvalJobOptions (seqpar.plan.job_options); ``parse_args`` returns one."""
+    return OptionsParser(EvalJobOptions, prog="python -m seqpar.runtime.eval", description=__doc__.split("\n\n")[0])
 
 
 def preflight(
@@ -73,13 +62,6 @@ def preflight(
     first = open_data(data or "synthetic", seq_len=min(lengths), vocab_size=vocab, tokenizer_path=tokenizer_path)
     for L in sorted(lengths):
         TokenData(first.name, L, vocab, first.tokens)  # refuses a length with no whole window (one line)
-
-
-def parse_lengths(text: str | None, default: int) -> list[int]:
-    """'64k,128k' -> [65536, 131072] (seqpar.plan.units.parse_seq_len each); None -> [default]."""
-    if not text:
-        return [default]
-    return [parse_seq_len(x) for x in text.split(",") if x.strip()]
 
 
 def eval_dtype(plan: LaunchPlan, device: torch.device) -> tuple[torch.dtype, str]:
@@ -118,7 +100,7 @@ def measured(ev: Evaluator, tokens: int, fn: Callable[[], Any]) -> tuple[Any, di
     }
 
 
-def setup(args: argparse.Namespace, dtype: torch.dtype | None = None) -> tuple[LaunchPlan, Evaluator, dict]:
+def setup(args: EvalJobOptions, dtype: torch.dtype | None = None) -> tuple[LaunchPlan, Evaluator, dict]:
     """Plan, process groups and the model in the plan's mode; ``dtype`` overrides eval_dtype (the tests' float64).
     Collective over the job."""
     from transformers.utils import logging as hf_logging
@@ -138,7 +120,7 @@ def setup(args: argparse.Namespace, dtype: torch.dtype | None = None) -> tuple[L
         w.model, model_path=args.model_path, seed=plan.training.seed, rope_theta=theta, device=topo.device, dtype=dtype
     )
     check_head(model)
-    u = s.ulysses_degree if s.mode == "usp_attn" else None
+    u = ulysses_arg(s.mode, s.ulysses_degree)
     apply(model, s.mode, group=topo.sp_group, ulysses_degree=u, checkpointing="none")
     model.eval().requires_grad_(False)
     model.to(device=topo.device, dtype=dtype)
@@ -160,13 +142,13 @@ def warm_up(ev: Evaluator) -> None:
     score(ev, ids, ids)
 
 
-def run(args: argparse.Namespace, dtype: torch.dtype | None = None) -> dict | None:
+def run(args: EvalJobOptions, dtype: torch.dtype | None = None) -> dict | None:
     """Evaluate; rank 0 writes the report after every length ("complete": false until the last, so a length that fails,
     e.g. out of memory, leaves the ones before it) and returns it; other ranks return None. Collective over the job."""
     from seqpar.runtime.data.windows import TokenData, open_data
 
     plan, ev, notes = setup(args, dtype)
-    lengths = parse_lengths(args.seq_len, plan.workload.seq_len)
+    lengths = list(args.seq_len) or [plan.workload.seq_len]
     predicted = json.loads(Path(args.prediction).read_text()) if args.prediction else {}
     vocab = ev.model.config.vocab_size
     warm_up(ev)
@@ -174,7 +156,7 @@ def run(args: argparse.Namespace, dtype: torch.dtype | None = None) -> dict | No
     if args.task == "needle":
         from seqpar.runtime.eval.needle import build_prompts, sweep
 
-        depths = [float(x) for x in args.depths.split(",") if x.strip()]
+        depths = list(args.depths)
         prompts, tok = build_prompts(lengths, depths, args.samples, args.tokenizer or args.model_path, args.data, vocab)
         extra = {"prompts": "text (a tokenizer)" if tok is not None else "token ids (no tokenizer)"}
     else:

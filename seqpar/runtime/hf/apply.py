@@ -33,13 +33,18 @@ import torch
 from torch import nn
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.modes import FACTS, check_mode, degrees
+from seqpar.plan.modes import check_mode, degrees, describe, names, takes_ulysses_degree
 from seqpar.runtime.memory.activation_checkpoint import apply_checkpointing, decoder_layers, from_deprecated, policy
 
-__all__ = ["IMPLEMENTATIONS", "apply", "register"]
+__all__ = ["IMPLEMENTATIONS", "apply", "register"]  # noqa: F822  (IMPLEMENTATIONS: module __getattr__)
 
-# attn_implementation names (seqpar.plan.modes: never containing "flash", which transformers 5 reads as a hub kernel request).
-IMPLEMENTATIONS = {name: f.implementation for name, f in FACTS.items()}
+
+def __getattr__(name: str):
+    """``IMPLEMENTATIONS``: each registered mode's attn_implementation name (seqpar.plan.modes: never containing "flash",
+    which transformers 5 reads as a hub kernel request), read when asked for, so modes registered later are in it."""
+    if name == "IMPLEMENTATIONS":
+        return {m: describe(m).implementation for m in names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def _refuse(model_name: str, feature: str, fix: str) -> Exception:
 
 
 def _global_len(ctx: _Context, local_len: int) -> int:
-    if FACTS[ctx.mode].layout == "whole":  # data_parallel: every rank holds whole sequences
+    if describe(ctx.mode).layout == "whole":  # data_parallel: every rank holds whole sequences
         return local_len
     import torch.distributed as dist
 
@@ -251,13 +256,13 @@ def apply(
             "attention that does not go through transformers' AttentionInterface",
             "use a model whose modeling code calls ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, Qwen3, ...)",
         )
-    if ulysses_degree is not None or mode == "usp_attn":
+    if ulysses_degree is not None or takes_ulysses_degree(mode):
         import torch.distributed as dist
 
         if dist.is_initialized():  # validates the degrees now rather than at the first forward
             degrees(mode, dist.get_world_size(group), ulysses_degree)
 
-    impl = IMPLEMENTATIONS[mode]
+    impl = describe(mode).implementation
     register(impl)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(impl)

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.modes import FACTS
+from seqpar.plan.modes import describe
 from seqpar.runtime.parallel import documents
 
 _FROM_POSITIONS = WeakTensorKeyDictionary()  # position ids -> (key, cu_seqlens or None)
@@ -27,7 +27,7 @@ _SAME_QK = WeakTensorKeyDictionary()  # cu_seq_lens_q -> (cu_seq_lens_k, equal)
 
 
 def _whole(ctx) -> bool:
-    return FACTS[ctx.mode].layout == "whole"
+    return describe(ctx.mode).layout == "whole"
 
 
 def _from_positions(ctx, position_ids: Tensor, batch: int) -> Tensor | None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.modes import check_mode
-from seqpar.runtime.hf.apply import IMPLEMENTATIONS, apply, register
+from seqpar.plan.modes import check_mode, describe
+from seqpar.runtime.hf.apply import apply, register
 from seqpar.runtime.parallel.inputs import check_ids
 from seqpar.runtime.parallel.layout import shard
 
@@ -63,8 +63,8 @@ def _patch_class(cls: type, mode: str) -> None:
     def __init__(self, config, *args, **kwargs):
         patched = _PATCHED_MODE.get(type(self))
         if patched is not None:
-            register(IMPLEMENTATIONS[patched])
-            config._attn_implementation_internal = IMPLEMENTATIONS[patched]
+            register(describe(patched).implementation)
+            config._attn_implementation_internal = describe(patched).implementation
         original(self, config, *args, **kwargs)
         if patched is not None:
             apply(self, patched)
@@ -78,8 +78,8 @@ def _patch_class(cls: type, mode: str) -> None:
         def _autoset_attn_implementation(klass, config, *args, **kwargs):
             patched = _PATCHED_MODE.get(klass)
             if patched is not None:
-                register(IMPLEMENTATIONS[patched])
-                config._attn_implementation_internal = IMPLEMENTATIONS[patched]
+                register(describe(patched).implementation)
+                config._attn_implementation_internal = describe(patched).implementation
             return autoset.__func__(klass, config, *args, **kwargs)
 
         cls._autoset_attn_implementation = classmethod(_autoset_attn_implementation)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.modes import check_mode, degrees
+from seqpar.plan.modes import check_mode, degrees, splits_sequence, ulysses_arg
 from seqpar.runtime.hf.apply import apply
 from seqpar.runtime.parallel.inputs import prepare_inputs
 from seqpar.runtime.parallel.loss import loss as group_loss
@@ -65,8 +65,8 @@ class SeqparArguments:
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
-        if self.mode == "data_parallel" and self.sp_degree != 1:
-            raise SeqparError(f"data_parallel keeps whole sequences: sp_degree must be 1, not {self.sp_degree}")
+        if not splits_sequence(self.mode) and self.sp_degree != 1:
+            raise SeqparError(f"{self.mode} keeps whole sequences: sp_degree must be 1, not {self.sp_degree}")
         degrees(self.mode, self.sp_degree, self.ulysses_degree)  # usp: ulysses_degree must divide sp_degree
 
     @classmethod
@@ -76,7 +76,7 @@ class SeqparArguments:
 
         p = plan if isinstance(plan, LaunchPlan) else LaunchPlan.load(plan)
         s = p.strategy
-        u = s.ulysses_degree if s.mode == "usp_attn" else None
+        u = ulysses_arg(s.mode, s.ulysses_degree)
         return cls(
             s.mode,
             s.sp_degree,

@@ -9,7 +9,7 @@ child would hide:
   lists the ranks it stopped itself there too (SIGTERM, then SIGKILL 30 s later), with later timestamps;
 - the stop: SIGTERM and SIGINT reach the agent, which forwards them to every rank and gives them
   ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (30 by default) before SIGKILL; the ranks write a final checkpoint and exit
-  (seqpar.runtime.train.stopping), and the agent's SignalException ends here, so the launcher prints one line, not tracebacks;
+  (seqpar.runtime.launch.stopping), and the agent's SignalException ends here, so the launcher prints one line, not tracebacks;
 - the ranks are children of this process and die with it (stopping.die_with_parent), so no rank outlives a ``kill -9``
   of the launcher.
 

@@ -10,7 +10,7 @@ heartbeat (seqpar.runtime.train.liveness) names the one that stopped answering.
 
 Stopping: SIGTERM or Ctrl-C (SIGINT) reaches the agent, which forwards it to every rank; the ranks finish their step, write
 a checkpoint and exit; the launcher prints one line with that checkpoint and exits 128 + the signal (143, 130). The
-ranks die with the launcher (seqpar.runtime.train.stopping), so even ``kill -9`` of its process group leaves none behind.
+ranks die with the launcher (seqpar.runtime.launch.stopping), so even ``kill -9`` of its process group leaves none behind.
 
 One launch at a time per output folder: the launcher holds an flock on ``<output>/.seqpar-launch.lock`` (the kernel drops
 it when the process dies, so a dead launcher's lock is taken over); a second launch is refused naming the holder's pid.
@@ -91,34 +91,35 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             f"output {str(out)!r} is in use by another seqpar launch (pid {holder}); wait for it, stop it (kill {holder}), "
             f"or pick another --output"
         )
-    data_opts, notes = datasrc.parse_flags(opts.extra), []
+    t, notes = opts.train, []  # the trainer's options: what every job's ranks will read
+    data_opts = t.data_options
     for job, sp in jobs:
         p = sp or plan
         data = datasrc.open_training_data(
-            opts.data,
+            t.data,
             data_opts,
             seq_len=p.workload.seq_len,
             vocab_size=p.workload.model.vocab_size,
             seed=p.training.seed,
-            tokenizer_path=data_opts.tokenizer or opts.tokenizer or opts.model_path,
+            tokenizer_path=data_opts.tokenizer or t.model_path,
         )
         notes.append(data.note)
-        if not opts.resume and not dry_run:
+        if not t.resume and not dry_run:
             ck = job.output / "checkpoints"
             if ck.is_dir() and any(x.name.startswith("step-") for x in ck.iterdir()):
                 raise SeqparError(f"output {str(job.output)!r} already holds checkpoints; pass --resume or pick another --output")
-        if opts.resume and not dry_run:
+        if t.resume and not dry_run:
             # a torn, foreign or incompatible checkpoint: one line
-            launch_check(p, job.output, opts.data, opts.steps, datasrc.packing_fact(opts.data, data_opts))
+            launch_check(p, job.output, t.data, t.steps, datasrc.packing_fact(t.data, data_opts))
         if not dry_run:
-            problem, need = launch_problem(p, job.output, opts, reserved)
+            problem, need = launch_problem(p, job.output, t, reserved)
             if problem:
                 raise SeqparError(problem)
             reserved += need
         if not dry_run:  # what the ranks will import: one line naming the extra (exit 1), not a rank's traceback
             require_dependencies(p)
-    if opts.model_path and not (Path(opts.model_path) / "config.json").is_file():
-        raise SeqparError(f"--model-path {opts.model_path!r} holds no config.json; pass a local Hugging Face model folder")
+    if t.model_path and not (Path(t.model_path) / "config.json").is_file():
+        raise SeqparError(f"--model-path {t.model_path!r} holds no config.json; pass a local Hugging Face model folder")
     return notes
 
 
@@ -147,9 +148,9 @@ def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_
     the launch. ``header``: lines to echo once the checks pass, before anything runs (the CLI's predicted bill)."""
     plan_path = Path(plan_path)
     jobs = jobs_for(plan, plan_path, opts)
-    out = Path(opts.output) if opts.output else default_output(plan_path)
+    out = Path(opts.train.output) if opts.train.output else default_output(plan_path)
     notes = preflight(plan, jobs, opts, dry_run, out)
-    if not dry_run and opts.data != "synthetic":
+    if not dry_run and opts.train.data != "synthetic":
         for line in dict.fromkeys(notes):  # once per distinct packing (recipe stages differ in seq_len)
             echo(f"seqpar launch: {line}")
     lock = None if dry_run else lock_output(out)
@@ -170,8 +171,8 @@ def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_
                 for name, text in job.configs.items():
                     echo(f"# {job.output / name}:\n{text.rstrip()}")
                 continue
-            steps = opts.steps or (sp or plan).training.steps
-            if sp is not None and opts.resume and _stage_done(job, steps):
+            steps = opts.train.steps or (sp or plan).training.steps
+            if sp is not None and opts.train.resume and _stage_done(job, steps):
                 echo(f"seqpar launch: {title} already finished, skipping")
                 continue
             job.output.mkdir(parents=True, exist_ok=True)
@@ -252,7 +253,7 @@ def _run_child(job: Job):
     """accelerate (DeepSpeed plans) as a child in a session of its own: SIGTERM/SIGINT are forwarded to it (a second one
     kills it), and it dies with this process."""
     from seqpar.runtime.launch.agent import Outcome
-    from seqpar.runtime.train.stopping import STOP_SIGNALS, die_with_parent
+    from seqpar.runtime.launch.stopping import STOP_SIGNALS, die_with_parent
 
     proc = subprocess.Popen(job.argv, env={**os.environ, **job.env}, start_new_session=True, preexec_fn=die_with_parent)
     got: list[int] = []

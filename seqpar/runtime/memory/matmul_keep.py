@@ -132,8 +132,8 @@ class _Pool:
             self.reclaim(HostOffload.held + nbytes - budget)
             if HostOffload.held + nbytes > budget:
                 return None
-        # torch's threads fault the pages in first: cudaHostRegister of untouched pages faults them in on one thread
-        # (2.5-3.4 GiB/s on the H100 machine's host, against 8.8-11 touched first: bench/host_copies.py)
+        # torch's threads fault the pages in first: cudaHostRegister of untouched pages faults them in on one thread,
+        # about 3x slower (BENCHMARKS.md, "Host copies of kept matmul outputs, profiled")
         buf = torch.empty(nbytes, dtype=torch.uint8).zero_()
         try:
             pin_memory(buf.data_ptr(), nbytes)
@@ -380,9 +380,8 @@ def _pace(fwd: _Forward) -> None:
     allocator only when the copy has run (record_stream). The host queues kernels far ahead of the GPU (a layer's
     forward is queued in milliseconds and runs for 50-100 ms at 32K-64K tokens), so unpaced, the blocks of every output
     queued but not yet copied stay out of reach: at the edge of GPU memory the allocator then frees its whole cache,
-    which waits for every pending copy (measured on one H100 at 32K tokens: one such flush per step, 54 event waits,
-    0.67 s with the host blocked and then a 0.1 s idle GPU while it refilled the queue and mapped its memory again).
-    Paced, at most about two host-kept layers' outputs are pending, and the GPU still has a layer's work queued while
+    which waits for every pending copy, the host blocked and then the GPU idle while the queue refills (profiled in
+    BENCHMARKS.md, "Host copies of kept matmul outputs, profiled"). Paced, at most about two host-kept layers' outputs are pending, and the GPU still has a layer's work queued while
     the host waits."""
     if fwd.last_out is None:
         return

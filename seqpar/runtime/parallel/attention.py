@@ -1,13 +1,13 @@
 """The public entry point ``attention(q, k, v, mode, group=...)``, the protocol every mode follows, and what they share.
 
-Every mode lives in its own module, ``seqpar/runtime/<module>.py`` (the module named in seqpar.plan.modes), layered like
-ring-flash-attention's zigzag_ring_flash_attn.py:
+Every mode lives in its own module, the ``runtime`` its registered description names (seqpar.plan.modes; the built-in
+ones are ``seqpar/runtime/parallel/<mode>.py``), layered like ring-flash-attention's zigzag_ring_flash_attn.py:
 - ``forward(q, k, v, *, group, causal, scale, backend, docs=None, **mode_kw) -> (out, lse)`` and
   ``backward(dout, q, k, v, out, lse, *, group, causal, scale, backend, docs=None, **mode_kw) -> (dq, dk, dv)``: plain
   functions, no autograd, on inputs ``prepare`` has checked; out in q's dtype, lse float32 (float64 for float64),
-  gradients in their inputs' dtypes. usp_attn's mode_kw is ``ulysses_degree``. ``docs`` (seqpar.runtime.parallel.documents.
-  Documents) are packed documents: each query sees the earlier tokens of its own document only (seqpar.runtime.parallel.blocks);
-  None is the plain causal path, unchanged.
+  gradients in their inputs' dtypes. A hybrid mode's (usp_attn's) mode_kw is ``ulysses_degree``. ``docs``
+  (seqpar.runtime.parallel.documents.Documents) are packed documents: each query sees the earlier tokens of its own
+  document only (seqpar.runtime.parallel.blocks); None is the plain causal path, unchanged.
 - ``<mode>_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, backend=None, cu_seqlens=None)``: the
   user-facing call, ``attention`` with the mode filled in (``get_attention_fn`` maps a mode name to it).
 This module holds what the modes share: ``prepare`` (every check, once: each rank holds the same shapes, so every rank raises
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.modes import check_heads, check_split, degrees, facts
+from seqpar.plan.modes import check_heads, check_split, degrees, describe
 from seqpar.runtime.parallel import documents, kernels
 from seqpar.runtime.parallel.comm import group_size
 
@@ -45,8 +45,8 @@ class Functions(NamedTuple):
 
 
 def mode_module(mode: str) -> ModuleType:
-    """``seqpar.runtime.<module>`` of a mode (SeqparError naming the valid modes for an unknown one)."""
-    return importlib.import_module(f"seqpar.runtime.parallel.{facts(mode).module}")
+    """The runtime module a mode's description names (SeqparError naming the valid modes for an unknown one)."""
+    return importlib.import_module(describe(mode).runtime)
 
 
 def functions(mode: str, **kwargs) -> Functions:
@@ -56,7 +56,7 @@ def functions(mode: str, **kwargs) -> Functions:
 
 
 def get_attention_fn(mode: str) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The user-facing attention call of a mode, ``seqpar.runtime.<module>.<mode>_attention``."""
+    """The user-facing attention call of a mode, ``<its runtime module>.<mode>_attention``."""
     return getattr(mode_module(mode), f"{mode}_attention")
 
 
@@ -85,7 +85,7 @@ def prepare(
         )
     P = group_size(group)
     degrees(mode, P, ulysses_degree)  # ulysses_degree is usp_attn's: it must divide the group size
-    whole = facts(mode).layout == "whole"  # data_parallel: any Sq, Sk when not causal, as one kernel call takes them
+    whole = describe(mode).layout == "whole"  # data_parallel: any Sq, Sk when not causal, as one kernel call takes them
     kernels.check_shapes(q, k, v, causal=causal and whole)
     if not whole and q.shape[1] != k.shape[1]:
         raise SeqparError(
@@ -100,7 +100,7 @@ def prepare(
         scale=kernels.default_scale(q, softmax_scale),
         backend=kernels.select_backend(q.device, q.dtype, backend),
     )
-    if mode == "usp_attn":
+    if describe(mode).takes_ulysses_degree:
         kwargs["ulysses_degree"] = ulysses_degree
     if cu_seqlens is not None:
         if not causal:
@@ -182,6 +182,6 @@ def attention(
         backend=backend,
         cu_seqlens=cu_seqlens,
     )
-    if facts(mode).splits_heads:  # differentiable all-to-alls around the Function on the inner mode (see the docstring)
+    if describe(mode).splits_heads:  # differentiable all-to-alls around the Function on the inner mode (see the docstring)
         return mode_module(mode).forward(q, k, v, attend=differentiable, **kwargs)
     return differentiable(functions(mode, **kwargs))(q, k, v)

@@ -2,12 +2,15 @@
 
 With packing, the work of a rank is the sum of the useful areas (query-key pairs that attend, seqpar.runtime.parallel.blocks) of
 the blocks it computes, not S^2/W: a rank holding the tail of a long document does far more than one holding many short
-ones. ``rank_work`` counts it exactly, per mode (in pair-heads: pairs x the share of heads the rank computes):
-- zigzag_ring_attn: rank r computes its queries against every block (chunks r and 2W-1-r of 2W);
-- dist_flash_attn: the blocks LightSeq's schedule gives rank r (seqpar.runtime.parallel.dist_flash_attn.packed_schedule);
-- ulysses_attn: the whole sequence on 1/W of the heads: balanced whatever the documents;
-- usp_attn: ring rank i's zigzag chunks (over R = W/U ring ranks) on 1/U of the heads;
-- data_parallel: every rank its own windows (nothing to balance inside one).
+ones. ``rank_work`` counts it exactly, by the mode's balance (seqpar.plan.modes; in pair-heads: pairs x the share of
+heads the rank computes):
+- zigzag (zigzag_ring_attn, usp_attn): ring rank i's queries of chunks i and 2R-1-i against every earlier key, on 1/U
+  of the heads (U = 1 without a head split);
+- lightseq (dist_flash_attn): the blocks LightSeq's schedule gives rank r
+  (seqpar.runtime.parallel.dist_flash_attn.packed_schedule);
+- contiguous: chunk r's queries against every earlier key;
+- even: ulysses_attn's whole sequence on 1/W of the heads (balanced whatever the documents), and whole windows
+  (data_parallel: every rank its own windows, nothing to balance inside one).
 
 Documents are independent and the loss is a sum over tokens, so reordering the documents of a window changes no loss
 and no gradient, only who computes what. ``balanced_order`` searches such an order, deterministically (every rank of
@@ -22,10 +25,16 @@ from __future__ import annotations
 import bisect
 import random
 
-from seqpar.plan.modes import degrees, facts
+from seqpar.plan.modes import degrees, describe
 from seqpar.runtime.parallel import blocks
 
-BALANCED_MODES = ("zigzag_ring_attn", "dist_flash_attn", "usp_attn")  # the layouts where documents change the balance
+ORDERED = ("zigzag", "contiguous", "lightseq")  # the balances where the documents' order changes who does how much
+
+
+def reorders(mode: str) -> bool:
+    """Whether the order of a window's documents changes the mode's per-rank work (balanced_order searches one)."""
+    d = describe(mode)
+    return d.layout != "whole" and d.balance in ORDERED
 
 
 class _Prefix:
@@ -64,11 +73,15 @@ def rank_work(lengths: list[int], mode: str, world_size: int, ulysses_degree: in
     ring, uly = degrees(mode, world_size, ulysses_degree)
     pre = _Prefix(lengths)
     S = pre.bounds[-1]
-    if facts(mode).layout == "whole":
+    d = describe(mode)
+    if d.layout == "whole":
         return [float(pre.pairs[-1])] * world_size
-    if mode == "ulysses_attn":
+    if d.balance == "even":
         return [pre.pairs[-1] / world_size] * world_size
-    if mode == "dist_flash_attn":
+    if d.balance == "contiguous":
+        n = S // world_size
+        return [float(pre.G((r + 1) * n) - pre.G(r * n)) for r in range(world_size)]
+    if d.balance == "lightseq":
         from seqpar.runtime.parallel.dist_flash_attn import rows, schedule
 
         n = S // world_size
@@ -83,7 +96,7 @@ def rank_work(lengths: list[int], mode: str, world_size: int, ulysses_degree: in
                 else:
                     work[r] += pre.rectangle(b.q * n + r0, b.q * n + r1, b.kv * n, (b.kv + 1) * n)
         return work
-    c = S // (2 * ring)  # zigzag_ring_attn, and usp_attn's ring part: a rank's queries see all their earlier keys
+    c = S // (2 * ring)  # zigzag: a rank's queries see all their earlier keys
     chunk = [pre.G((j + 1) * c) - pre.G(j * c) for j in range(2 * ring)]
     per_ring = [(chunk[i] + chunk[2 * ring - 1 - i]) / uly for i in range(ring)]
     return [per_ring[r // uly] for r in range(world_size)]  # global rank = ring_rank * U + ulysses_rank
@@ -98,7 +111,7 @@ def imbalance(work: list[float]) -> float:
 def _query_segments(mode: str, world_size: int, ulysses_degree: int | None, S: int, rank: int) -> blocks.Segments:
     """Global ranges of the queries whose work lands on this rank (a guide for the search's moves)."""
     ring, uly = degrees(mode, world_size, ulysses_degree)
-    if mode == "dist_flash_attn":
+    if describe(mode).balance != "zigzag":  # contiguous chunks, LightSeq's among them
         return blocks.contiguous_segments(rank, world_size, S)
     return blocks.zigzag_segments(rank // uly, ring, S)
 
@@ -175,7 +188,7 @@ def balanced_order(
     From each of the ``starts`` best candidate orders, each round tries moving one of the busiest rank's heaviest
     documents in front of a document of one of the lightest ranks (or to either end) and keeps the best move
     (busiest rank first, then the spread); a start ends when no move helps or at ``target``."""
-    if mode not in BALANCED_MODES or len(lengths) < 2:
+    if not reorders(mode) or len(lengths) < 2:
         return list(range(len(lengths)))
     S = sum(lengths)
 

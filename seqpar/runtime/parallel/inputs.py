@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.modes import check_mode, facts
+from seqpar.plan.modes import check_mode, describe
 from seqpar.runtime.parallel import documents
 from seqpar.runtime.parallel.layout import shard
 from seqpar.runtime.parallel.loss import IGNORE_INDEX
@@ -147,7 +147,7 @@ def prepare_inputs(
         if position_ids.shape[-1] != seq_len:
             raise SeqparError(f"position_ids {tuple(position_ids.shape)} must have seq_len {seq_len} like input_ids")
         position_ids = position_ids.expand(batch, seq_len)  # (B, S)
-    if check_group is not None and facts(mode).layout != "whole":  # data_parallel ranks hold different rows by design
+    if check_group is not None and describe(mode).layout != "whole":  # data_parallel ranks hold different rows by design
         given = {"input_ids": input_ids, "labels": labels}
         given.update({} if position_ids is None else {"position_ids": position_ids})
         given.update({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens})

@@ -66,7 +66,7 @@ def select_backend(device, dtype: torch.dtype, override: str | None = None) -> s
         if major >= 9 and torch.backends.cudnn.is_available():
             choice, why = (
                 "cudnn",
-                f"sm_{major}{minor}: cuDNN attention is the fastest on Hopper (~550-600 TFLOP/s fwd+bwd on H200)",
+                f"sm_{major}{minor}: cuDNN attention is the fastest on Hopper",
             )
         elif major >= 8:
             choice, why = "flash", f"sm_{major}{minor}: PyTorch's flash attention"

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.modes import FACTS, check_split, degrees
+from seqpar.plan.modes import check_split, degrees, describe
 
 
 def _zigzag_shard(x: Tensor, rank: int, n: int, dim: int) -> Tensor:
@@ -39,7 +39,7 @@ def shard(x: Tensor, mode: str, rank: int, world_size: int, dim: int = 1, ulysse
         raise SeqparError(f"rank {rank} is outside 0..{world_size - 1}")
     dim %= x.dim()
     check_split(mode, x.shape[dim], world_size, ulysses_degree)
-    layout = FACTS[mode].layout
+    layout = describe(mode).layout
     if layout == "whole":
         return x
     if layout == "contiguous":
@@ -54,7 +54,7 @@ def unshard(parts: list[Tensor], mode: str, dim: int = 1, ulysses_degree: int | 
     world_size = len(parts)
     ring, uly = degrees(mode, world_size, ulysses_degree)
     dim %= parts[0].dim()
-    layout = FACTS[mode].layout
+    layout = describe(mode).layout
     if layout == "whole":
         return parts[0]
     if layout == "contiguous":

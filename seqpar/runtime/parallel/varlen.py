@@ -11,12 +11,9 @@ Kernels (chosen by the backend seqpar.runtime.parallel.kernels.select_backend pi
   lengths (PyTorch's FA2, no flash-attn build needed; it reads GQA K,V directly and takes an external out and lse).
   Documents of at least ``LONG_DOC`` tokens can instead get their own causal call of the selected kernel (cuDNN on
   Hopper): faster once warm, but cuDNN builds an execution plan for every new length, and training windows bring new
-  lengths every step. Measured on one H200 (torch 2.11, bench/packed_attention.py, bench/results/h200_packed_attention.json;
-  long-tail mix, W = 8 simulated, busiest rank, fwd+bwd of one layer): warm cuDNN + varlen 0.017/0.096/0.159 s vs FA2
-  varlen only 0.019/0.136/0.229 s (zigzag at 128K/512K/1M), but on a window of new lengths cuDNN + varlen took
-  0.55/2.3/3.6 s (Ulysses at 1M: 27.7 s) while varlen only took 0.03/0.11/0.20 s. So varlen only is the default
-  (``LONG_DOC`` unreachable); set ``LONG_DOC`` (e.g. 1024, the warm crossover of bench/packed_kernels.py) where the same
-  lengths repeat, as in evaluation on fixed windows.
+  lengths every step, so a window of new lengths costs far more than varlen saves (BENCHMARKS.md, "Packed documents").
+  So varlen only is the default (``LONG_DOC`` unreachable); set ``LONG_DOC`` (e.g. 1024, where the warm per-document
+  kernel overtakes varlen: bench/packed_kernels.py) where the same lengths repeat, as in evaluation on fixed windows.
 Layout: q (B, n, Hq, D); k, v (B, n, Hkv, D); out like q; lse (B, Hq, n) float32 (float64 for float64 inputs).
 """
 

@@ -12,14 +12,13 @@ the newest ``--keep-last`` kept, and a final one with the save_pretrained export
 ``--skip-nonfinite`` the step's update is skipped and the run goes on.
 
 SIGTERM or SIGINT (what torchrun's agent forwards when ``seqpar launch`` is stopped) ends the run after the current step
-with a checkpoint and exit code 128 + the signal; the rank also dies with its launcher (seqpar.runtime.train.stopping).
+with a checkpoint and exit code 128 + the signal; the rank also dies with its launcher (seqpar.runtime.launch.stopping).
 
 Test hooks (environment): SEQPAR_FAULT_RANK + SEQPAR_FAULT_STEP + SEQPAR_FAULT_PHASE (seqpar.runtime.checkpoint.shards.fault).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -33,12 +32,13 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from seqpar.plan.errors import SeqparError, TrainingStopped
+from seqpar.plan.flags import OptionsParser
+from seqpar.plan.job_options import TrainOptions
 from seqpar.plan.launch_plan import LaunchPlan
-from seqpar.plan.options import KEEP_LAST, kept
+from seqpar.plan.modes import ulysses_arg
+from seqpar.plan.options import kept
 from seqpar.plan.rules import checkpointing_text
 from seqpar.runtime.checkpoint import resume
-from seqpar.runtime.checkpoint.storage import AUTO
-from seqpar.runtime.data.windows import add_arguments as add_data_arguments
 
 ENGINES = {
     "ddp": "ddp",
@@ -49,65 +49,9 @@ ENGINES = {
 }
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m seqpar.runtime.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", required=True, help="launch plan JSON (seqpar advise -o)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the plan's training.steps)")
-    p.add_argument("--data", default="synthetic", help="synthetic | file.jsonl | tokens.bin | tokens.npy | datasets folder")
-    p.add_argument("--model-path", default=None, help="local Hugging Face model folder (default: plan's model, random weights)")
-    add_data_arguments(p)  # --tokenizer, --no-doc-boundaries, --long-documents, --data-cache, --data-procs
-    p.add_argument("--output", default="runs/seqpar", help="folder for checkpoints, run report, metrics and log")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
-    p.add_argument("--init-from", default=None, help="save_pretrained folder to start the weights from (recipe stages)")
-    p.add_argument(
-        "--checkpoint-every",
-        type=_every,
-        default=None,
-        help="steps between checkpoints: N, 0 = only the final one, auto = about hourly (default: training.checkpoint_every)",
-    )
-    p.add_argument(
-        "--keep-last",
-        type=int,
-        default=None,
-        help=f"checkpoints kept, newest first (0 = all; default: training.keep_last, else {KEEP_LAST})",
-    )
-    p.add_argument("--no-final-checkpoint", action="store_true", help="write no checkpoint (and no export) after the last step")
-    p.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step with a non-finite loss or grad norm")
-    p.add_argument(
-        "--async-checkpoint",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="write interval checkpoints on a thread (auto: on CUDA)",
-    )
-    p.add_argument("--fsdp-cpu-offload", action="store_true", help="FSDP2: keep parameters and optimizer state in host RAM")
-    p.add_argument("--report-to", default="", help="comma list: tensorboard, wandb (accelerate's trackers; rank 0 logs)")
-    p.add_argument("--project", default=None, help="tracker project (default: seqpar; a resumed run keeps its own)")
-    p.add_argument("--run-name", default=None, help="tracker run name (default: the output folder's name)")
-    p.add_argument("--log-every", type=int, default=10, help="log a line every N steps when there is no progress bar")
-    p.add_argument(
-        "--profile-step",
-        type=int,
-        default=None,
-        metavar="N",
-        help="run step N (1 = the first) under torch.profiler: a trace and a summary per rank in <output>/profile",
-    )
-    p.add_argument(
-        "--allow-env",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a launch.env name the plan may set beyond the allow-list",
-    )
-    return p
-
-
-def _every(text: str) -> int | str:
-    if text == AUTO:
-        return AUTO
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"--checkpoint-every {text}: give a number of steps >= 0 or 'auto'")
-    return n
+def parser() -> OptionsParser:
+    """The trainer's argv parser, built from TrainOptions (seqpar.plan.job_options); ``parse_args`` returns a TrainOptions."""
+    return OptionsParser(TrainOptions, prog="python -m seqpar.runtime.train", description=__doc__.split("\n\n")[0])
 
 
 def check_output(out: Path, resume: bool) -> None:
@@ -149,11 +93,11 @@ class Run:
 
 
 def _ulysses_degree(plan: LaunchPlan) -> int | None:
-    """The runtime's ulysses_degree argument: the plan's for usp_attn, None for the other modes."""
-    return plan.strategy.ulysses_degree if plan.strategy.mode == "usp_attn" else None
+    """The runtime's ulysses_degree argument: the plan's where its mode takes one (usp_attn), None for the other modes."""
+    return ulysses_arg(plan.strategy.mode, plan.strategy.ulysses_degree)
 
 
-def setup(args: argparse.Namespace) -> Run:
+def setup(args: TrainOptions) -> Run:
     """Plan, data, process groups, model (attention mode, checkpointing, fused ops, tiled MLP), engine, optimizer, and
     the state of a resumed run. Collective over the job."""
     import torch.distributed as dist
@@ -177,14 +121,14 @@ def setup(args: argparse.Namespace) -> Run:
     every, every_why = interval(plan, args.checkpoint_every)
     # Before the process group: a missing cache entry is built by one rank while the others wait on its lock (the
     # launcher built it already, so normally every rank just reads it).
-    data_opts = datasrc.options(args)
+    data_opts = args.data_options
     data = datasrc.open_training_data(
         args.data,
         data_opts,
         seq_len=w.seq_len,
         vocab_size=w.model.vocab_size,
         seed=t.seed,
-        tokenizer_path=args.tokenizer or args.model_path,
+        tokenizer_path=data_opts.tokenizer or args.model_path,
     )
     out = Path(args.output)
     check_output(out, args.resume)
@@ -433,11 +377,11 @@ def _tokens_per_step(r: Run) -> int:
     return w.seq_len * w.micro_batch_size * s.gradient_accumulation_steps * s.dp_degree
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: TrainOptions) -> dict:
     """Train; returns {"losses": [...], "report": dict | None (rank 0), "output": str}. Collective over the job."""
     from seqpar.runtime.checkpoint import shards as ckpt
     from seqpar.runtime.checkpoint.saver import Saver
-    from seqpar.runtime.train import stopping
+    from seqpar.runtime.launch import stopping
     from seqpar.runtime.train.progress import ProgressBar
     from seqpar.runtime.train.report import Metrics, update_report, write_report
     from seqpar.runtime.train.trackers import parse as parse_trackers
@@ -453,7 +397,7 @@ def run(args: argparse.Namespace) -> dict:
         r,
         every=r.every,
         keep_last=kept(args.keep_last, r.plan.training.keep_last),
-        final=not args.no_final_checkpoint,
+        final=args.final_checkpoint,
         async_mode=args.async_checkpoint,
     )
     metrics = Metrics(
@@ -507,7 +451,7 @@ def run(args: argparse.Namespace) -> dict:
             metrics.log(rec)
             bar.update(rec)
             saver.observe(done, r.start, rec["step_time_s"])
-            # Stop hook (seqpar.runtime.train.stopping): a SIGTERM/SIGINT on any rank ends the run after this step, checkpointed.
+            # Stop hook (seqpar.runtime.launch.stopping): a SIGTERM/SIGINT on any rank ends the run after this step, checkpointed.
             stop = stopping.requested()
             if done < r.steps and (saver.due(done, r.steps) or stop):
                 saver.save(done, r.state(done), final=False)
@@ -588,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     """The rank's entry point (``python -m seqpar.runtime.train``, what torchrun starts): exit 0 done, 1 failed, 2
     invalid input, 128 + the signal when stopped. An unexpected error is written by ``train`` (torchrun's ``@record``)
     to the error file torchrun reads, then named here in one line for the launcher."""
+    from seqpar.runtime.launch import stopping
     from seqpar.runtime.parallel.comm import PeerTimeoutError
-    from seqpar.runtime.train import stopping
 
     stopping.install()  # SIGTERM/SIGINT: stop after the current step with a checkpoint
     stopping.die_with_parent()  # the launcher's death ends this rank the same way (torchrun put it in a session of its own)
@@ -624,13 +568,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @record
-def train(args: argparse.Namespace, rank: int) -> int:
+def train(args: TrainOptions, rank: int) -> int:
     """Run and shut down; the known outcomes become exit codes here (one line each, no error file): invalid input 2, a
     named stop 1, a stop by signal 128 + the signal. Anything else propagates to ``main`` through torchrun's ``@record``
     (torch.distributed.elastic.multiprocessing.errors), which first writes it with its traceback to the file torchrun
     names in TORCHELASTIC_ERROR_FILE: torchrun's failure summary prints it, and seqpar launch's agent reads the rank's
     message from it. Outside torchrun (no such file) it only logs."""
-    from seqpar.runtime.train import stopping
+    from seqpar.runtime.launch import stopping
     from seqpar.runtime.train.engine import shutdown
 
     try:

@@ -27,16 +27,18 @@ This module's top level imports no torch (the CLI side: ``verify_plans``, ``run_
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.files import write_atomic
+from seqpar.plan.flags import OptionsParser
+from seqpar.plan.job_options import DataOptions, LaunchOptions, TrainOptions, VerifyOptions
 from seqpar.plan.launch_plan import LaunchPlan
-from seqpar.plan.modes import check_split, split_multiple
+from seqpar.plan.modes import check_split, split_multiple, ulysses_arg
 
 BASE_TOLERANCE = {"fp32": 1e-5, "bf16": 8e-3, "fp16": 1e-3}
 RESULT = "verify.json"
@@ -50,14 +52,14 @@ def tolerance(dtype: str, world_size: int) -> tuple[float, str]:
 
 def default_seq_len(plan: LaunchPlan) -> int:
     s = plan.strategy
-    mult = split_multiple(s.mode, s.sp_degree, s.ulysses_degree if s.mode == "usp_attn" else None)
+    mult = split_multiple(s.mode, s.sp_degree, ulysses_arg(s.mode, s.ulysses_degree))
     return max(mult, plan.workload.seq_len // s.sp_degree // mult * mult)
 
 
 def verify_plans(plan: LaunchPlan, seq_len: int) -> tuple[LaunchPlan, LaunchPlan]:
     """(the plan at seq_len with one window per group and one step, its data_parallel reference over the same ranks)."""
     s = plan.strategy
-    check_split(s.mode, seq_len, s.sp_degree, s.ulysses_degree if s.mode == "usp_attn" else None)
+    check_split(s.mode, seq_len, s.sp_degree, ulysses_arg(s.mode, s.ulysses_degree))
     data = json.loads(plan.model_dump_json())
     data["workload"].update(seq_len=seq_len, micro_batch_size=1)
     data["strategy"]["gradient_accumulation_steps"] = 1
@@ -71,21 +73,21 @@ def verify_plans(plan: LaunchPlan, seq_len: int) -> tuple[LaunchPlan, LaunchPlan
 # --------------------------------------------------------------------------------------------- the ranks
 
 
-def _step(plan: LaunchPlan, groups: int, sp_of_groups: int, folder: Path, data: str, model_path: str | None):
+def _step(plan: LaunchPlan, groups: int, sp_of_groups: int, folder: Path, opts: VerifyOptions):
     """One forward and backward of ``plan`` through the trainer's setup; yields (name, full fp32 gradient) for every
     parameter (collective: every rank iterates), after returning the world-mean loss and the compute dtype first."""
     import torch
     import torch.distributed as dist
 
-    from seqpar.runtime.train.loop import model_inputs, parser, setup
+    from seqpar.runtime.train.loop import model_inputs, setup
 
     topo_rank = dist.get_rank()
     if topo_rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         plan.write(folder / "plan.json")
     dist.barrier()
-    argv = ["--plan", str(folder / "plan.json"), "--output", str(folder), "--data", data, "--checkpoint-every", "0"]
-    r = setup(parser().parse_args(argv + (["--model-path", model_path] if model_path else [])))
+    train = TrainOptions(data=opts.data, model_path=opts.model_path, checkpoint_every=0, allow_env=opts.allow_env)
+    r = setup(replace(train, plan=str(folder / "plan.json"), output=str(folder)))
     s, topo = plan.strategy, r.topo
     # The window of the plan's data-parallel group this rank serves (the reference's rank r serves group r // sp).
     got = r.data.batch(0, 0, topo.rank // sp_of_groups, grad_accum=1, dp_degree=groups, micro_batch=1)
@@ -137,25 +139,25 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def verify_ranks(plan_file: str, seq_len: int | None, data: str, model_path: str | None, output: str) -> dict | None:
+def verify_ranks(opts: VerifyOptions) -> dict | None:
     """Collective: both runs and the comparison; rank 0 returns (and writes) the result, other ranks None."""
     import torch.distributed as dist
 
     from seqpar.runtime.train.engine import init_distributed
 
-    plan = LaunchPlan.load(plan_file)
-    s = plan.strategy
+    plan = LaunchPlan.load(opts.plan, allow_env=opts.allow_env)
+    s, seq_len = plan.strategy, opts.seq_len
     L = seq_len or default_seq_len(plan)
     mine, ref = verify_plans(plan, L)
     init_distributed(plan)  # joins torchrun's group (or reuses the caller's), and checks the world is the plan's
-    out = Path(output)
-    steps = _step(ref, s.dp_degree, s.sp_degree, out / "reference", data, model_path)
+    out = Path(opts.output)
+    steps = _step(ref, s.dp_degree, s.sp_degree, out / "reference", opts)
     ref_loss, dtype = next(steps)
     want = {}
     for name, g in steps:
         if dist.get_rank() == 0:
             want[name] = g
-    steps = _step(mine, s.dp_degree, s.sp_degree, out / "plan", data, model_path)
+    steps = _step(mine, s.dp_degree, s.sp_degree, out / "plan", opts)
     loss, _ = next(steps)
     worst, worst_name, norm2, ref_norm2, params = 0.0, "", 0.0, 0.0, 0
     for name, g in steps:
@@ -200,14 +202,9 @@ def verify_ranks(plan_file: str, seq_len: int | None, data: str, model_path: str
     return result
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m seqpar.runtime.train.verify", description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", required=True, help="launch plan JSON")
-    p.add_argument("--seq-len", type=int, default=None, help="length to verify at (default: seq_len / sp_degree)")
-    p.add_argument("--data", default="synthetic", help="as for training: synthetic or a token/text file")
-    p.add_argument("--model-path", default=None, help="local Hugging Face model folder (default: random weights)")
-    p.add_argument("--output", required=True, help="folder for both runs' logs and verify.json")
-    return p
+def parser() -> OptionsParser:
+    """The verify job's argv parser, built from VerifyOptions (seqpar.plan.job_options)."""
+    return OptionsParser(VerifyOptions, prog="python -m seqpar.runtime.train.verify", description=__doc__.split("\n\n")[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        verify_ranks(args.plan, args.seq_len, args.data, args.model_path, args.output)
+        verify_ranks(args)
         from seqpar.runtime.train.engine import shutdown
 
         shutdown()
@@ -241,15 +238,15 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------- the launcher side
 
 
-def run_verify(plan: LaunchPlan, plan_path: Path, opts, *, seq_len: int | None, echo=print) -> list[dict]:
-    """Start the verify job(s) the way ``seqpar launch`` starts training (jobspec, same launcher and rendezvous) into
-    ``<output>/verify``, one per stage of a staged plan; the results (ok, figures, first mismatch). Torch-free."""
-    from dataclasses import replace
-
+def run_verify(plan: LaunchPlan, plan_path: Path, opts: LaunchOptions, *, ranks: VerifyOptions, echo=print) -> list[dict]:
+    """Start the verify job(s) the way ``seqpar launch`` starts training (jobspec, same launcher and rendezvous, the
+    checks of ``opts.train``) into ``<output>/verify``, one per stage of a staged plan, every rank reading ``ranks``
+    (``ranks.seq_len`` None: each plan's default_seq_len); the results (ok, figures, first mismatch). Torch-free."""
     from seqpar.plan.jobspec import default_output, stage_plan
     from seqpar.runtime.launch.run import launch
 
-    base = Path(opts.output) if opts.output else default_output(plan_path)
+    seq_len = ranks.seq_len
+    base = Path(opts.train.output) if opts.train.output else default_output(plan_path)
     plans = [(plan, plan_path, base / "verify")] if not plan.stages else []
     for i in range(len(plan.stages)):
         plans.append((stage_plan(plan, i), base / "verify" / f"stage-{i}" / "plan.json", base / "verify" / f"stage-{i}"))
@@ -267,15 +264,10 @@ def run_verify(plan: LaunchPlan, plan_path: Path, opts, *, seq_len: int | None, 
             f"at seq_len {L} ({'--seq-len' if seq_len else f'{p.workload.seq_len} / sp_degree {p.strategy.sp_degree}'}) "
             f"against data_parallel on the same {p.strategy.world_size} ranks"
         )
-        vopts = replace(
-            opts,
-            output=str(out),
-            steps=None,
-            resume=False,
-            entry="seqpar.runtime.train.verify",
-            report_to="",
-            extra=["--seq-len", str(L)],
-        )
+        # the launch's checks for a job of the verify ranks: their data (read with the default data options, as they
+        # read it) and output folder
+        train = replace(opts.train, output=str(out), steps=None, resume=False, report_to="", data_options=DataOptions())
+        vopts = replace(opts, train=train, verify=replace(ranks, seq_len=L))
         rc = launch(p, path, vopts, echo=echo)
         if rc != 0 or not (out / RESULT).is_file():
             raise VerifyFailed(f"the verify job failed (exit status {rc}) before comparing; see the output above")

@@ -11,15 +11,17 @@ import re
 from pathlib import Path
 
 import pytest
-from test_train import make_plan
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.job_options import TrainOptions
 from seqpar.plan.jobspec import LaunchOptions, build_job
 from seqpar.plan.units import GIB
 from seqpar.profiles import get_model
 from seqpar.runtime.checkpoint import resume, storage
+
+from seqpar_testing.train import make_plan
 
 runner = CliRunner()
 N_7B = get_model("llama-2-7b").num_params
@@ -116,11 +118,11 @@ def test_launch_refuses_a_run_whose_checkpoint_cannot_fit(tmp_path, monkeypatch)
     assert "another --output" in line[0] and "--no-final-checkpoint" in line[0]
     assert "--keep-last 1" not in line[0] and "--checkpoint-every 0" not in line[0]  # they would not fit
     # --no-final-checkpoint (3 steps, interval about hourly: no other checkpoint) needs nothing at --output
-    opts = LaunchOptions(steps=3, final_checkpoint=False)
+    opts = TrainOptions(steps=3, final_checkpoint=False)
     assert storage.launch_problem(_gpu_plan(step_time=30.0), out, opts) == (None, 0)
     # keep-last 1 fits where 2 do not: 3 checkpoints at once + export = 238 GiB, 2 + export = 163 GiB <= 170
     monkeypatch.setattr(storage, "free_bytes", lambda path: 170 * GIB)
-    msg, _ = storage.launch_problem(_gpu_plan(step_time=1000.0), out, LaunchOptions(steps=20))
+    msg, _ = storage.launch_problem(_gpu_plan(step_time=1000.0), out, TrainOptions(steps=20))
     assert "--keep-last 1" in msg
 
 
@@ -266,7 +268,7 @@ def test_metrics_with_a_torn_last_line_keep_the_whole_records(tmp_path, caplog):
 
 def test_launch_passes_the_checkpoint_flags_to_the_trainer(tmp_path):
     plan = make_plan(2, "zigzag_ring_attn", 2)
-    opts = LaunchOptions(checkpoint_every="auto", keep_last=3, final_checkpoint=False, skip_nonfinite=True)
+    opts = LaunchOptions(TrainOptions(checkpoint_every="auto", keep_last=3, final_checkpoint=False, skip_nonfinite=True))
     argv = build_job(plan, tmp_path / "p.json", opts, output=tmp_path / "o").argv
     i = argv.index("--checkpoint-every")
     assert argv[i + 1] == "auto" and argv[argv.index("--keep-last") + 1] == "3"

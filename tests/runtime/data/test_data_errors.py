@@ -8,12 +8,13 @@ import sys
 
 import numpy as np
 import pytest
-from test_data_packed import PLAIN, make_tokenizer
-from test_launch import _one_error_line
-from test_train import make_plan
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
+
+from seqpar_testing.cli import one_error_line
+from seqpar_testing.data import PLAIN, make_tokenizer
+from seqpar_testing.train import make_plan
 
 runner = CliRunner()
 
@@ -90,7 +91,7 @@ def test_bad_data_is_one_line_exit_2_before_any_rank_starts(tmp_path, case, matc
     args = ["launch", str(plan), "--data", data, "--output", str(out), "--data-cache", str(tmp_path / "cache"), *extra]
     r = runner.invoke(app, args)
     assert r.exit_code == 2, r.output
-    assert match in _one_error_line(r)
+    assert match in one_error_line(r)
     assert not out.exists()
 
 

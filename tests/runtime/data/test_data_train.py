@@ -8,7 +8,9 @@ own; the loss of a window is its documents' summed cross-entropy over their scor
 average). Every mode reads the 2 windows of a step so (data_parallel: one per rank; the others: sp 2, 2 micro-batches)
 and must reach the reference's losses and gradient norms (fp32, relative 1e-4, test_train's tolerance). The corpus
 mixes text, chats (the assistant's tokens scored), a 1-token document and one longer than the window (split).
-The real launch crashes at step 5 and resumes: its 6 steps must equal the uninterrupted trainer's (relative 1e-6).
+The real launch crashes at step 5 and resumes: its 6 steps must equal the uninterrupted trainer's (relative 1e-6); it is
+in the slow set (the default set resumes a crashed launch in tests/runtime/launch/test_launch.py and tokenizes a corpus
+once for racing ranks in test_data_packed.py).
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
-from test_data_packed import make_tokenizer, write_corpus
-from test_train import make_plan, read_metrics
 
 from seqpar.runtime.data.pack import window_index
 from seqpar.runtime.data.windows import DataOptions, open_training_data
+
+from seqpar_testing.data import make_tokenizer, write_corpus
+from seqpar_testing.train import make_plan, read_metrics
 
 STEPS = 4
 MODES = ["data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"]
@@ -120,7 +124,7 @@ def test_every_mode_on_packed_documents_equals_each_document_run_alone(tmp_path)
 
 
 def _launch(plan_file: Path, out: Path, corpus: str, tok: str, cache: Path, *extra: str, env=None):
-    cmd = [sys.executable, "-m", "seqpar.cli.commands", "launch", str(plan_file), "--output", str(out), "--data", corpus]
+    cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan_file), "--output", str(out), "--data", corpus]
     cmd += ["--tokenizer", tok, "--data-cache", str(cache), "--no-final-checkpoint", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, **(env or {})})
 
@@ -134,6 +138,7 @@ def _uninterrupted(rank: int, world: int, plan_file: str, out: str, corpus: str,
     return read_metrics(out) if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_a_launch_that_crashes_resumes_with_the_uninterrupted_losses_and_tokenizes_once(tmp_path):
     """The launcher tokenizes before the ranks start (they read its cache); the resumed launch reads the cache."""
     from seqpar_testing import run_ranks

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train import learnable_tokens, make_plan
 
 from seqpar.runtime.eval.needle import QUESTION
 
 from seqpar_testing import run_ranks, tolerances, world_ids
+from seqpar_testing.hf import char_model
+from seqpar_testing.train import learnable_tokens, make_plan
 
 LENGTHS, WINDOWS, BUCKETS = (32, 64), 3, 4  # float64 runs evaluate the last length only (CI time)
 NEEDLE_LENGTHS, TEXT_LENGTHS, DEPTHS, SAMPLES = (64, 96), (320,), (0.0, 0.5, 1.0), 1
@@ -107,25 +108,6 @@ def reference_needle(model, prompts) -> list[dict]:
         ans = torch.from_numpy(p.answer)
         out.append({"predicted_ids": logp[rows].argmax(-1).tolist(), "log_likelihood": float(logp[rows, ans].sum())})
     return out
-
-
-def char_model(folder: Path) -> str:
-    """A local model folder with a character tokenizer (printable ASCII, newline, <s>, </s>) and a tiny random Llama."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    chars = ["<s>", "</s>", "[UNK]", "\n"] + [chr(c) for c in range(32, 127)]
-    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
-    fast.save_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return str(folder)
 
 
 # --------------------------------------------------------------------------------------------- the test

@@ -14,90 +14,9 @@ import copy
 import warnings
 
 import pytest
-import torch
-
-from seqpar.plan.modes import MODES
 
 from seqpar_testing import run_ranks, world_ids
-
-B, S = 2, 32  # batch > 1; S divisible by 2W for W = 4 and by 2*R*U for usp
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def families() -> list[str]:
-    """The families this transformers version has (Qwen3 arrived in 4.51; the suite also runs on 4.48)."""
-    import transformers
-
-    return [f for f in FAMILIES if f != "qwen3" or hasattr(transformers, "Qwen3ForCausalLM")]
-
-
-def make_model(family: str):
-    """A tiny random-weight causal LM, built from a config (no hub), seeded so every rank builds the same weights."""
-    import transformers
-
-    common = dict(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        attention_dropout=0.0,
-    )
-    kinds = {  # (config class, model class, extra config)
-        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4)),
-        # Mistral keeps its default 4096-token sliding window: longer than S, so full causal attention is exact
-        "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2)),
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
-    }
-    config_name, model_name, extra = kinds[family]
-    config, cls = getattr(transformers, config_name)(**common, **extra), getattr(transformers, model_name)
-    torch.manual_seed(0)
-    model = cls(config).float()
-    if family == "qwen2":
-        assert model.model.layers[0].self_attn.q_proj.bias is not None  # the qkv-bias case is really covered
-    return model
-
-
-def batch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 101, (B, S), generator=g)  # (B, S)
-    labels = ids.clone()
-    labels[0, :5] = -100  # a masked prompt: shards hold different numbers of counted tokens
-    labels[1, 20:23] = -100
-    return ids, labels
-
-
-def available_modes() -> list[str]:
-    return list(MODES)
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
-
-
-def group_grads(model) -> dict[str, torch.Tensor]:
-    """The sequence-parallel group's gradient of every parameter: the sum of its ranks' (one all-reduce)."""
-    import torch.distributed as dist
-
-    grads = _grads(model)
-    flat = torch.cat([g.reshape(-1) for g in grads.values()])
-    dist.all_reduce(flat)
-    return {n: g.view_as(grads[n]) for n, g in zip(grads, flat.split([g.numel() for g in grads.values()]))}
-
-
-def _compare(failures: list, case: str, loss, ref_loss, grads: dict, ref_grads: dict) -> None:
-    try:
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    except AssertionError as e:
-        failures.append(f"{case} loss: {e}")
-    for name, ref in ref_grads.items():
-        try:  # relative error <= 1e-5 of the tensor's scale (elementwise rtol alone fails on entries near zero)
-            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-        except AssertionError as e:
-            failures.append(f"{case} grad {name}: {e}")
-            return
+from seqpar_testing.hf import available_modes, batch, compare_loss_and_grads, families, group_grads, make_model, param_grads
 
 
 def _run(model, batch_, group_loss, how: str, chunk: int | None = None):
@@ -137,7 +56,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
         base.train()
         ref = base(input_ids=ids, labels=labels)  # plain transformers, whole sequence, one process
         ref.loss.backward()
-        ref_loss, ref_grads = ref.loss.detach(), _grads(base)
+        ref_loss, ref_grads = ref.loss.detach(), param_grads(base)
         base.zero_grad(set_to_none=True)
         for mode in modes:
             uly = 2 if mode == "usp_attn" else None
@@ -155,7 +74,9 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
                 loss.backward()
                 call_counts[f"{family}/{mode}/{label}"] = calls["n"]
                 grads = group_grads(model)
-                _compare(failures, f"W={world_size} {family}/{mode}/{label}", loss.detach(), ref_loss, grads, ref_grads)
+                compare_loss_and_grads(
+                    failures, f"W={world_size} {family}/{mode}/{label}", loss.detach(), ref_loss, grads, ref_grads
+                )
                 cases += 1
     return {"failures": failures, "cases": cases, "calls": call_counts}
 

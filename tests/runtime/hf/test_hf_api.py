@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 import transformers
-from test_hf import make_model
 
 import seqpar
 from seqpar.plan.errors import SeqparError
@@ -16,6 +15,7 @@ from seqpar.runtime.hf import apply as hf
 from seqpar.runtime.hf import easycontext
 
 from seqpar_testing import case_id, world_ids
+from seqpar_testing.hf import make_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

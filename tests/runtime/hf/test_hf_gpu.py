@@ -18,25 +18,10 @@ import pytest
 import torch
 
 from seqpar_testing import case_id, run_ranks
+from seqpar_testing.hf import cuda_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 warnings.filterwarnings("ignore")
-
-
-def llama(hidden=1024, layers=8, vocab=4096, heads=8, kv_heads=8):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=65536,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,7 +49,7 @@ def _step(model, ids):
 def test_offload_checkpointing_same_grads_less_gpu_memory():
     import seqpar
 
-    base = llama()
+    base = cuda_llama()
     ids = torch.randint(0, 4096, (1, 16384), generator=torch.Generator().manual_seed(0))  # (B, S)
 
     def plain_run():
@@ -141,7 +126,7 @@ def _ranks_bf16(rank: int, world_size: int, mode: str) -> dict:
     import seqpar
 
     torch.cuda.set_device(0)  # every rank shares the one GPU; gloo stages CUDA tensors through the host
-    base = llama(hidden=512, layers=2, vocab=2048, heads=8, kv_heads=2)
+    base = cuda_llama(hidden=512, layers=2, vocab=2048, heads=8, kv_heads=2)
     ids = torch.randint(0, 2048, (2, 4096), generator=torch.Generator().manual_seed(1))
     ref = base(input_ids=ids.cuda(), labels=ids.cuda())
     ref.loss.backward()
@@ -180,7 +165,7 @@ def test_fused_liger_and_tiled_mlp_match_plain_within_bf16_noise_and_peak_lower(
     from seqpar.runtime.memory.fused import apply_fused_ops
     from seqpar.runtime.memory.tiled_mlp import tile_mlp
 
-    base = llama(layers=4)
+    base = cuda_llama(layers=4)
     ids = torch.randint(0, 4096, (1, 16384), generator=torch.Generator().manual_seed(0))
 
     def run(dtype, fused: bool, tiled: bool):

@@ -17,11 +17,11 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from test_hf import _compare, _grads, families, group_grads, make_model
 
 from seqpar.plan.modes import MODES
 
 from seqpar_testing import run_ranks
+from seqpar_testing.hf import compare_loss_and_grads, families, group_grads, make_model, param_grads
 
 S, LENGTHS, OTHER = 32, (7, 1, 12, 3, 9), (20, 4, 8)
 
@@ -56,7 +56,7 @@ def per_document_reference(base, ids, labels, rows):
             count += int((target != -100).sum())
     loss = total / count
     loss.backward()
-    return loss.detach(), _grads(base)
+    return loss.detach(), param_grads(base)
 
 
 def _case(rank, W, base, ref, mode, variant, rows, failures, counts):
@@ -83,7 +83,7 @@ def _case(rank, W, base, ref, mode, variant, rows, failures, counts):
         logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"], **extra).logits
         loss = seqpar.loss(logits, part["labels"])
     loss.backward()
-    _compare(failures, f"W={W} {mode}/{variant}", loss.detach(), ref[0], group_grads(model), ref[1])
+    compare_loss_and_grads(failures, f"W={W} {mode}/{variant}", loss.detach(), ref[0], group_grads(model), ref[1])
     counts.append(f"{mode}/{variant}")
 
 

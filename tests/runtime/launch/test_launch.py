@@ -22,14 +22,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_train import make_plan, read_metrics
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
+from seqpar.plan.job_options import TrainOptions
 from seqpar.plan.jobspec import LaunchOptions, build_job, deepspeed_config, jobs_for
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import ClusterSpec
 from seqpar.runtime.launch.run import check_machine
+
+from seqpar_testing.train import make_plan, read_metrics
 
 runner = CliRunner()
 
@@ -150,7 +152,7 @@ def test_staged_plan_makes_one_job_per_stage(tmp_path):
         Stage(seq_len=64, rope_theta=1e5, steps=3, strategy=base.strategy),
     ]
     plan = LaunchPlan.model_validate({**base.model_dump(), "stages": [s.model_dump() for s in stages]})
-    jobs = jobs_for(plan, tmp_path / "p.json", LaunchOptions(output=str(tmp_path / "o")))
+    jobs = jobs_for(plan, tmp_path / "p.json", LaunchOptions(TrainOptions(output=str(tmp_path / "o"))))
     assert [sp.workload.seq_len for _, sp in jobs] == [32, 64]
     assert [sp.training.rope_theta for _, sp in jobs] == [1e4, 1e5]
     assert "--init-from" not in jobs[0][0].argv
@@ -202,7 +204,7 @@ def failed_job(tmp_path_factory):
     make_plan(2, "zigzag_ring_attn", 2, steps=8, checkpoint_every=4).write(plan_file)
     tmpdir.mkdir()
     env = dict(os.environ, TMPDIR=str(tmpdir), SEQPAR_FAULT_RANK="1", SEQPAR_FAULT_STEP="6")
-    cmd = [sys.executable, "-m", "seqpar.cli.commands", "launch", str(plan_file), "--output", str(out), "--data", "synthetic"]
+    cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan_file), "--output", str(out), "--data", "synthetic"]
     t0 = time.monotonic()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - t0
@@ -286,3 +288,66 @@ def test_a_failing_rank_writes_its_traceback_and_the_launch_names_it(failed_job)
     if "0" in files:
         assert message not in files["0"]
         assert failed_job["rank0_record"]["kind"] == "peer"
+
+
+def test_every_option_seqpar_launch_offers_reaches_the_trainer_typed(tmp_path):
+    """Each trainer option is declared once (TrainOptions): seqpar launch offers it, the job's command carries it and the
+    trainer's parser reads it back with its type. Every offered option is set off its default here, so a new one is
+    covered without editing this test."""
+    import typer
+
+    from seqpar.plan.flags import options
+    from seqpar.runtime.train.loop import parser as train_parser
+
+    plan = tmp_path / "plan.json"
+    make_plan(2, "zigzag_ring_attn", 2, sharding="fsdp").write(plan)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    params = typer.main.get_command(app).commands["launch"].params
+    offered = {opt for p in params for opt in p.opts}
+    special = {"--data": None, "--model-path": str(tmp_path / "model"), "--output": str(tmp_path / "o"), "--report-to": None}
+    if importlib.util.find_spec("tensorboard") is not None:
+        special["--report-to"] = "tensorboard"
+    argv, expected = [], {}
+    for o in options(TrainOptions):
+        f = o.flag
+        if f.name not in offered:
+            assert f.name in ("--plan", "--init-from", "--async-checkpoint"), f"seqpar launch does not offer {f.name}"
+            continue
+        if f.name in special:
+            text = special[f.name]
+        elif o.kind is bool:
+            text = ""
+        else:
+            text = {"--checkpoint-every": "7"}.get(f.name) or (f.choices[-1] if f.choices else None)
+            text = text or (str((o.default or f.min or 0) + 3) if o.kind is int else f"x-{o.path[-1]}")
+        if text is None:
+            continue
+        argv += [f.name] + ([text] if text else [])
+        expected[o.path] = not o.default if o.kind is bool else (o.read(text),) if o.repeated else o.read(text)
+    r = runner.invoke(app, ["launch", str(plan), "--dry-run", *argv])
+    assert r.exit_code == 0, r.output
+    cmd = next(ln for ln in r.stdout.splitlines() if "seqpar.runtime.train" in ln).split()
+    got = train_parser().parse_args(cmd[cmd.index("seqpar.runtime.train") + 1 :])
+    assert isinstance(got, TrainOptions) and got.plan == str(plan)
+    for path, want in expected.items():
+        value = got
+        for name in path:
+            value = getattr(value, name)
+        assert value == want and type(value) is type(want), (path, value, want)
+    assert isinstance(got.profile_step, int) and got.data_options.procs == 4  # typed, never a raw string
+
+
+def test_a_verify_job_gets_the_verify_options_only(tmp_path):
+    """`seqpar launch --verify` with training flags: the verify ranks get their own options (VerifyOptions), never the
+    trainer's, which their parser would refuse."""
+    from seqpar.plan.job_options import VerifyOptions
+    from seqpar.runtime.train.verify import parser as verify_parser
+
+    train = TrainOptions(skip_nonfinite=True, final_checkpoint=False, keep_last=1, allow_env=("FOO",))
+    opts = LaunchOptions(train, verify=VerifyOptions(seq_len=16, allow_env=("FOO",)))
+    job = build_job(make_plan(2, "zigzag_ring_attn", 2), tmp_path / "p.json", opts, output=tmp_path / "v")
+    argv = job.argv[job.argv.index("seqpar.runtime.train.verify") + 1 :]
+    out, plan = str(tmp_path / "v"), str(tmp_path / "p.json")
+    assert argv == ["--data", "synthetic", "--output", out, "--allow-env", "FOO", "--seq-len", "16", "--plan", plan]
+    assert verify_parser().parse_args(argv) == VerifyOptions(seq_len=16, allow_env=("FOO",), output=out, plan=plan)

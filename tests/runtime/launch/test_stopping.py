@@ -1,13 +1,16 @@
 """Stopping and hanging, on real 2-rank gloo launches of the tiny model (zigzag_ring_attn) driven by real signals.
 
-- Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) and SIGTERM to the launcher alone (`kill PID`):
-  the ranks finish their step, write a checkpoint and exit; the launcher ends with one line naming that checkpoint and
-  exit code 130 / 143, and no rank is left. While it runs, a second launch into the same folder is refused (exit 2)
-  naming the first one's pid.
+- SIGTERM to the launcher alone (`kill PID`, what a scheduler sends) and Ctrl-C (SIGINT to the launcher's process group,
+  as a terminal sends it): the ranks finish their step, write a checkpoint and exit; the launcher ends with one line
+  naming that checkpoint and exit code 143 / 130, and no rank is left. While it runs, a second launch into the same folder
+  is refused (exit 2) naming the first one's pid.
 - `kill -9` of the launcher's process group: its ranks (each in a session of its own) stop by themselves, checkpointed.
 - A rank killed by SIGKILL (what the OOM killer sends) is named by its exit status, not its peer's "connection reset".
 - A stopped rank (SIGSTOP) does not block its peer: the peer fails within SEQPAR_PG_TIMEOUT_S and the launcher names the
   stopped rank; every mode's waits (point-to-point, all-to-all) time out the same way (run_ranks, a silent peer).
+The default set stops a job by a signal once (SIGTERM) and kills a rank once (SIGKILL); Ctrl-C (the same stop, delivered
+to the group), `kill -9` of the launcher and the stopped rank (a launch that waits out a timeout; the silent peer below
+times out in every mode) are in the slow set.
 
 This process makes itself a child subreaper (prctl PR_SET_CHILD_SUBREAPER) while a test runs, so ranks orphaned by a
 killed launcher are reparented here and their end can be seen wherever the tests run; whatever a test leaves running is
@@ -26,12 +29,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import make_plan
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 
 from seqpar_testing import run_ranks
+from seqpar_testing.train import make_plan
 
 PR_SET_CHILD_SUBREAPER = 36
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="parent-death signals and subreapers are Linux's")
@@ -65,7 +68,7 @@ class Launch:
         data["launch"]["env"] = {"SEQPAR_PG_TIMEOUT_S": str(pg_timeout_s), "OMP_NUM_THREADS": "1"}
         self.plan, self.out, self.err = tmp_path / "plan.json", tmp_path / "out", tmp_path / "stderr.txt"
         self.plan.write_text(json.dumps(data))
-        cmd = [sys.executable, "-m", "seqpar.cli.commands", "launch", str(self.plan), "--output", str(self.out)]
+        cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(self.plan), "--output", str(self.out)]
         with open(self.err, "w") as err:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
 
@@ -125,13 +128,13 @@ def _gone(pids, timeout: float) -> dict[int, int | None]:
     return codes
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["sigterm", pytest.param("ctrl-c", marks=pytest.mark.slow)])
 def test_a_stop_signal_ends_the_job_after_a_checkpoint_with_one_line(tmp_path, launches, how):
     job = launches(tmp_path)
     job.wait_for(lambda: job.steps_done() >= 2, 300, "two steps")
     ranks = job.ranks()
     assert sorted(ranks) == [0, 1]
-    if how == "ctrl-c":  # a second launch into the same folder is refused while this one holds it
+    if how == "sigterm":  # a second launch into the same folder is refused while this one holds it
         r = CliRunner().invoke(app, ["launch", str(job.plan), "--output", str(job.out), "--resume"])
         assert r.exit_code == 2 and f"is in use by another seqpar launch (pid {job.proc.pid})" in r.stderr, r.output
     seen = len(job.stderr())
@@ -149,6 +152,7 @@ def test_a_stop_signal_ends_the_job_after_a_checkpoint_with_one_line(tmp_path, l
     assert all(not Path(f"/proc/{pid}").exists() for pid in ranks.values())
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_launcher_group_leaves_no_rank_running(tmp_path, launches):
     job = launches(tmp_path)
     job.wait_for(lambda: job.steps_done() >= 2, 300, "two steps")
@@ -170,12 +174,15 @@ def test_a_rank_killed_by_sigkill_is_named_by_its_exit_status(tmp_path, launches
     assert rc == 1 and "first failure: rank 1 was killed by SIGKILL" in last, job.stderr()[-3000:]
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_does_not_block_its_peer(tmp_path, launches):
-    job = launches(tmp_path, pg_timeout_s=20)  # also the process-group start's timeout: ranks start far apart under load
+    # The timeout is all this test waits out, and also the process-group start's: ranks that start far apart under load
+    # meet within it (they start together, and both import the same modules before the group forms).
+    job = launches(tmp_path, pg_timeout_s=10)
     job.wait_for(lambda: job.steps_done() >= 2, 300, "two steps")
     stopped = job.ranks()[1]
     os.kill(stopped, signal.SIGSTOP)
-    job.wait_for(lambda: "seqpar: rank 0 failed:" in job.stderr(), 20 + 20, "rank 0 giving up on rank 1 (20 s timeout)")
+    job.wait_for(lambda: "seqpar: rank 0 failed:" in job.stderr(), 10 + 20, "rank 0 giving up on rank 1 (10 s timeout)")
     # torchrun's agent now sends the stopped rank SIGTERM and, 30 s later, SIGKILL; resuming it lets the job end sooner
     os.kill(stopped, signal.SIGCONT)
     rc = job.proc.wait(timeout=60)
@@ -210,8 +217,8 @@ def test_a_dead_launchers_lock_is_taken_over(tmp_path):
 
 
 def _silent_peer(rank, world):
-    """For each mode, rank 1 says nothing on a fresh group with a 1 s timeout: rank 0's attention call must fail within the timeout,
-    naming rank 1."""
+    """For each mode, rank 1 says nothing on a fresh group with a 1 s timeout (it waits in the default group's barrier):
+    rank 0's attention call must fail within the timeout, naming rank 1."""
     from datetime import timedelta
 
     import torch
@@ -236,8 +243,6 @@ def _silent_peer(rank, world):
                 out[mode] = "returned"
             except PeerTimeoutError as e:
                 out[mode] = (e.peers, round(time.monotonic() - t0, 1), str(e))
-        else:
-            time.sleep(1.8)
         dist.barrier()  # the default group is unharmed: the next mode starts together
     return out
 

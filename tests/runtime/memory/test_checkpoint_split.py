@@ -17,52 +17,17 @@ import warnings
 
 import pytest
 import torch
-from test_hf import _compare, _grads, group_grads
 
 from seqpar_testing import run_ranks
+from seqpar_testing.hf import compare_loss_and_grads, group_grads, param_grads
+from seqpar_testing.memory import HIDDEN, B, L, S, batch, make_model, reference, saved_bytes
+from seqpar_testing.train import compare_runs, learnable_tokens, make_plan, train_cases
 
-L, B, S, HIDDEN = 4, 2, 32, 32
 CASES = [(p, k, None) for p in ("full", "selective", "offload") for k in (0, 1, L - 1, L)] + [
     ("offload", L - 1, 0),
     ("offload", L - 1, 1),
     ("offload", L, 2),
 ]
-
-
-def make_model():
-    """A tiny random-weight Llama with L layers, seeded so every rank builds the same weights."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=101,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=L,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attention_dropout=0.0,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float().train()
-
-
-def batch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 101, (B, S), generator=g)  # (B, S)
-    labels = ids.clone()
-    labels[0, :5] = -100
-    return ids, labels
-
-
-def _reference():
-    ids, labels = batch()
-    base = make_model()
-    ref = base(input_ids=ids, labels=labels)
-    ref.loss.backward()
-    grads = _grads(base)
-    base.zero_grad(set_to_none=True)
-    return base, ref.loss.detach(), grads
 
 
 def _expected_layout(model, policy: str, k: int, off: int | None) -> None:
@@ -81,7 +46,7 @@ def test_split_is_exact_on_one_process():
 
     warnings.filterwarnings("ignore")
     ids, labels = batch()
-    base, ref_loss, ref_grads = _reference()
+    base, ref_loss, ref_grads = reference()
     failures = []
     for policy, k, off in CASES:
         model = copy.deepcopy(base)
@@ -89,7 +54,7 @@ def test_split_is_exact_on_one_process():
         _expected_layout(model, policy, k, off)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
-        _compare(failures, f"{policy} k={k} off={off}", loss.detach(), ref_loss, _grads(model), ref_grads)
+        compare_loss_and_grads(failures, f"{policy} k={k} off={off}", loss.detach(), ref_loss, param_grads(model), ref_grads)
     assert failures == [], "\n".join(failures[:10])
 
 
@@ -99,7 +64,7 @@ def _ranks_main(rank: int, world_size: int) -> list[str]:
 
     warnings.filterwarnings("ignore")
     ids, labels = batch()
-    base, ref_loss, ref_grads = _reference()
+    base, ref_loss, ref_grads = reference()
     part = seqpar.prepare_inputs(ids, "zigzag_ring_attn", rank, world_size, labels=labels)
     failures = []
     for policy, k, off in CASES:
@@ -107,7 +72,9 @@ def _ranks_main(rank: int, world_size: int) -> list[str]:
         seqpar.apply(model, "zigzag_ring_attn", checkpointing=policy, checkpoint_layers=k, offload_layers=off)
         loss = seqpar.loss(model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits, part["labels"])
         loss.backward()
-        _compare(failures, f"rank {rank} {policy} k={k} off={off}", loss.detach(), ref_loss, group_grads(model), ref_grads)
+        compare_loss_and_grads(
+            failures, f"rank {rank} {policy} k={k} off={off}", loss.detach(), ref_loss, group_grads(model), ref_grads
+        )
         if selective.pending():
             failures.append(f"rank {rank} {policy} k={k}: {selective.pending()} kept entries left after backward")
     return failures
@@ -116,31 +83,6 @@ def _ranks_main(rank: int, world_size: int) -> list[str]:
 def test_split_is_exact_over_two_ranks_in_zigzag_ring_attn():
     for failures in run_ranks(_ranks_main, 2, timeout=180):
         assert failures == [], "\n".join(failures[:10])
-
-
-def _saved_bytes(model, ids) -> tuple[dict, int, object]:
-    """Bytes saved for backward during one forward: per decoder layer (each storage counted once per layer: RoPE's
-    cos/sin, shared by the layers, count in each that saves them) and in all (each storage once; the memory they
-    hold); parameters are left out (they exist either way). Returns (per layer, total, the loss)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    per_layer, total, where = {}, {}, [None]
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            per_layer.setdefault(where[0], {})[storage.data_ptr()] = storage.nbytes()
-            total[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    handles = []
-    for i, layer in enumerate(model.model.layers):  # hooks on __call__: transformers checkpoints forward, inside them
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i)))
-        handles.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, None)))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
-    for h in handles:
-        h.remove()
-    return {k: sum(v.values()) for k, v in per_layer.items()}, sum(total.values()), loss
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
@@ -153,7 +95,7 @@ def test_bytes_saved_shrink_as_more_layers_are_checkpointed(policy):
     base = make_model()
     plain = copy.deepcopy(base)
     seqpar.apply(plain, "data_parallel", checkpointing="none")
-    unckpt, unckpt_total, loss = _saved_bytes(plain, ids)
+    unckpt, unckpt_total, loss = saved_bytes(plain, ids)
     loss.backward()
     layer_input = B * S * HIDDEN * 4  # (B, S, hidden) fp32
     assert all(unckpt[i] > 4 * layer_input for i in range(L)), unckpt
@@ -161,7 +103,7 @@ def test_bytes_saved_shrink_as_more_layers_are_checkpointed(policy):
     for k in range(L + 1):
         model = copy.deepcopy(base)
         seqpar.apply(model, "data_parallel", checkpointing=policy, checkpoint_layers=k)
-        saved, total, loss = _saved_bytes(model, ids)
+        saved, total, loss = saved_bytes(model, ids)
         totals.append(total)
         for i in range(k, L):  # past checkpoint_layers: what the un-checkpointed model's layer saves, to the byte
             assert saved[i] == unckpt[i], (policy, k, i, saved, unckpt)
@@ -189,7 +131,7 @@ def test_the_memory_model_counts_what_a_layer_saves():
     ids, _ = batch()
     model = make_model()
     seqpar.apply(model, "data_parallel", checkpointing="none")
-    saved, _, _ = _saved_bytes(model, ids)
+    saved, _, _ = saved_bytes(model, ids)
     spec = spec_from_config(model.config.to_dict(), "tiny", "the test's config", "test")  # as `--model DIR` reads it
     small = B * S * 2 * 4 + 2 * S * spec.head_dim * 4  # rstd of the two norms; cos and sin
     predicted = saved_bytes_per_token(spec, "fp32", residual=4) * B * S + small
@@ -255,8 +197,6 @@ def test_a_model_without_decoder_layers_is_refused():
 
 def _train_and_spy(rank: int, world: int, cases: list, tmp: str, data: str) -> dict:
     """test_train's rank body, recording the split each run hands to apply_checkpointing and the layers' flags after it."""
-    from test_train import train_cases
-
     from seqpar.runtime.hf import apply as hf
 
     seen, real = [], hf.apply_checkpointing
@@ -277,8 +217,6 @@ def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
     run_report.json records it."""
     import json
     from pathlib import Path
-
-    from test_train import _compare, learnable_tokens, make_plan
 
     w = 2
     split = {
@@ -304,7 +242,7 @@ def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
         cases.append((name, plan.model_validate({**plan.model_dump(), "strategy": {**plan.strategy.model_dump(), **fields}})))
     data = learnable_tokens(tmp_path / "tokens.npy")
     got = run_ranks(_train_and_spy, w, cases, str(tmp_path), data, timeout=170)[0]
-    _compare(got["metrics"])
+    compare_runs(got["metrics"])
     assert got["applied"] == [
         ("none", None, None, "all", 0, [False, False]),
         ("offload", 1, 1, "all", 0, [True, False]),
@@ -338,8 +276,6 @@ def test_the_trainer_runs_the_plans_split_and_records_it(tmp_path):
 
 
 def test_the_trainer_integration_reads_the_split_from_a_plan():
-    from test_train import make_plan
-
     from seqpar.runtime.hf.trainer import SeqparArguments
 
     plan = make_plan(2, "zigzag_ring_attn", 2, mbs=2, checkpointing="offload")

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from seqpar.advisor.cluster import cluster_from_flags
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.plan.launch_plan import LaunchPlan, Rationale
 from seqpar.plan.rules import checkpointed_layers, checkpointing_text, offloaded_layers, plan_problems
 from seqpar.plan.specs import Strategy, Workload

@@ -19,13 +19,14 @@ import warnings
 
 import pytest
 import torch
-from test_checkpoint_split import HIDDEN, B, L, S, _reference, _saved_bytes, batch, make_model
-from test_hf import _compare, _grads, group_grads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqpar.plan.options import layer_split
 
 from seqpar_testing import run_ranks
+from seqpar_testing.hf import compare_loss_and_grads, group_grads, param_grads
+from seqpar_testing.memory import HIDDEN, B, L, S, batch, make_model, reference, saved_bytes
+from seqpar_testing.train import make_plan
 
 # (policy, checkpointed layers, host-kept layers); the last case keeps every layer, two of them on the host, spread (0, 2)
 CASES = [(p, k, h) for p in ("full", "selective", "offload") for k in (1, L - 1) for h in (0, 1, L - k)] + [("full", 0, 2)]
@@ -55,7 +56,7 @@ def test_kept_matmuls_are_exact_on_one_process():
 
     warnings.filterwarnings("ignore")
     ids, labels = batch()
-    base, ref_loss, ref_grads = _reference()
+    base, ref_loss, ref_grads = reference()
     failures = []
     for policy, k, host in CASES:
         model = _apply(copy.deepcopy(base), "data_parallel", policy, k, host)
@@ -67,7 +68,7 @@ def test_kept_matmuls_are_exact_on_one_process():
             assert not isinstance(f, MatmulKeep) or f.host == (i in on_host), (policy, k, host, i)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
-        _compare(failures, f"{policy} k={k} host={host}", loss.detach(), ref_loss, _grads(model), ref_grads)
+        compare_loss_and_grads(failures, f"{policy} k={k} host={host}", loss.detach(), ref_loss, param_grads(model), ref_grads)
         if selective.pending():
             failures.append(f"{policy} k={k} host={host}: {selective.pending()} kept attention entries left")
     assert failures == [], "\n".join(failures[:10])
@@ -78,14 +79,16 @@ def _ranks_main(rank: int, world_size: int) -> list[str]:
 
     warnings.filterwarnings("ignore")
     ids, labels = batch()
-    base, ref_loss, ref_grads = _reference()
+    base, ref_loss, ref_grads = reference()
     part = seqpar.prepare_inputs(ids, "zigzag_ring_attn", rank, world_size, labels=labels)
     failures = []
     for policy, k, host in (("selective", 1, 1), ("full", 2, 0)):
         model = _apply(copy.deepcopy(base), "zigzag_ring_attn", policy, k, host)
         loss = seqpar.loss(model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits, part["labels"])
         loss.backward()
-        _compare(failures, f"rank {rank} {policy} k={k} host={host}", loss.detach(), ref_loss, group_grads(model), ref_grads)
+        compare_loss_and_grads(
+            failures, f"rank {rank} {policy} k={k} host={host}", loss.detach(), ref_loss, group_grads(model), ref_grads
+        )
     return failures
 
 
@@ -123,7 +126,7 @@ def test_kept_bytes_are_the_projections_the_memory_model_counts():
     for host in (0, 1):
         model = _apply(make_model(), "data_parallel", "selective", 1, host)
         before = MatmulKeep.stats.copy()
-        saved, _, loss = _saved_bytes(model, ids)
+        saved, _, loss = saved_bytes(model, ids)
         kept = {k: MatmulKeep.stats[k] - before[k] for k in ("gpu", "host", "recomputed")}
         spec = spec_from_config(model.config.to_dict(), "tiny", "the test's config", "test")
         per_layer = matmul_bytes_per_token(spec, "fp32") * B * S
@@ -177,7 +180,7 @@ def test_an_output_changed_in_place_is_recomputed_not_kept(host):
     dropped = MatmulKeep.stats["recomputed"] - before
     loss.backward()
     failures = []
-    _compare(failures, f"host={host}", loss.detach(), ref_loss.detach(), _grads(model), _grads(ref))
+    compare_loss_and_grads(failures, f"host={host}", loss.detach(), ref_loss.detach(), param_grads(model), param_grads(ref))
     assert failures == [], failures
     assert dropped == B * S * HIDDEN * 4  # that one (B, S, hidden) fp32 output, and no other
 
@@ -197,13 +200,15 @@ def test_a_second_backward_recomputes_the_matmuls():
     again, so the gradients are twice the reference's, as without checkpointing."""
     warnings.filterwarnings("ignore")
     ids, labels = batch()
-    base, ref_loss, ref_grads = _reference()
+    base, ref_loss, ref_grads = reference()
     model = _apply(copy.deepcopy(base), "data_parallel", "selective", 1, 1)
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward(retain_graph=True)
     loss.backward()
     failures = []
-    _compare(failures, "twice", loss.detach(), ref_loss, _grads(model), {n: 2 * g for n, g in ref_grads.items()})
+    compare_loss_and_grads(
+        failures, "twice", loss.detach(), ref_loss, param_grads(model), {n: 2 * g for n, g in ref_grads.items()}
+    )
     assert failures == [], failures
 
 
@@ -240,15 +245,13 @@ def test_the_stated_pinned_budget_reaches_the_offload_and_every_kept_layer(monke
     the plan's per-rank share. (That it bounds the page-locked blocks: tests/runtime/memory/test_matmul_keep_gpu.py.)"""
     import functools
 
-    from test_train import make_plan
-
     import seqpar
     from seqpar.runtime.hf.trainer import SeqparArguments
     from seqpar.runtime.memory.activation_checkpoint import _offloaded_checkpoint
     from seqpar.runtime.memory.matmul_keep import MatmulKeep
     from seqpar.runtime.memory.offload import pinned_budget
 
-    base, _, _ = _reference()
+    base, _, _ = reference()
     model = seqpar.apply(
         copy.deepcopy(base),
         "data_parallel",
@@ -279,7 +282,7 @@ def test_backwards_run_oldest_first_fetch_their_own_forwards_outputs():
     the reference's, twice."""
     warnings.filterwarnings("ignore")
     ids, labels = batch()
-    base, ref_loss, ref_grads = _reference()
+    base, ref_loss, ref_grads = reference()
     model = _apply(copy.deepcopy(base), "data_parallel", "selective", 1, 2)  # layers 1, 2 in host memory, 3 on the GPU
     keepers = [layer._gradient_checkpointing_func for layer in model.model.layers[1:]]
     assert [k.host for k in keepers] == [True, True, False]
@@ -296,7 +299,9 @@ def test_backwards_run_oldest_first_fetch_their_own_forwards_outputs():
     losses[1].backward()
     assert [f.prefetched for f in forwards[1]] == [True, True, False]
     failures = []
-    _compare(failures, "two", losses[1].detach(), ref_loss, _grads(model), {n: 2 * g for n, g in ref_grads.items()})
+    compare_loss_and_grads(
+        failures, "two", losses[1].detach(), ref_loss, param_grads(model), {n: 2 * g for n, g in ref_grads.items()}
+    )
     assert failures == [], failures
 
 

@@ -14,9 +14,9 @@ import warnings
 
 import pytest
 import torch
-from test_hf import _compare, _grads, available_modes, batch, group_grads, make_model
 
 from seqpar_testing import run_ranks, world_ids
+from seqpar_testing.hf import available_modes, batch, compare_loss_and_grads, group_grads, make_model, param_grads
 
 MICRO = 2  # accumulated micro-batches (the same batch twice: the gradient doubles)
 
@@ -45,7 +45,7 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
     base.train()
     ref = base(input_ids=ids, labels=labels)
     ref.loss.backward()
-    ref_loss, ref_grads = ref.loss.detach(), _grads(base)
+    ref_loss, ref_grads = ref.loss.detach(), param_grads(base)
     failures, counts = [], {}
     for mode in modes:
         uly = 2 if mode == "usp_attn" else None
@@ -73,7 +73,9 @@ def ranks_main(rank: int, world_size: int, modes: list[str]) -> dict:
             counts[f"{mode}/{label}"] = calls["n"]
             if selective.pending():
                 failures.append(f"W={world_size} {mode}/{label}: {selective.pending()} kept entries left after backward")
-            _compare(failures, f"W={world_size} {mode}/{label}", loss.detach(), ref_loss, _group_grads(model), ref_grads)
+            compare_loss_and_grads(
+                failures, f"W={world_size} {mode}/{label}", loss.detach(), ref_loss, _group_grads(model), ref_grads
+            )
     return {"failures": failures, "counts": counts}
 
 

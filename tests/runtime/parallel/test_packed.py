@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dist_flash import gather_by_size, on_subgroups
 
 from reference import reference
 from seqpar_testing import error_messages, run_ranks, tolerances
+from seqpar_testing.attention import gather_by_size, on_subgroups
 
 CHUNK = 3  # tokens per zigzag chunk: S = 2 * W * CHUNK
 

@@ -122,9 +122,10 @@ def _llama_ranks(rank: int, world_size: int) -> dict:
 
     import torch.distributed as dist
     import torch.nn.functional as F
-    from test_hf_gpu import llama
 
     import seqpar
+
+    from seqpar_testing.hf import cuda_llama as llama
 
     torch.cuda.set_device(0)
     base = llama(hidden=512, layers=2, vocab=2048, heads=8, kv_heads=2)

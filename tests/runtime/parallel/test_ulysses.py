@@ -8,9 +8,9 @@ lengths raise the same one-line error on every rank, before any all-to-all.
 """
 
 import torch
-from test_dist_flash import check_cases, gather_by_size, n_cases, on_subgroups
 
 from seqpar_testing import error_messages, run_ranks
+from seqpar_testing.attention import check_cases, gather_by_size, n_cases, on_subgroups
 
 HEADS = {1: [(8, 8), (8, 2)], 2: [(8, 8), (8, 2)], 3: [(6, 6), (6, 3)], 4: [(8, 8), (8, 2)]}
 CHUNKS = (3, 5)

@@ -11,9 +11,9 @@ where that would hang, and create_subgroups, its fix.
 """
 
 import torch
-from test_dist_flash import check_cases, gather_by_size, n_cases, on_subgroups
 
 from seqpar_testing import error_messages, run_ranks
+from seqpar_testing.attention import check_cases, gather_by_size, n_cases, on_subgroups
 
 MHA_GQA = [(8, 8), (8, 2)]
 PLAN = {  # W -> [(ulysses_degree, heads, local chunk lengths)]

@@ -1,8 +1,7 @@
 """DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload on real gloo CPU ranks, against DDP and FSDP2 of the same plan.
 
 DeepSpeed's CPU accelerator runs its collectives over gloo, so the zero* plans the advisor prints run here as they run on
-GPUs (through accelerate); nothing stands in for them. Every mode on 2 and 4 ranks trains 10 steps with each of the five
-engines (on 4 ranks, data_parallel, dist_flash_attn and ulysses_attn are in the slow set: ``pytest -m slow``):
+GPUs (through accelerate); nothing stands in for them. Each mode's plan trains 10 steps with an engine and with DDP:
 losses and gradient norms must agree within fp32's 1e-4 (relative, the trainer tests' tolerance; the CPU Adam of
 zero3_offload rounds differently from torch's AdamW at ~1e-6). The plans spread the features over the modes: gradient
 accumulation, a cosine LR schedule, clipping below the gradient norm (DeepSpeed clips and reports its own pre-clip norm),
@@ -10,6 +9,11 @@ the chunked loss with ZeRO-3 (the head gathered for it), full recompute, a hybri
 checkpoint (in the 2-rank matrix's spawn): a crash after the step-3 checkpoint, --resume, and the steps after it equal
 the uninterrupted run exactly; the save_pretrained export loads in plain transformers with the weights DeepSpeed's
 checkpoint holds (zero_to_fp32). Last, the same through ``seqpar launch`` (accelerate launch on CPU ranks).
+
+The default set samples the matrices (SAMPLE): each zero* engine once on 2 ranks, on the mode whose features meet it,
+one hybrid sp x dp layout with ZeRO-3 on 4 ranks, and one ZeRO stage's crash, resume and export. The slow set
+(``pytest -m slow``, which CI runs) holds the rest: every mode with every engine, FSDP2 included, on 2 and 4 ranks, and
+the other stages' crash, resume and export.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_train import learnable_tokens, make_plan, read_metrics, train_cases
+
+from seqpar_testing.train import learnable_tokens, make_plan, read_metrics, train_cases
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="the deepspeed extra is not installed (CI installs it: .ci/run)"
@@ -31,20 +36,6 @@ needs_deepspeed = pytest.mark.skipif(
 
 SHARDINGS = ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
 STEPS = 10
-
-
-@pytest.fixture(scope="module")
-def deepspeed_ops():
-    """DeepSpeed JIT-builds two CPU ops on first use, its shared-memory collectives and CPU Adam (about 2 and 3 minutes of
-    one core here; then cached per DeepSpeed install: tests/conftest.py): build them once, side by side, before W ranks
-    would race to build them inside their timeout."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from deepspeed.accelerator import get_accelerator
-
-    builders = [get_accelerator().create_op_builder(name) for name in ("ShareMemCommBuilder", "CPUAdamBuilder")]
-    with ThreadPoolExecutor(len(builders)) as pool:
-        list(pool.map(lambda b: b.load(verbose=False), builders))
 
 
 def _with(plan, **training):
@@ -65,7 +56,7 @@ def mode_plans(w: int, steps: int = STEPS) -> dict:
 
 
 def _check_matrix(results: dict, cases: list, folder: Path) -> None:
-    """Every mode's zero* and FSDP2 runs against its DDP run: the same steps, losses, gradient norms and LRs."""
+    """Every zero* and FSDP2 run against its mode's DDP run: the same steps, losses, gradient norms and LRs."""
     plans = dict(cases)
     for mode in dict.fromkeys(name.rsplit("-", 1)[0] for name in plans):
         ddp = results[f"{mode}-ddp"]
@@ -73,22 +64,43 @@ def _check_matrix(results: dict, cases: list, folder: Path) -> None:
         assert ddp[-1]["loss"] < ddp[0]["loss"] - 0.3, mode  # it learned: equality would prove little otherwise
         clip = plans[f"{mode}-ddp"].training.grad_clip
         assert max(r["grad_norm"] for r in ddp) > clip, mode  # clipping acted
-        for sh in SHARDINGS[1:]:
+        for sh in [sh for sh in SHARDINGS[1:] if f"{mode}-{sh}" in plans]:
             got = results[f"{mode}-{sh}"]
             for key in ("loss", "grad_norm", "lr"):
                 np.testing.assert_allclose(
                     [r[key] for r in got], [r[key] for r in ddp], rtol=1e-4, err_msg=f"{mode} {sh} vs ddp: {key}"
                 )
-        engine = json.loads((folder / f"{mode}-zero3_offload" / "run_report.json").read_text())["engine"]
-        assert engine == "deepspeed-zero3-offload"
+        if f"{mode}-zero3_offload" in plans:
+            engine = json.loads((folder / f"{mode}-zero3_offload" / "run_report.json").read_text())["engine"]
+            assert engine == "deepspeed-zero3-offload"
 
 
-def matrix_cases(w: int, modes=None) -> list:
-    """(name, plan) for each mode (all by default) x each of the five engines."""
-    return [(f"{m}-{sh}", make(sh)) for m, make in mode_plans(w).items() if modes is None or m in modes for sh in SHARDINGS]
+# (mode, engine) pairs: the default set's sample, and the slow set's rest of every mode x engine. On 2 ranks each zero*
+# engine meets the features it handles apart: ZeRO-2's partitioned gradients under accumulation and a cosine schedule
+# (data_parallel), ZeRO-3's gathered head under the chunked loss (ulysses_attn), ZeRO-3 offload's CPU Adam under
+# clipping (dist_flash_attn). On 4 ranks, ZeRO-3 over a hybrid sp 2 x dp 2 layout (zigzag_ring_attn).
+EVERY = [(m, sh) for m in mode_plans(2) for sh in SHARDINGS[1:]]
+SAMPLE = {
+    2: [("data_parallel", "zero2"), ("ulysses_attn", "zero3"), ("dist_flash_attn", "zero3_offload")],
+    4: [("zigzag_ring_attn", "zero3")],
+}
+PAIRS = {
+    (w, part): SAMPLE[w] if part == "sample" else [p for p in EVERY if p not in SAMPLE[w]]
+    for w in (2, 4)
+    for part in ("sample", "rest")
+}
+CRASH_STAGES = {"sample": ["zero3_offload"], "rest": ["zero2", "zero3"]}
+PARTS = ["sample", pytest.param("rest", marks=pytest.mark.slow)]
 
 
-def crash_plans(w: int = 2) -> list:
+def matrix_cases(w: int, pairs: list) -> list:
+    """(name, plan) for each (mode, engine) pair, each mode's DDP run (its reference) first."""
+    plans = mode_plans(w)
+    modes = dict.fromkeys(m for m, _ in pairs)
+    return [(f"{m}-{sh}", plans[m](sh)) for m in modes for sh in ["ddp"] + [sh for mm, sh in pairs if mm == m]]
+
+
+def crash_plans(stages, w: int = 2) -> list:
     """Per ZeRO stage, a plan checkpointing at step 3 of 6 (for the crash at step 6, --resume and the export)."""
     return [
         (
@@ -100,29 +112,30 @@ def crash_plans(w: int = 2) -> list:
                 weight_decay=0.1,
             ),
         )
-        for sh in ("zero2", "zero3", "zero3_offload")
+        for sh in stages
     ]
 
 
 def _two_rank_runs(rank, world, matrix, tmp, data, plans):
     """Every 2-rank run of this file in one spawn: a rank's import of DeepSpeed (and of the torch compiler it pulls in)
-    and its first engine cost tens of seconds, paid here once instead of once per test."""
+    and its first engine cost seconds, paid here once instead of once per test."""
     runs = train_cases(rank, world, matrix, tmp, data)
     return runs, _crash_resume_export(rank, world, str(Path(tmp) / "resume"), plans)
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, deepspeed_ops):
-    """The 2-rank matrix and crash/resume/export runs (one spawn, its time the sum of the two tests' budgets); the tests
-    below each assert their part. A run that raises fails both tests with a traceback naming it."""
+@pytest.fixture(scope="module", params=PARTS)
+def two_ranks(request, tmp_path_factory, deepspeed_ops):
+    """The 2-rank matrix and crash/resume/export runs of one part (the sample, or the slow set's rest) in one spawn (its
+    time the sum of the two tests' budgets); the tests below each assert their part. A run that raises fails both tests
+    with a traceback naming it."""
     from seqpar_testing import run_ranks
 
-    tmp = tmp_path_factory.mktemp("deepspeed-W2")
+    tmp = tmp_path_factory.mktemp(f"deepspeed-W2-{request.param}")
     (tmp / "resume").mkdir()
-    matrix = matrix_cases(2)
+    matrix, plans = matrix_cases(2, PAIRS[2, request.param]), crash_plans(CRASH_STAGES[request.param])
     data = learnable_tokens(tmp / "tokens.npy")
-    runs, resumed = run_ranks(_two_rank_runs, 2, matrix, str(tmp), data, crash_plans(), timeout=840 + 560)[0]
-    return tmp, matrix, runs, resumed
+    runs, resumed = run_ranks(_two_rank_runs, 2, matrix, str(tmp), data, plans, timeout=840 + 560)[0]
+    return tmp, matrix, runs, resumed, plans
 
 
 # The module's 2-rank spawn (both tests' runs) sets up in whichever of the two runs first: each has both budgets.
@@ -131,29 +144,18 @@ TWO_RANKS_TIMEOUT = 900 + 600
 
 @needs_deepspeed
 @pytest.mark.timeout(TWO_RANKS_TIMEOUT)
-def test_zero_plans_equal_ddp_and_fsdp2_in_every_mode_on_2_ranks(two_ranks):
-    tmp, matrix, runs, _ = two_ranks
+def test_zero_and_fsdp2_plans_equal_ddp_on_2_ranks(two_ranks):
+    tmp, matrix, runs, _, _ = two_ranks
     _check_matrix(runs, matrix, tmp)
-
-
-# On 4 ranks the two modes whose layout 2 ranks cannot have, zigzag sp 2 x dp 2 and usp ulysses 2 x ring 2, run with
-# every engine; the other three modes (the same code paths as on 2 ranks, with a larger sp or dp) are the slow set.
-FOUR_RANKS = ["zigzag_ring_attn", "usp_attn"]
 
 
 @needs_deepspeed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "modes",
-    [
-        pytest.param(FOUR_RANKS, id="W4-hybrid-modes"),
-        pytest.param([m for m in mode_plans(4) if m not in FOUR_RANKS], id="W4-other-modes", marks=pytest.mark.slow),
-    ],
-)
-def test_zero_plans_equal_ddp_and_fsdp2_on_4_ranks(tmp_path, modes, deepspeed_ops):
+@pytest.mark.parametrize("part", PARTS)
+def test_zero_and_fsdp2_plans_equal_ddp_on_4_ranks(tmp_path, part, deepspeed_ops):
     from seqpar_testing import run_ranks
 
-    cases = matrix_cases(4, modes)
+    cases = matrix_cases(4, PAIRS[4, part])
     data = learnable_tokens(tmp_path / "tokens.npy")
     results = run_ranks(train_cases, 4, cases, str(tmp_path), data, timeout=840)[0]
     _check_matrix(results, cases, tmp_path)
@@ -208,8 +210,8 @@ def _crash_resume_export(rank, world, tmp, plans):
 @needs_deepspeed
 @pytest.mark.timeout(TWO_RANKS_TIMEOUT)
 def test_deepspeed_checkpoint_resumes_exactly_and_exports_loadable_weights(two_ranks):
-    results = two_ranks[3]
-    assert sorted(results) == sorted(name for name, _ in crash_plans())
+    results, plans = two_ranks[3:]
+    assert sorted(results) == sorted(name for name, _ in plans)
     for name, r in results.items():
         assert r["crashed"], name
         assert [m["step"] for m in r["first"]] == [1, 2, 3, 4, 5] and [m["step"] for m in r["resumed"]] == list(range(1, 7))
@@ -225,26 +227,31 @@ def test_deepspeed_checkpoint_resumes_exactly_and_exports_loadable_weights(two_r
 
 @needs_deepspeed
 @pytest.mark.timeout(600)
-def test_seqpar_launch_runs_zero3_on_deepspeed_under_accelerate_and_resumes(tmp_path, deepspeed_ops):
-    """The CLI path (accelerate launch on CPU ranks): a fault on rank 1 at step 6 ends the job and names the rank; --resume
-    from the step-4 checkpoint repeats step 5 exactly and finishes."""
+@pytest.mark.parametrize("crash", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["to-the-end", "crash-and-resume"])
+def test_seqpar_launch_runs_zero3_on_deepspeed_under_accelerate(tmp_path, deepspeed_ops, crash):
+    """The CLI path (accelerate launch on CPU ranks) to the end of the plan. With ``crash`` (the slow set; DeepSpeed's
+    resume is the in-process test's above): a fault on rank 1 at step 6 ends the job and names the rank first, and
+    --resume from the step-4 checkpoint repeats step 5 exactly and finishes."""
     plan = make_plan(2, "ulysses_attn", 2, ga=2, sharding="zero3", loss_impl="chunked", steps=6, checkpoint_every=4)
     plan_file = tmp_path / "plan.json"
     plan.write(plan_file)
     out = tmp_path / "job"
-    cmd = [sys.executable, "-m", "seqpar.cli.commands", "launch", str(plan_file), "--output", str(out), "--data", "synthetic"]
-    env = dict(os.environ, SEQPAR_FAULT_RANK="1", SEQPAR_FAULT_STEP="6")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert r.returncode != 0
-    assert "accelerate.commands.launch" in r.stderr and "rank 1" in r.stderr.split("first failure:")[-1], r.stderr[-3000:]
-    first = read_metrics(out)
-    assert [m["step"] for m in first] == [1, 2, 3, 4, 5]
-    env.pop("SEQPAR_FAULT_RANK"), env.pop("SEQPAR_FAULT_STEP")
-    r = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=240)
+    cmd = [sys.executable, "-m", "seqpar.cli", "launch", str(plan_file), "--output", str(out), "--data", "synthetic"]
+    if crash:
+        fault = dict(os.environ, SEQPAR_FAULT_RANK="1", SEQPAR_FAULT_STEP="6")
+        r = subprocess.run(cmd, env=fault, capture_output=True, text=True, timeout=240)
+        assert r.returncode != 0
+        assert "accelerate.commands.launch" in r.stderr and "rank 1" in r.stderr.split("first failure:")[-1], r.stderr[-3000:]
+        first = read_metrics(out)
+        assert [m["step"] for m in first] == [1, 2, 3, 4, 5]
+    r = subprocess.run(cmd + (["--resume"] if crash else []), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     got = read_metrics(out)
     assert [m["step"] for m in got] == list(range(1, 7))
-    assert [(m["loss"], m["grad_norm"], m["lr"]) for m in got[:5]] == [(m["loss"], m["grad_norm"], m["lr"]) for m in first]
+    if crash:
+        assert [(m["loss"], m["grad_norm"], m["lr"]) for m in got[:5]] == [(m["loss"], m["grad_norm"], m["lr"]) for m in first]
+    else:
+        assert "accelerate.commands.launch" in r.stderr, r.stderr[-3000:]
     report = json.loads((out / "run_report.json").read_text())
     assert report["engine"] == "deepspeed-zero3"
     host = report["measured"]["host_memory_gib"]  # the plan's host_memory_gib is per node: both ranks' peak RSS
@@ -283,7 +290,7 @@ def test_zero_plans_run_deepspeed_or_are_refused_never_fsdp2(tmp_path, monkeypat
 
     from typer.testing import CliRunner
 
-    from seqpar.cli.commands import app
+    from seqpar.cli import app
     from seqpar.plan.errors import SeqparError
     from seqpar.plan.launch_plan import LaunchPlan
     from seqpar.runtime.train import engine

@@ -7,10 +7,11 @@ from __future__ import annotations
 import copy
 
 import torch
-from test_train import make_plan
 
 from seqpar.runtime.hf.model import build_model
 from seqpar.runtime.train import engine
+
+from seqpar_testing.train import make_plan
 
 
 def _model():

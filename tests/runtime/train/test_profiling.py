@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
-from test_train import make_plan, read_metrics
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.runtime.train.profiling import copy_direction, summarize
 
 from seqpar_testing import run_ranks
+from seqpar_testing.train import make_plan, read_metrics
 
 runner = CliRunner()
 

@@ -1,9 +1,9 @@
 """`--report-to tensorboard,wandb` through accelerate's trackers (seqpar.runtime.train.trackers), read back with the trackers' own
 readers.
 
-The end-to-end test runs `seqpar launch` on 2 gloo ranks with both trackers (W&B offline, WANDB_MODE=offline): the first
-launch has rank 0 raise before step 4 (SEQPAR_FAULT_* hook) after a checkpoint at step 2 and steps 1-3 logged, the
-second continues it with `--resume`. TensorBoard's events (EventAccumulator) must hold steps 1..6 once each (the resumed
+The end-to-end test runs `seqpar launch` on 2 gloo ranks with both trackers (W&B offline, WANDB_MODE=offline); in the
+slow set, the first launch has rank 0 raise before step 4 (SEQPAR_FAULT_* hook) after a checkpoint at step 2 and steps
+1-3 logged, the second continues it with `--resume`. TensorBoard's events (EventAccumulator) must hold steps 1..6 once each (the resumed
 run repeats step 3; SummaryWriter's purge_step hides the first attempt's), with the losses of metrics.jsonl, and the
 hparams must hold the plan's mode and predicted figures. W&B's offline run folders (one per launch, only rank 0's) must
 carry one run id, the one kept in tracker_run.json. Refusals: an unknown or missing tracker is one line, exit 2, before
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_train import make_plan, read_metrics
 from typer.testing import CliRunner
 
-from seqpar.cli.commands import app
+from seqpar.cli import app
 from seqpar.runtime.train import trackers
+
+from seqpar_testing.train import make_plan, read_metrics
 
 runner = CliRunner()
 
@@ -112,7 +113,10 @@ def _hparams(run_dir: Path) -> list[dict]:
     return found
 
 
-def test_tensorboard_and_wandb_continue_one_run_across_resume(tmp_path):
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["one-launch", "crash-and-resume"])
+def test_tensorboard_and_wandb_continue_one_run_across_resume(tmp_path, resume):
+    """One launch logs its steps, config and run id to both trackers; with ``resume`` (the slow set) a launch that fails
+    before step 4 and its --resume continue that one run."""
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
     plan_file, out = _plan(tmp_path), tmp_path / "job"
@@ -120,7 +124,7 @@ def test_tensorboard_and_wandb_continue_one_run_across_resume(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "seqpar.cli.commands",
+        "seqpar.cli",
         "launch",
         str(plan_file),
         "--output",
@@ -128,19 +132,24 @@ def test_tensorboard_and_wandb_continue_one_run_across_resume(tmp_path):
         "--report-to",
         "tensorboard,wandb",
     ]
-    fault = dict(env, SEQPAR_FAULT_RANK="0", SEQPAR_FAULT_STEP="4")  # raises before step 4: steps 1-3 logged
-    r = subprocess.run(cmd, env=fault, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 1 and "rank 0 failed" in r.stderr, r.stderr[-3000:]
-    ident = json.loads((out / trackers.RUN_FILE).read_text())
-    assert ident["project"] == "seqpar" and ident["run_name"] == "job"
-    r = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=240)
+    launches = 2 if resume else 1
+    if resume:
+        fault = dict(env, SEQPAR_FAULT_RANK="0", SEQPAR_FAULT_STEP="4")  # raises before step 4: steps 1-3 logged
+        r = subprocess.run(cmd, env=fault, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 1 and "rank 0 failed" in r.stderr, r.stderr[-3000:]
+        ident = json.loads((out / trackers.RUN_FILE).read_text())
+        assert ident["project"] == "seqpar" and ident["run_name"] == "job"
+    r = subprocess.run(cmd + (["--resume"] if resume else []), env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
+    if not resume:
+        ident = json.loads((out / trackers.RUN_FILE).read_text())
+        assert ident["project"] == "seqpar" and ident["run_name"] == "job"
     assert json.loads((out / trackers.RUN_FILE).read_text()) == ident
 
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(1, 7))
     tb = out / "tensorboard" / "seqpar"  # accelerate's layout: <logging_dir>/<project>
-    assert len(list(tb.glob("events.out.tfevents.*"))) == 2  # one writer per launch: rank 0's
+    assert len(list(tb.glob("events.out.tfevents.*"))) == launches  # one writer per launch: rank 0's
     for key in ("loss", "grad_norm", "lr"):
         got = _scalars(tb, key)
         assert [s for s, _ in got] == list(range(1, 7)), f"{key}: steps {[s for s, _ in got]}"
@@ -149,7 +158,7 @@ def test_tensorboard_and_wandb_continue_one_run_across_resume(tmp_path):
 
     plan = json.loads(plan_file.read_text())
     hp = _hparams(tb)
-    assert len(hp) == 2  # the config of each launch
+    assert len(hp) == launches  # the config of each launch
     for h in hp:
         assert h["mode"] == "zigzag_ring_attn" and h["sp_degree"] == 2 and h["checkpointing"] == "none"
         assert h["run_id"] == ident["run_id"]
@@ -158,6 +167,6 @@ def test_tensorboard_and_wandb_continue_one_run_across_resume(tmp_path):
 
     # W&B offline: one run folder per launch (rank 0 only), named by the run id, which both launches share
     runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2, runs
+    assert len(runs) == launches, runs
     for run in runs:
         assert run.name.endswith(f"-{ident['run_id']}") and (run / f"run-{ident['run_id']}.wandb").is_file()

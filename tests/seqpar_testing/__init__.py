@@ -1,5 +1,10 @@
-"""seqpar's test harness (named so it cannot shadow an installed package): run a function on W real gloo ranks
-(separate processes) and collect what each returns; tolerances by dtype; test ids naming the mode and world size.
+"""seqpar's test helpers (named so they cannot shadow an installed package). This module is the rank harness: run a
+function on W real gloo ranks (separate processes) and collect what each returns; tolerances by dtype; test ids naming
+the mode and world size. The modules beside it hold what several test files share, one per wing they test: ``train``
+(the tiny model's plans, the trainer in-process on ranks), ``hf`` (tiny transformers models, gradients summed over a
+group), ``memory`` (the 4-layer Llama of the checkpointing split), ``attention`` (the attention cases on sub-groups),
+``data`` (a word tokenizer and a mixed JSONL corpus), ``advisor`` (the 7B layer-split setting), ``cli`` (the CLI
+runner, one-line errors, a device node).
 
 ``run_ranks(fn, world_size, *args, timeout=60)`` starts W fresh processes, each joins a gloo process group on a free
 localhost port with ``torch.set_num_threads(1)``, calls ``fn(rank, world_size, *args)`` and sends back its (picklable)
@@ -12,7 +17,7 @@ trainer once (PRELOAD), and every rank is a fork of it, a new process with nothi
 skips the seconds of imports a spawned interpreter pays (most of a small case's time, and the suite runs hundreds of
 ranks). The server starts at the first call, in the environment the session had when this module was imported, so
 what the preloaded modules read from the environment at import is the session's; each rank then takes the caller's
-current environment and working directory, as a spawned one would.
+current environment and working directory, as a spawned one would. Importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -23,8 +28,6 @@ import socket
 import sys
 import time
 import traceback
-
-import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -52,6 +55,8 @@ _SESSION_ENV = dict(os.environ)  # as this module was imported (at collection), 
 def _context():
     """The forkserver context, its server started (once) in the session's environment whatever the caller's is now."""
     from multiprocessing import forkserver
+
+    import torch.multiprocessing as mp  # here, not at the top: the advisor's tests import this package without torch
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

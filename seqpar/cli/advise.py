@@ -1,0 +1,251 @@
+"""`seqpar advise`, `explain` and `schema`: a plan from a request (or the longest sequence that fits), the plan explained,
+and the plan's format.
+
+The work lives in seqpar.advisor (and seqpar.emit for --emit and tool configs); the options are RequestFlags and
+TrainingFlags (seqpar.cli.options). Importing this module imports neither torch nor the advisor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import typer
+
+from seqpar.cli.base import EXIT_OOM_OR_FAILED, handle_errors, note, print_json, stdout
+from seqpar.cli.literal import shown
+from seqpar.cli.options import (
+    OUTPUT,
+    RequestFlags,
+    TrainingFlags,
+    advise_request,
+    with_request_flags,
+    with_training_flags,
+)
+from seqpar.plan.errors import SeqparError
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.units import format_tokens, parse_seq_len
+
+ADVICE = "Advice"
+
+
+@handle_errors
+@with_request_flags
+@with_training_flags
+def advise(
+    flags: RequestFlags,
+    training: TrainingFlags,
+    policy: Optional[Literal["rules", "cost"]] = typer.Option(
+        None, "--policy", rich_help_panel=ADVICE, help="rules: the guide's tree; cost: the cost-model search (default)."
+    ),
+    max_seq_len: bool = typer.Option(
+        False,
+        "--max-seq-len",
+        rich_help_panel=ADVICE,
+        help="Instead of a plan: the longest sequence that fits, per mode (pins apply).",
+    ),
+    recipe: Optional[str] = typer.Option(
+        None,
+        "--recipe",
+        rich_help_panel=ADVICE,
+        help="Staged context extension: 1M (EasyContext's Llama-2-7B schedule) or smoke (CPU); each stage planned; seqpar launch runs them in order.",
+    ),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", rich_help_panel=OUTPUT, help="Write the plan here (atomically; nothing is written on error)."
+    ),
+    json_out: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT, help="Print the plan as JSON on stdout (only JSON)."),
+    emit_tool: Optional[Literal["accelerate", "trl", "axolotl", "arctic", "deepspeed"]] = typer.Option(
+        None,
+        "--emit",
+        rich_help_panel=OUTPUT,
+        help="Also write, next to the plan (-o), the config this tool runs with the same strategy (or the nearest it has, "
+        "with a line per change) and print its command; exit 1, nothing written, when that is predicted to OOM.",
+    ),
+):
+    """Advise a launch plan: which sequence-parallel mode, degrees, checkpointing and sharding, with the reasons.
+
+    The cluster comes from the flags, else from the probe (NVML), else the default (8x A100-80G SXM, EasyContext's hardware);
+    stderr says which. The plan carries the training settings (Training options) and its predicted bill: wall time and
+    GPU-hours of the whole run. Exit 0 with a plan that fits, 1 when no strategy fits (the plan is still written with -o,
+    for `seqpar explain`), 2 invalid input.
+
+    **Examples**
+
+    ```
+    seqpar advise --seq-len 512k
+    seqpar advise -s 1M -m llama-3-8b --gpu h100 --gpus 8 --nodes 2 -o plan.json
+    seqpar advise -s 1k -m tiny --cluster cpu:2 --mode zigzag_ring_attn
+    seqpar advise -s 128k --mode zigzag_ring_attn --policy rules --json
+    seqpar advise -s 512k --steps 2000 --lr 1e-5 --warmup 100 --rope-theta 2.5e8
+    seqpar advise --recipe 1M -m llama-2-7b -o plan.json
+    seqpar advise --max-seq-len --gpu h200 --gpus 8
+    seqpar advise -s 64k --gpu h200 --gpus 1 --tiled-mlp --fused-ops liger
+    seqpar advise -s 128k -m Qwen/Qwen2.5-7B --gpus 8 -o p.json --emit trl
+    ```
+    """
+    from seqpar.advisor.advise import advise as run_advice
+    from seqpar.advisor.training import apply_training, rope_warning
+
+    if max_seq_len:
+        if emit_tool is not None:
+            raise SeqparError(f"--emit {emit_tool} writes the config of a plan; --max-seq-len writes no plan: drop one of them")
+        return _max_seq_len_command(flags, json_out)
+    seq_len = flags.seq_len
+    if recipe is not None and seq_len is None:  # the recipe's last stage; every stage is planned below
+        from seqpar.advisor.recipe import recipe_seq_len
+
+        seq_len = str(recipe_seq_len(recipe))
+    if seq_len is None:
+        raise SeqparError("--seq-len is required (e.g. --seq-len 128k), unless you ask for --max-seq-len")
+    n = parse_seq_len(seq_len)
+    note(f"seq_len {n} ({format_tokens(n)})")
+    overrides = training.overrides()  # bad values refused before the search runs
+    req, cluster_note = advise_request(flags, n, policy or "cost", note)
+    if recipe is not None:
+        from seqpar.advisor.recipe import advise_recipe
+
+        plan = advise_recipe(req, recipe, cluster_note)
+    else:
+        plan = run_advice(req, cluster_note)
+    plan = apply_training(plan, overrides, recipe)
+    if output is not None:
+        from seqpar.plan.jobspec import launch_spec
+
+        plan = plan.model_copy(update={"launch": launch_spec(plan, output)})
+        plan = LaunchPlan.model_validate(plan.model_dump())  # re-validate the edited plan before it touches disk
+        emission = _emission(plan, emit_tool, output)
+        plan.write(output)
+        note(f"wrote {output}")
+        if emission is not None:
+            from seqpar.emit import emission_lines, write_emission
+
+            write_emission(emission)
+            for line in emission_lines(emission):
+                note(line)
+    elif emit_tool is not None:
+        raise SeqparError(f"--emit {emit_tool} writes its config next to the plan: add -o plan.json")
+    if json_out:
+        print_json(plan.to_json().rstrip("\n"))
+    else:
+        from seqpar.advisor.render import render_plan
+
+        render_plan(shown(plan), stdout(), shown(str(output)) if output is not None else None)
+    warning = rope_warning(plan)
+    if warning:
+        note(f"warning: {warning}")
+    unfit = _does_not_fit(plan)
+    if unfit:
+        kept = f"the plan was written to {output} (seqpar explain {output} shows the memory)" if output else "nothing written"
+        note(f"error: no strategy fits: {unfit}; {kept}")
+        raise typer.Exit(EXIT_OOM_OR_FAILED)
+
+
+def _does_not_fit(plan: LaunchPlan) -> str | None:
+    """Why the plan's predicted memory does not fit (the plan or one of its stages), or None (also without a prediction)."""
+    parts = [("", plan.prediction)] + [(f"stage {i}: ", st.prediction) for i, st in enumerate(plan.stages)]
+    for where, p in parts:
+        if p is not None and p.oom_risk:
+            why = next((r.removeprefix("nothing fits: ") for r in plan.rationale.reasons if r.startswith("nothing fits")), None)
+            why = None if where else why
+            return why or (
+                f"{where}predicted {p.reserved_memory_gib:.1f} GiB reserved (peak allocated {p.peak_memory_gib:.1f} GiB) "
+                f"+ headroom exceeds {p.capacity_gib:.1f} GiB per GPU, or host RAM is short; see seqpar advise --max-seq-len"
+            )
+    return None
+
+
+def _emission(plan: LaunchPlan, tool: str | None, output: Path):
+    """The --emit config for ``plan`` (None without --emit); exit 1 before anything is written when it risks OOM."""
+    if tool is None:
+        return None
+    from seqpar.emit import emission_lines, emit
+
+    em = emit(plan, tool, output)
+    if not em.fits:
+        for line in emission_lines(em)[: -1 - len(em.files)]:  # the verdict and the notes: nothing was written
+            note(line)
+        note(f"{tool}'s nearest strategy is predicted to run out of memory; nothing written (seqpar launch runs the plan)")
+        raise typer.Exit(EXIT_OOM_OR_FAILED)
+    return em
+
+
+@handle_errors
+def explain(
+    plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`."),
+    json_out: bool = typer.Option(False, "--json", help="Print the validated plan as JSON on stdout."),
+    plot: Optional[Path] = typer.Option(
+        None,
+        "--plot",
+        help="Write two PNGs: predicted peak memory vs seq_len per mode with the GPU's capacity (PATH), and the plan's "
+        "memory by phase as stacked bars (PATH's name + -phases). Needs matplotlib (seqpar[plot]).",
+    ),
+):
+    """Validate a plan and explain it: workload, cluster, strategy, prediction, training, bill, the rules and why.
+
+    The Training section states the schedule, the checkpoint interval (about hourly by default, from the predicted step
+    time) and the RoPE base (a warning when the plan trains past the model's positions without raising it); the
+    predicted bill is the wall time and GPU-hours of the whole run (each stage of a recipe, and the recipe).
+
+    **Examples**
+
+    ```
+    seqpar explain plan.json
+    seqpar explain plan.json --json
+    seqpar explain plan.json --plot memory.png
+    ```
+    """
+    plan = LaunchPlan.load(plan_path)
+    if plot is not None:
+        from seqpar.advisor.plots import explain_plots
+
+        for path in explain_plots(plan, plot):
+            note(f"wrote {path}")
+    if json_out:
+        print_json(plan.to_json().rstrip("\n"))
+        return
+    from seqpar.advisor.render import render_plan
+
+    plan = shown(plan)  # the plan's text printed literally, never as markup or terminal control
+    render_plan(plan, stdout(), shown(str(plan_path)))
+    from seqpar.advisor.explain import explain_tables  # the cost model's breakdowns (memory, time, alternatives)
+
+    for t in explain_tables(plan):
+        stdout().print(t)
+
+
+def _max_seq_len_command(flags: RequestFlags, json_out: bool) -> None:
+    """`seqpar advise --max-seq-len`: the longest sequence that fits, per mode (the pins apply)."""
+    from seqpar.advisor.explain import max_seq_len_table
+    from seqpar.advisor.search import max_seq_len as run_max
+
+    req, _ = advise_request(flags, 1024, "cost", note)  # the workload, cluster and pins; each mode's length is searched
+    pins = {k: v for k, v in flags.pins().items() if k != "mode"}
+    res = run_max(
+        req.model,
+        req.cluster,
+        [flags.mode] if flags.mode else None,
+        optimizer=req.optimizer,
+        micro_batch_size=req.micro_batch_size,
+        dtype=req.dtype,
+        **pins,
+    )
+    if json_out:
+        print_json({m: {"max_seq_len": n, "strategy": s.model_dump() if s else None} for m, (n, s) in res.items()})
+    else:
+        stdout().print(max_seq_len_table(res, req.cluster.gpu.memory_gib))
+
+
+@handle_errors
+def schema():
+    """Print the JSON schema of a launch plan (the format `seqpar advise -o` writes and `seqpar launch` reads).
+
+    **Examples**
+
+    ```
+    seqpar schema > plan.schema.json
+    ```
+    """
+    print_json(LaunchPlan.model_json_schema())
+
+
+__all__ = ["advise", "explain", "schema"]
