@@ -101,13 +101,13 @@ def _rank(rank, W, modes, S, backend, D, device):
 
 
 def main(argv=None) -> int:
-    from seqpar.plan.modes import MODES
+    from seqpar.plan.modes import names
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--seq", type=int, default=8192, help="global sequence length (multiple of 2*W*2 for usp)")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(names()))
     ap.add_argument("--backend", default=None, help="kernel override: cudnn | flash | flash_attn | exact")
     ap.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke test of this script)")
     ap.add_argument("--timeout", type=float, default=540)

@@ -7,6 +7,8 @@ on first use; `dir(seqpar)` and `__all__` list it. Without torch installed, usin
 install (seqpar.plan.extras).
 """
 
+from seqpar.plan.extras import lazy_api
+
 __version__ = "0.1.0"
 
 _RUNTIME_API = {  # name -> the runtime module that defines it
@@ -23,22 +25,4 @@ _RUNTIME_API = {  # name -> the runtime module that defines it
 __all__ = ["__version__", *_RUNTIME_API]
 
 
-def __getattr__(name: str):
-    if name in _RUNTIME_API:
-        import importlib
-
-        try:
-            module = importlib.import_module(_RUNTIME_API[name])
-        except ModuleNotFoundError as e:
-            from seqpar.plan.extras import MissingExtra, from_error
-
-            line = from_error(e)
-            if line is None:
-                raise
-            raise MissingExtra(f"seqpar.{name}: {line}") from None
-        return getattr(module, name)
-    raise AttributeError(f"module 'seqpar' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_RUNTIME_API))
+__getattr__, __dir__ = lazy_api("seqpar", _RUNTIME_API, globals())

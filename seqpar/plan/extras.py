@@ -68,4 +68,28 @@ def from_error(e: ModuleNotFoundError) -> str | None:
     return missing_message(e.name) if e.name else None
 
 
-__all__ = ["EXTRAS", "MissingExtra", "from_error", "install_line", "missing_message", "require"]
+def lazy_api(package: str, api: dict[str, str], namespace: dict):
+    """A package's ``__getattr__`` and ``__dir__`` for names defined in modules imported on first use (``api``: name ->
+    module): a missing optional dependency raises one line naming the extra to install instead of ModuleNotFoundError."""
+
+    def __getattr__(name: str):
+        if name not in api:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        import importlib
+
+        try:
+            module = importlib.import_module(api[name])
+        except ModuleNotFoundError as e:
+            line = from_error(e)
+            if line is None:
+                raise
+            raise MissingExtra(f"{package}.{name}: {line}") from None
+        return getattr(module, name)
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(api))
+
+    return __getattr__, __dir__
+
+
+__all__ = ["EXTRAS", "MissingExtra", "from_error", "install_line", "lazy_api", "missing_message", "require"]

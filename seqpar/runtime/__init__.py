@@ -5,6 +5,8 @@ seqpar.runtime.launch, runs without torch); the attention API below is imported 
 raises one line naming the extra to install.
 """
 
+from seqpar.plan.extras import lazy_api
+
 _API = {  # name -> the module that defines it
     "attention": "seqpar.runtime.parallel.attention",
     "local_attention": "seqpar.runtime.parallel.data_parallel",
@@ -15,22 +17,4 @@ _API = {  # name -> the module that defines it
 __all__ = list(_API)
 
 
-def __getattr__(name: str):
-    if name in _API:
-        import importlib
-
-        try:
-            module = importlib.import_module(_API[name])
-        except ModuleNotFoundError as e:
-            from seqpar.plan.extras import MissingExtra, from_error
-
-            line = from_error(e)
-            if line is None:
-                raise
-            raise MissingExtra(f"seqpar.runtime.{name}: {line}") from None
-        return getattr(module, name)
-    raise AttributeError(f"module 'seqpar.runtime' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_API))
+__getattr__, __dir__ = lazy_api("seqpar.runtime", _API, globals())

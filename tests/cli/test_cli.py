@@ -19,12 +19,10 @@ from seqpar.plan.base import SCHEMA_VERSION
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.profiles import get_model
 
+from seqpar_testing.cli import run
+
 runner = CliRunner()
 A100X8 = ["--gpu", "a100", "--gpus", "8"]
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def test_advise_json_matches_rules_exactly():

@@ -16,16 +16,11 @@ from typer.testing import CliRunner
 
 from seqpar.cli import app
 
+from seqpar_testing.cli import one_error_line
 from seqpar_testing.hf import char_model
 from seqpar_testing.train import make_plan
 
 runner = CliRunner()
-
-
-def _one_error_line(r) -> str:
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -64,7 +59,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case, match):
         args += ["--data", str(tmp_path / "nope.npy")]
     r = runner.invoke(app, args)
     assert r.exit_code == 2, r.output
-    assert match in _one_error_line(r)
+    assert match in one_error_line(r)
     assert not out.exists()
 
 

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import shutil
-import stat
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from seqpar.plan.errors import SeqparError
 from seqpar.plan.units import parse_seq_len
 from seqpar.profiles import get_model
 
+from seqpar_testing.cli import device_node
 from seqpar_testing.train import make_plan
 
 runner = CliRunner()
@@ -117,15 +117,6 @@ def test_forged_coefficients_exit_2_naming_file_and_field(tmp_path, value):
 
 
 # --------------------------------------------------------------------------------------------- flags and output paths
-
-
-def device_node(path: Path) -> Path:
-    """A character device of our own (what /dev/null is), never the real one: a seqpar that replaced the target would
-    turn the system's /dev/null into a file when run as root. Making one needs root; the test is skipped otherwise."""
-    if os.geteuid() != 0:
-        pytest.skip("making a device node needs root")
-    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    return path
 
 
 def _special(tmp_path: Path, kind: str) -> Path:

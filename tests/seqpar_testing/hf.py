@@ -63,9 +63,9 @@ def batch():
 
 
 def available_modes() -> list[str]:
-    from seqpar.plan.modes import MODES
+    from seqpar.plan.modes import names
 
-    return list(MODES)
+    return list(names())
 
 
 def param_grads(model) -> dict[str, torch.Tensor]:

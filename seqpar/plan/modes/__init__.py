@@ -27,16 +27,6 @@ from seqpar.plan.modes.registry import (
 )
 from seqpar.plan.modes.split import check_heads, check_split, degrees, head_degree, nearest_multiples, split_multiple
 
-
-def __getattr__(name: str):
-    """``MODES`` (the registered names) and ``FACTS`` (name -> description), read at the time they are asked for."""
-    if name == "MODES":
-        return names()
-    if name == "FACTS":
-        return {m: describe(m) for m in names()}
-    raise AttributeError(f"module 'seqpar.plan.modes' has no attribute {name!r}")
-
-
 __all__ = [
     "BALANCES",
     "COMM",

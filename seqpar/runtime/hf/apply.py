@@ -36,15 +36,13 @@ from seqpar.plan.errors import SeqparError
 from seqpar.plan.modes import check_mode, degrees, describe, names, takes_ulysses_degree
 from seqpar.runtime.memory.activation_checkpoint import apply_checkpointing, decoder_layers, from_deprecated, policy
 
-__all__ = ["IMPLEMENTATIONS", "apply", "register"]  # noqa: F822  (IMPLEMENTATIONS: module __getattr__)
+__all__ = ["apply", "implementations", "register"]
 
 
-def __getattr__(name: str):
-    """``IMPLEMENTATIONS``: each registered mode's attn_implementation name (seqpar.plan.modes: never containing "flash",
-    which transformers 5 reads as a hub kernel request), read when asked for, so modes registered later are in it."""
-    if name == "IMPLEMENTATIONS":
-        return {m: describe(m).implementation for m in names()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def implementations() -> dict[str, str]:
+    """Each registered mode's attn_implementation name (seqpar.plan.modes: never containing "flash", which transformers 5
+    reads as a hub kernel request), read when asked for, so modes registered later are in it."""
+    return {m: describe(m).implementation for m in names()}
 
 
 @dataclass(frozen=True)

@@ -181,8 +181,8 @@ def test_loss_from_hidden_bf16_matches_full_logits():
 
 
 def test_implementation_names_avoid_flash():
-    assert set(hf.IMPLEMENTATIONS) == {"data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"}
-    assert all("flash" not in name for name in hf.IMPLEMENTATIONS.values())
+    assert set(hf.implementations()) == {"data_parallel", "zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"}
+    assert all("flash" not in name for name in hf.implementations().values())
 
 
 def test_apply_switches_the_model_and_refuses_padding_and_masks():

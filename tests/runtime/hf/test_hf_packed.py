@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from seqpar.plan.modes import MODES
+from seqpar.plan.modes import names
 
 from seqpar_testing import run_ranks
 from seqpar_testing.hf import compare_loss_and_grads, families, group_grads, make_model, param_grads
@@ -96,7 +96,7 @@ def ranks_main(rank: int, world_size: int) -> dict:
         base.train()
         ids, labels, _ = packed_batch(same)
         ref = per_document_reference(base, ids, labels, same)
-        for mode in MODES:
+        for mode in names():
             _case(rank, world_size, base, ref, mode, "plain", same, failures, done)
         if family == "llama":  # the paths below do not depend on the model
             for mode in ("zigzag_ring_attn", "usp_attn"):
@@ -138,7 +138,7 @@ def test_packed_documents_through_transformers_match_each_document_alone():
     results = run_ranks(ranks_main, 4, timeout=300)
     for r, res in enumerate(results):
         assert res["failures"] == [], f"rank {r}:\n" + "\n".join(res["failures"][:20])
-    n_modes = len(MODES)
+    n_modes = len(names())
     assert len(results[0]["cases"]) == len(families()) * n_modes + 2 * 6 + 2
     msgs = [res["errors"] for res in results]
     assert all(m == msgs[0] for m in msgs), msgs  # the same line on every rank

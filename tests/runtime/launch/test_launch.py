@@ -31,6 +31,7 @@ from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import ClusterSpec
 from seqpar.runtime.launch.run import check_machine
 
+from seqpar_testing.cli import one_error_line
 from seqpar_testing.train import make_plan, read_metrics
 
 runner = CliRunner()
@@ -47,12 +48,6 @@ def _gpu_plan(tmp_path: Path, gpus: int = 8, sharding: str = "fsdp") -> Path:
     p = tmp_path / "gpu_plan.json"
     p.write_text(json.dumps(data))
     return p
-
-
-def _one_error_line(r) -> str:
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    return lines[0]
 
 
 # --------------------------------------------------------------------------------------------- refusals (exit 2, nothing written)
@@ -84,7 +79,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case, match):
     out = tmp_path / "out"
     r = runner.invoke(app, ["launch", str(plan), "--data", data, "--output", str(out), "--steps", "2", *extra])
     assert r.exit_code == 2, r.output
-    assert match in _one_error_line(r)
+    assert match in one_error_line(r)
     assert not out.exists()
 
 
@@ -93,7 +88,7 @@ def test_output_with_checkpoints_needs_resume(tmp_path):
     make_plan(2, "zigzag_ring_attn", 2).write(plan)
     (tmp_path / "out" / "checkpoints" / "step-000001").mkdir(parents=True)
     r = runner.invoke(app, ["launch", str(plan), "--output", str(tmp_path / "out")])
-    assert r.exit_code == 2 and "pass --resume" in _one_error_line(r)
+    assert r.exit_code == 2 and "pass --resume" in one_error_line(r)
 
 
 def test_machine_check():
@@ -139,7 +134,7 @@ def test_multi_node_and_deepspeed_commands(tmp_path):
     assert '"stage": 3' in r.stdout
     if importlib.util.find_spec("deepspeed") is None:  # not installed here: refused with the reason
         r = runner.invoke(app, ["launch", str(gplan), "--force", "--output", str(tmp_path / "ds")])
-        line = _one_error_line(r)  # a missing optional dependency: exit 1 naming the extra (seqpar.plan.extras)
+        line = one_error_line(r)  # a missing optional dependency: exit 1 naming the extra (seqpar.plan.extras)
         assert r.exit_code == 1 and "needs deepspeed, which is not installed: pip install" in line and "[deepspeed]" in line
 
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.modes import MODES, split_multiple
+from seqpar.plan.modes import names, split_multiple
 from seqpar.runtime.parallel.layout import shard, unshard
 
 from seqpar_testing import case_id
 
-SETUPS = [(m, w, None) for m in MODES if m != "usp_attn" for w in (1, 2, 3, 4)]
+SETUPS = [(m, w, None) for m in names() if m != "usp_attn" for w in (1, 2, 3, 4)]
 SETUPS += [("usp_attn", w, u) for w in (1, 2, 3, 4) for u in (1, 2) if w % u == 0]
 
 
