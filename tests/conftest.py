@@ -24,6 +24,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,10 @@ def _extensions_dir() -> str | None:
 
 if "TORCH_EXTENSIONS_DIR" not in os.environ and (_dir := _extensions_dir()):
     os.environ["TORCH_EXTENSIONS_DIR"] = _dir
+
+# Checkpoints are signed with a key per user, in ~/.config (seqpar.runtime.checkpoint.integrity): the tests, and every rank
+# and launch they start (the variable is inherited), sign with a key of their own session, never the user's.
+os.environ["SEQPAR_RUN_KEY_FILE"] = str(Path(tempfile.mkdtemp(prefix="seqpar-test-key-")) / "run-key")
 
 
 @pytest.fixture(scope="session")

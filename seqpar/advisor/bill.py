@@ -77,11 +77,13 @@ def gpu_hours(h: float, unit: str = "GPU-hours") -> str:
 
 def bill_lines(bill: Bill) -> list[str]:
     """One line per stage (staged plans) and the total: steps x step time = wall time, GPU-hours on the cluster's GPUs."""
-    unit, on = ("rank-hours", f"{bill.gpus} CPU ranks") if bill.cpu else ("GPU-hours", f"{bill.gpus} GPUs")
+    noun = ("CPU rank" if bill.cpu else "GPU") + ("" if bill.gpus == 1 else "s")
+    unit, on = ("rank-hours" if bill.cpu else "GPU-hours"), f"{bill.gpus} {noun}"
     lines = []
     for s in bill.stages:
         head = f"{s.label} ({format_tokens(s.seq_len)}): " if len(bill.stages) > 1 else ""
-        first = f" (the first {s.first_step_s:.3g} s)" if s.first_step_s > s.step_time_s else ""
+        # the first step's one-off costs, said only where they show at the precision printed
+        first = f" (the first {s.first_step_s:.3g} s)" if f"{s.first_step_s:.3g}" != f"{s.step_time_s:.3g}" else ""
         lines.append(
             f"{head}{s.steps} steps x {s.step_time_s:.3g} s{first} = {duration(s.wall_s)}, {gpu_hours(s.gpu_hours, unit)} on {on}"
         )

@@ -22,6 +22,13 @@ from seqpar.profiles import get_link, gpu_profile
 DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, DEFAULT_HOST_RAM_GIB = "a100-80g-sxm", 8, 1024.0
 
 
+# Bounds on a declared cluster: the search tries every degree up to the world size, so an absurd count would run for
+# ever; these are well past any machine (the largest NVLink domains hold 576 GPUs; the largest jobs, ~10^5 GPUs).
+MAX_GPUS_PER_NODE = 1024
+MAX_NODES = 131072
+MAX_CPU_RANKS = 1024
+
+
 def default_cluster() -> ClusterSpec:
     """8x A100-80G SXM, NVLink3, one node: the hardware of EasyContext's published results."""
     return cluster_from_flags(DEFAULT_GPU, DEFAULT_GPUS_PER_NODE, 1, host_ram_gib=DEFAULT_HOST_RAM_GIB, source="default")
@@ -31,9 +38,11 @@ def cluster_from_flags(
     gpu: str, gpus: int = 8, nodes: int = 1, host_ram_gib: Optional[float] = None, source: str = "declared"
 ) -> ClusterSpec:
     """A homogeneous cluster of ``nodes`` x ``gpus`` (GPUs per node) of one GPU profile, with that board's usual links."""
-    for what, v in (("--gpus", gpus), ("--nodes", nodes)):
+    for what, v, most in (("--gpus", gpus, MAX_GPUS_PER_NODE), ("--nodes", nodes, MAX_NODES)):
         if not isinstance(v, int) or v < 1:
             raise SeqparError(f"{what} {v!r} must be a positive whole number; e.g. {what} 8")
+        if v > most:
+            raise SeqparError(f"{what} {v} is more than the {most} seqpar plans for; give {what} {most} or fewer")
     if host_ram_gib is not None and host_ram_gib <= 0:
         raise SeqparError(f"--host-ram-gib {host_ram_gib} must be positive; e.g. 1024")
     prof = gpu_profile(gpu)
@@ -57,6 +66,10 @@ def cpu_cluster(n: int) -> ClusterSpec:
     """``n`` CPU ranks on this host, talking gloo over loopback (tests, examples, smoke runs)."""
     if not isinstance(n, int) or n < 1:
         raise SeqparError(f"cpu cluster size {n!r} must be a positive whole number; e.g. --cluster cpu:2")
+    if n > MAX_CPU_RANKS:
+        raise SeqparError(
+            f"--cluster cpu:{n}: more CPU ranks than the {MAX_CPU_RANKS} one host runs; give cpu:{MAX_CPU_RANKS} or fewer"
+        )
     return ClusterSpec(
         accelerator="cpu",
         nodes=1,

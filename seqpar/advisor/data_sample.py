@@ -40,7 +40,7 @@ def _jsonl_lengths(p: Path, name: str) -> list[int]:
                 continue
             try:
                 row = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):  # ValueError: also an integer of over 4300 digits
                 raise SeqparError(f'{name} line {i} is not a JSON object; write one {{"text": ...}} per line') from None
             if isinstance(row, dict) and isinstance(row.get("text"), str):
                 out.append(math.ceil(len(row["text"]) / CHARS_PER_TOKEN) + 1)

@@ -129,7 +129,7 @@ def read_doc_lens(path: str | Path) -> DocMix:
     if lines[0][1].lstrip().startswith("["):
         try:
             values = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # ValueError: also an integer of over 4300 digits
             raise SeqparError(f"{name} starts like a JSON list but is not valid JSON ({e}); write [512, 2048, ...]") from None
         if not isinstance(values, list) or not values:
             raise SeqparError(f"{name} holds an empty or nested JSON list; write the lengths as [512, 2048, ...]")

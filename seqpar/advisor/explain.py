@@ -1,17 +1,19 @@
 """The cost model's side of `seqpar explain` / `check` / `advise --max-seq-len`: breakdown tables and the OOM verdict.
 
 render.py renders the plan itself (with its training settings and predicted bill); these add the memory breakdown at the
-peak phase with every phase's total, the step time split, the alternatives with their predictions and why each lost, and
-the check verdict. The pictures are plots.py's.
+peak phase with every phase's total, the step time split, the alternatives with their predictions and why each lost (the
+best of each kind of change, answer.alternative_groups), and the check verdict. The pictures are plots.py's.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from rich import box
 from rich.console import RenderableType
 from rich.table import Table
 
+from seqpar.advisor.answer import alternative_groups, percent, why_lost
 from seqpar.advisor.cost import packed
 from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.cost.memory import estimate_memory
@@ -53,19 +55,31 @@ def explain_tables(plan: LaunchPlan, coeffs: Optional[Coefficients] = None) -> l
         out.append(tt)
     if plan.workload.doc_lens is not None:
         out.append(packed_table(plan, c))
-    alts = plan.rationale.alternatives
-    if alts:
-        at = _table("Alternatives and why each lost", "strategy", "tokens/s", "peak GiB", "why")
-        for a in alts:
-            ap = a.prediction
-            at.add_row(
-                describe(a.strategy),
-                f"{ap.tokens_per_s:,.0f}" if ap else "-",
-                f"{ap.peak_memory_gib:.1f}" if ap else "-",
-                a.rejected_because,
-            )
-        out.append(at)
+    if plan.rationale.alternatives:
+        out.append(alternatives_table(plan))
     return out
+
+
+def alternatives_table(plan: LaunchPlan) -> Table:
+    """The alternatives, the best of each kind of change (answer.alternative_groups), against the plan's prediction; why
+    each lost beside it when its numbers do not say (a slower one says it in its tokens/s)."""
+    p = plan.prediction
+    mine = f" (plan: {p.tokens_per_s:,.0f} tokens/s, {p.peak_memory_gib:.1f} GiB)" if p else ""
+    t = Table(title=f"Alternatives, the best of each kind{mine}", title_justify="left", box=box.SIMPLE_HEAD)
+    t.add_column("changes from the plan: why it lost")
+    t.add_column("tokens/s", justify="right", no_wrap=True)
+    t.add_column("peak GiB", justify="right", no_wrap=True)
+    for g in alternative_groups(plan):
+        ap = g.best.prediction
+        vs = f" ({percent(ap.tokens_per_s / p.tokens_per_s - 1)})" if ap and p and p.tokens_per_s else ""
+        more = f" [dim](+{g.more} alike)[/]" if g.more else ""
+        why = why_lost(plan, g.best)
+        t.add_row(
+            g.changes + more + ("" if why == "slower" else f": {why}"),
+            f"{ap.tokens_per_s:,.0f}{vs}" if ap else "-",
+            f"{ap.peak_memory_gib:.1f}" if ap else "-",
+        )
+    return t
 
 
 def packed_table(plan: LaunchPlan, c: Coefficients) -> Table:
@@ -103,8 +117,11 @@ def check_lines(res: CheckResult) -> list[str]:
     return lines
 
 
-def max_seq_len_table(result: dict, capacity_gib: float) -> Table:
-    t = _table(f"Longest sequence that fits per mode ({capacity_gib:.0f} GiB GPUs)", "mode", "seq_len", "with")
+def max_seq_len_table(result: dict, capacity_gib: float, cannot: dict | None = None, ranks: str = "GPUs") -> Table:
+    """``cannot``: the modes with no valid strategy here (they run at no length), shown as such, not as "none fits";
+    ``ranks``: what the cluster's ranks are ("GPUs", "CPU ranks")."""
+    t = _table(f"Longest sequence that fits per mode ({capacity_gib:.0f} GiB {ranks})", "mode", "seq_len", "with")
     for mode, (n, s) in result.items():
-        t.add_row(mode, f"{n} ({format_tokens(n)})" if n else "none fits", describe(s) if s else "-")
+        none = "cannot run here (below)" if mode in (cannot or {}) else "none fits"
+        t.add_row(mode, f"{n} ({format_tokens(n)})" if n else none, describe(s) if s else "-")
     return t

@@ -150,19 +150,36 @@ def memory_by_phase_figure(plan: LaunchPlan, coeffs: Optional[Coefficients] = No
     return fig
 
 
-def measured_vs_predicted_figure(shipped: list[dict], yours: list[dict]):
-    """Calibration: every measured run (seqpar calibrate's rows: the shipped measurements and your reports, told apart)
-    against the refitted prediction, tokens/s and peak memory, log-log, with y = x and a +-10% band."""
+CPU_CAVEAT = (
+    "x: runs on CPU ranks, not fitted: the cost model's coefficients are fitted to GPU runs, so their predictions are\n"
+    "rough; their memory (the process's RSS, not the allocator's peak) is not drawn"
+)
+
+
+def measured_vs_predicted_figure(shipped: list[dict], yours: list[dict], cpu: list[dict] = ()):
+    """Calibration: every measured run (seqpar calibrate's rows: the shipped measurements, your GPU runs and your runs on
+    CPU ranks, told apart, the last with a caveat under the figure: the fit leaves them out) against the refitted
+    prediction, tokens/s and peak memory, log-log, with y = x and a +-10% band."""
     plt = _pyplot()
+    from matplotlib.ticker import NullFormatter
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
     panels = (
         ("measured_tokens_per_s", "predicted_tokens_per_s", "tokens/s"),
         ("measured_peak_gib", "predicted_peak_gib", "peak allocated GiB"),
     )
-    looks = (("o", "tab:gray", "shipped measurements"), ("*", "tab:red", "your runs"))
+    looks = (
+        ("o", "tab:gray", "shipped measurements"),
+        ("*", "tab:red", "your runs"),
+        ("x", "tab:blue", "your runs on CPU ranks (not fitted)"),
+    )
     for ax, (mk, pk, what) in zip(axes, panels):
-        groups = [[(r[mk], r[pk]) for r in rows if r.get(mk) and r.get(pk)] for rows in (shipped, yours)]
-        pts = groups[0] + groups[1]
+        # a CPU rank's memory is its process's RSS, not the allocator's peak: its runs are drawn on tokens/s only
+        groups = [
+            [(r[mk], r[pk]) for r in rows if r.get(mk) and r.get(pk)] if rows is not cpu or mk == panels[0][0] else []
+            for rows in (shipped, yours, cpu)
+        ]
+        pts = groups[0] + groups[1] + groups[2]
         for sel, (marker, color, label) in zip(groups, looks):
             if sel:
                 ax.scatter([m for m, _ in sel], [p for _, p in sel], marker=marker, color=color, s=40, label=label, zorder=3)
@@ -176,12 +193,15 @@ def measured_vs_predicted_figure(shipped: list[dict], yours: list[dict]):
             ax.set_ylim(lo, hi)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor ticks' labels overlap on a narrow decade
         ax.set_xlabel(f"measured {what}")
         ax.set_ylabel(f"predicted {what}")
         ax.set_title(f"{what}: {len(pts)} runs (dotted: +-10%)", fontsize=9)
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
+    if cpu:
+        fig.text(0.01, 0.005, CPU_CAVEAT, fontsize=8, color="tab:blue")
+    fig.tight_layout(rect=(0, 0.07 if cpu else 0, 1, 1))
     return fig
 
 

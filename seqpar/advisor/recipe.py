@@ -29,6 +29,8 @@ class Recipe(NamedTuple):
     description: str
     tokens_per_step: Optional[int]
     stages: tuple[RecipeStage, ...]
+    cluster: Optional[str] = None  # the --cluster it is meant for when none is declared (None: probe, else the default)
+    model: Optional[str] = None  # the --model it is meant for when none is given
 
 
 RECIPES: dict[str, Recipe] = {
@@ -50,6 +52,8 @@ RECIPES: dict[str, Recipe] = {
         "two short stages for CPU checks (tiny model, --cluster cpu:N)",
         None,
         (RecipeStage(64, 1e4, 3, "data_parallel"), RecipeStage(128, 1e5, 3, "zigzag_ring_attn")),
+        cluster="cpu:2",
+        model="tiny",
     ),
 }
 

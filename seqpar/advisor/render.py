@@ -2,8 +2,9 @@
 
 Each ``*_tables`` function returns renderables so callers (and the cost-model's richer explain) can add their own sections;
 ``render_plan`` prints them in order: the plan's sections, its Training settings (training.py) and predicted bill
-(bill.py), the reasons and the launch line. Profile listings keep whole names at 80 columns and round their figures.
-JSON output never goes through here: the CLI dumps the pydantic models directly.
+(bill.py), the reasons and the launch line; ``render_answer`` prints `seqpar advise`'s one-screen answer (answer.py).
+Profile listings keep whole names at 80 columns and round their figures. JSON output never goes through here: the CLI
+dumps the pydantic models directly.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from rich import box
 from rich.console import Console, RenderableType
 from rich.table import Table
 
+from seqpar.advisor.answer import answer_rows, disagreement
 from seqpar.advisor.bill import NOT_COUNTED, bill_lines, plan_bill
-from seqpar.advisor.search import describe
 from seqpar.advisor.training import training_rows
 from seqpar.plan.display import rows as option_rows
 from seqpar.plan.launch_plan import LaunchPlan
@@ -64,8 +65,9 @@ def plan_summary(plan: LaunchPlan) -> str:
     return f"{s.mode}, {degrees}, seq_len {w.seq_len} ({format_tokens(w.seq_len)}), {w.model.name}, {cluster_line(plan.cluster)}"
 
 
-def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[RenderableType]:
-    """The plan's sections; ``plan_path``: where the plan is, for the launch line (None: it was not written)."""
+def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json", warn: bool = True) -> list[RenderableType]:
+    """The plan's sections; ``plan_path``: where the plan is, for the launch line (None: it was not written); ``warn``:
+    whether the Training section repeats the RoPE warning (`seqpar advise` says it once, on stderr)."""
     w, c, s, r = plan.workload, plan.cluster, plan.strategy, plan.rationale
     out: list[RenderableType] = [
         _kv(
@@ -130,7 +132,7 @@ def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[R
                 ],
             )
         )
-    out.append(_kv("Training", training_rows(plan)))
+    out.append(_kv("Training", [row for row in training_rows(plan) if warn or "warning" not in row[0]]))
     bill = plan_bill(plan)
     if bill is not None:
         out.append(_kv("Predicted bill", [("", line) for line in bill_lines(bill)] + [("", f"[dim]{NOT_COUNTED}[/]")]))
@@ -138,10 +140,9 @@ def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[R
     why.add_column()
     for i, step in enumerate(r.rule_path, 1):
         why.add_row(f"[dim]rule {i}[/] {step}")
+    split = disagreement(plan)  # in place of the search's terse "rules: X; cost model: Y" (the alternatives: explain.py)
     for reason in r.reasons:
-        why.add_row(f"- {reason}")
-    for alt in r.alternatives:
-        why.add_row(f"[dim]not[/] {describe(alt.strategy)}: {alt.rejected_because}")
+        why.add_row(f"- {split if split and reason.startswith(f'rules: {r.rules_choice}; ') else reason}")
     out.append(why)
     launch = " ".join(shlex.quote(a) if not a.startswith("$") else a for a in plan.launch.command)
     runs = f"{plan.launch.launcher} on each node" + (f" (stage 0 of {len(plan.stages)})" if plan.stages else "")
@@ -159,11 +160,16 @@ def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json") -> list[R
     return out
 
 
-def render_plan(plan: LaunchPlan, console: Console, plan_path: str | None = "plan.json") -> None:
-    console.print(f"[bold]{plan_summary(plan)}[/]")
-    for t in plan_tables(plan, plan_path):
+def render_plan(plan: LaunchPlan, console: Console, plan_path: str | None = "plan.json", warn: bool = True) -> None:
+    console.print(f"[bold]{plan_summary(plan)}[/]", soft_wrap=False)  # wrapped at the terminal's width, like the tables
+    for t in plan_tables(plan, plan_path, warn):
         console.print(t)
         console.print()
+
+
+def render_answer(plan: LaunchPlan, console: Console, plan_path: str | None, details: str) -> None:
+    """`seqpar advise`'s one-screen answer (answer.answer_rows); ``details``: the command that prints the rest."""
+    console.print(_kv("", answer_rows(plan, plan_path, details)))
 
 
 def probe_tables(res) -> list[RenderableType]:

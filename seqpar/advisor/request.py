@@ -75,6 +75,12 @@ class AdviseRequest(Frozen):
 
     @model_validator(mode="after")
     def _runnable(self) -> AdviseRequest:
+        one = self.micro_batch_size * self.seq_len  # one micro-batch on one rank: the least a step can hold
+        if self.tokens_per_step is not None and self.tokens_per_step < one:
+            raise SeqparError(
+                f"--tokens-per-step {self.tokens_per_step} is less than one micro-batch ({self.micro_batch_size} x "
+                f"{self.seq_len} tokens = {one}); a step holds whole micro-batches: give at least {one}, or leave it out"
+            )
         check_workload(self.workload(), self.cluster, self.fused_ops)
         if self.kept_host_layers and self.kept_saves != "matmuls":
             raise SeqparError(

@@ -22,7 +22,7 @@ from seqpar.advisor.request import AdviseRequest
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.jobspec import launch_spec
 from seqpar.plan.launch_plan import LaunchPlan, Rationale
-from seqpar.plan.modes import describe, hybrid_names, splits_sequence, takes_ulysses_degree
+from seqpar.plan.modes import hybrid_names, splits_sequence, takes_ulysses_degree
 from seqpar.plan.rules import layout_problems, plan_problems
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy
 from seqpar.plan.units import format_tokens
@@ -103,8 +103,6 @@ def check_mode(
         return None, f"{mode} needs at least 2 ranks to split a sequence over, the cluster has {world}"
     if not takes_ulysses_degree(mode) and u_pin not in (None, 1):
         return None, f"ulysses_degree {u_pin} is pinned, which only {hybrid_names()} takes"
-    if describe(mode).pairs_ranks and sp % 2:
-        return None, f"{mode} pairs ranks in its balanced schedule and needs an even GPU count, not {sp}"
     u = 1
     if takes_ulysses_degree(mode):
         u = u_pin or _usp_ulysses_degree(model, sp, cluster.gpus_per_node)
@@ -112,6 +110,13 @@ def check_mode(
             return (
                 None,
                 f"{mode} found no Ulysses degree >= 2 dividing sp_degree {sp} and {model.name}'s {model.num_attention_heads} heads",
+            )
+        if sp // u < 2:  # a ring of one rank is ulysses_attn: the search never plans it as usp_attn either
+            ranks = "CPU ranks" if cluster.accelerator == "cpu" else "GPUs"
+            return (
+                None,
+                f"{mode} needs a Ulysses degree and a ring degree of at least 2 each (sp_degree = ulysses x ring), so at "
+                f"least 4 {ranks}; sp_degree {sp} with Ulysses degree {u} leaves a ring of {sp // u}: use ulysses_attn",
             )
     problems = layout_problems(Strategy.over(mode, sp, world, u), seq_len, model, cluster)  # ranks, split, heads
     return (None, problems[0]) if problems else ((sp, u), "")

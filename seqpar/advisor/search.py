@@ -19,7 +19,6 @@ checkpointing only unless checkpointing is pinned; a hybrid mode's (usp_attn's) 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from itertools import product
 from typing import Iterator, Optional
@@ -28,6 +27,7 @@ from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.cost.memory import estimate_memory, kept_host_matmuls
 from seqpar.advisor.cost.predict import predict
 from seqpar.advisor.cost.throughput import estimate_time
+from seqpar.advisor.refusal import no_valid_strategy
 from seqpar.advisor.request import AdviseRequest
 from seqpar.advisor.rules import tree_mode, written_plan
 from seqpar.plan.display import tags
@@ -37,7 +37,7 @@ from seqpar.plan.modes import describe as describe_mode
 from seqpar.plan.modes import names, split_multiple, splits_sequence, takes_ulysses_degree
 from seqpar.plan.rules import NO_SPLIT, plan_problems, split_tag
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
-from seqpar.plan.units import GIB
+from seqpar.plan.units import GIB, divisors
 
 CHECKPOINTING = ("full", "selective", "none", "offload")
 SHARDING = ("ddp", "zero2", "zero3", "zero3_offload")  # fsdp costs the same as zero3 in this model; searched when pinned
@@ -64,7 +64,7 @@ def _degrees(mode: str, world: int, req: AdviseRequest) -> Iterator[tuple[int, i
         if req.sp_degree in (None, 1):
             yield 1, 1, ""
         return
-    sps = [req.sp_degree] if req.sp_degree else [d for d in range(2, world + 1) if world % d == 0]
+    sps = [req.sp_degree] if req.sp_degree else [d for d in divisors(world) if d >= 2]
     for sp in sps:
         if not hybrid:
             yield sp, 1, ""
@@ -249,10 +249,7 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
     w, cl = req.workload(), req.cluster
     valid, invalid = enumerate_strategies(req, w)
     if not valid:
-        why = (
-            Counter(r for _, r in invalid).most_common(1)[0][0] if invalid else "nothing to try"
-        )  # the reason that rules out most
-        raise SeqparError(f"no valid strategy for seq_len {req.seq_len} on {cl.world_size} GPUs: {why}")
+        raise SeqparError(no_valid_strategy(req, w, invalid))
     cands = _predict_all(req, valid, w, cl, c)
     fitting = sorted((x for x in cands if x.fits), key=lambda x: (-x.tokens_per_s, x.peak_gib))
     pinned = len(cands) == 1

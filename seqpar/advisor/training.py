@@ -65,7 +65,7 @@ def training_rows(plan: LaunchPlan) -> list[tuple[str, str]]:
         ("seed", str(t.seed)),
     ]
     if not plan.stages:
-        _, why = interval(t.checkpoint_every, plan.prediction.step_time_s if plan.prediction else None)
+        _, why = interval(t.checkpoint_every, plan.prediction.step_time_s if plan.prediction else None, t.steps)
         rows.append(("checkpoints", why))
     else:
         rows.append(("checkpoints", _stage_interval(plan)))

@@ -11,10 +11,11 @@ import typer
 from seqpar.cli import advise, calibrate, check, launch, profiles
 from seqpar.cli.base import ReadableCommand
 from seqpar.cli.eval import eval_app
+from seqpar.cli.glossary import GLOSSARY
 
 app = typer.Typer(
     name="seqpar",
-    help="Plan, check and run sequence-parallel long-context training.",
+    help="Plan, check and run sequence-parallel long-context training.\n\n" + GLOSSARY,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -33,6 +34,21 @@ for command in (
     app.command(cls=ReadableCommand)(command)
 app.add_typer(profiles.profiles_app, name="profiles")
 app.add_typer(eval_app, name="eval")
+
+
+def _version(given: bool) -> None:
+    if given:
+        from seqpar import __version__
+
+        typer.echo(f"seqpar {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _top(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print seqpar's version and exit."),
+) -> None:
+    """Plan, check and run sequence-parallel long-context training."""
 
 
 def main() -> None:

@@ -7,12 +7,14 @@ TrainingFlags (seqpar.cli.options). Importing this module imports neither torch 
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Literal, Optional
 
 import typer
 
-from seqpar.cli.base import EXIT_OOM_OR_FAILED, handle_errors, note, print_json, stdout
+from seqpar.cli.base import EXIT_OOM_OR_FAILED, handle_errors, note, print_json, say, stdout
+from seqpar.cli.glossary import GLOSSARY
 from seqpar.cli.literal import shown
 from seqpar.cli.options import (
     OUTPUT,
@@ -54,6 +56,13 @@ def advise(
         None, "--output", "-o", rich_help_panel=OUTPUT, help="Write the plan here (atomically; nothing is written on error)."
     ),
     json_out: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT, help="Print the plan as JSON on stdout (only JSON)."),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        "-v",
+        rich_help_panel=OUTPUT,
+        help="Print the whole plan as seqpar explain does: settings, reasons, alternatives, memory, step time.",
+    ),
     emit_tool: Optional[Literal["accelerate", "trl", "axolotl", "arctic", "deepspeed"]] = typer.Option(
         None,
         "--emit",
@@ -64,15 +73,17 @@ def advise(
 ):
     """Advise a launch plan: which sequence-parallel mode, degrees, checkpointing and sharding, with the reasons.
 
-    The cluster comes from the flags, else from the probe (NVML), else the default (8x A100-80G SXM, EasyContext's hardware);
-    stderr says which. The plan carries the training settings (Training options) and its predicted bill: wall time and
-    GPU-hours of the whole run. Exit 0 with a plan that fits, 1 when no strategy fits (the plan is still written with -o,
-    for `seqpar explain`), 2 invalid input.
+    The answer fits one screen: the plan, its prediction, its bill (wall time and GPU-hours of the whole run), the
+    command to run next and why; --verbose or `seqpar explain plan.json` print the rest (settings, reasons, the
+    alternatives). The cluster comes from the flags, else the probe (NVML), else the default (8x A100-80G SXM,
+    EasyContext's hardware); stderr says which. Exit 0 with a plan that fits, 1 when no strategy fits (the plan is
+    still written with -o, for `seqpar explain`), 2 invalid input.
 
     **Examples**
 
     ```
     seqpar advise --seq-len 512k
+    seqpar advise --seq-len 512k --verbose
     seqpar advise -s 1M -m llama-3-8b --gpu h100 --gpus 8 --nodes 2 -o plan.json
     seqpar advise -s 1k -m tiny --cluster cpu:2 --mode zigzag_ring_attn
     seqpar advise -s 128k --mode zigzag_ring_attn --policy rules --json
@@ -100,6 +111,8 @@ def advise(
     n = parse_seq_len(seq_len)
     note(f"seq_len {n} ({format_tokens(n)})")
     overrides = training.overrides()  # bad values refused before the search runs
+    if recipe is not None:
+        flags = _recipe_defaults(flags, recipe, note)
     req, cluster_note = advise_request(flags, n, policy or "cost", note)
     if recipe is not None:
         from seqpar.advisor.recipe import advise_recipe
@@ -126,11 +139,15 @@ def advise(
         raise SeqparError(f"--emit {emit_tool} writes its config next to the plan: add -o plan.json")
     if json_out:
         print_json(plan.to_json().rstrip("\n"))
+    elif verbose:
+        _print_explained(shown(plan), shown(str(output)) if output is not None else None, warn=False)
     else:
-        from seqpar.advisor.render import render_plan
+        from seqpar.advisor.render import render_answer
 
-        render_plan(shown(plan), stdout(), shown(str(output)) if output is not None else None)
-    warning = rope_warning(plan)
+        where = shown(str(output)) if output is not None else None
+        details = f"seqpar explain {where}" if where else "add --verbose"
+        render_answer(shown(plan), stdout(), where, details)
+    warning = rope_warning(plan)  # said once, here (the Training section of --verbose leaves it out)
     if warning:
         note(f"warning: {warning}")
     unfit = _does_not_fit(plan)
@@ -138,6 +155,9 @@ def advise(
         kept = f"the plan was written to {output} (seqpar explain {output} shows the memory)" if output else "nothing written"
         note(f"error: no strategy fits: {unfit}; {kept}")
         raise typer.Exit(EXIT_OOM_OR_FAILED)
+
+
+advise.__doc__ += "\n" + textwrap.indent(GLOSSARY, "    ")  # the words of the answer, after the examples
 
 
 def _does_not_fit(plan: LaunchPlan) -> str | None:
@@ -203,14 +223,38 @@ def explain(
     if json_out:
         print_json(plan.to_json().rstrip("\n"))
         return
+    _print_explained(shown(plan), shown(str(plan_path)))  # the plan's text printed literally, never as markup
+
+
+def _print_explained(plan: LaunchPlan, plan_path: str | None, warn: bool = True) -> None:
+    """`seqpar explain`'s view (also `advise --verbose`): the plan's sections, then the cost model's breakdowns (memory,
+    time, alternatives); ``plan`` already passed through ``shown``. ``warn``: the RoPE warning in the Training section."""
+    from seqpar.advisor.explain import explain_tables
     from seqpar.advisor.render import render_plan
 
-    plan = shown(plan)  # the plan's text printed literally, never as markup or terminal control
-    render_plan(plan, stdout(), shown(str(plan_path)))
-    from seqpar.advisor.explain import explain_tables  # the cost model's breakdowns (memory, time, alternatives)
-
+    render_plan(plan, stdout(), plan_path, warn)
     for t in explain_tables(plan):
         stdout().print(t)
+
+
+def _recipe_defaults(flags, recipe: str, note):
+    """The cluster and model a recipe is meant for (the smoke recipe: the tiny model on 2 CPU ranks) where the command
+    declares none: without them the CPU recipe would be planned for the default 8 A100s."""
+    import dataclasses
+
+    from seqpar.advisor.recipe import get_recipe
+
+    r = get_recipe(recipe)
+    changes = {}
+    if r.cluster and all(getattr(flags, k) is None for k in ("cluster", "gpu", "gpus", "nodes")):
+        changes["cluster"] = r.cluster
+    default_model = next(f.default for f in dataclasses.fields(flags) if f.name == "model")
+    if r.model and flags.model == default_model:
+        changes["model"] = r.model
+    if changes:
+        said = " and ".join(f"--{k} {v}" for k, v in changes.items())
+        note(f"--recipe {recipe}: {said} (what the recipe is meant for; give them to change)")
+    return dataclasses.replace(flags, **changes)
 
 
 def _max_seq_len_command(flags: RequestFlags, json_out: bool) -> None:
@@ -231,8 +275,30 @@ def _max_seq_len_command(flags: RequestFlags, json_out: bool) -> None:
     )
     if json_out:
         print_json({m: {"max_seq_len": n, "strategy": s.model_dump() if s else None} for m, (n, s) in res.items()})
-    else:
-        stdout().print(max_seq_len_table(res, req.cluster.gpu.memory_gib))
+        return
+    cannot = _cannot_run(req, [m for m, (_, s) in res.items() if s is None])
+    ranks = "CPU ranks" if req.cluster.accelerator == "cpu" else "GPUs"
+    stdout().print(max_seq_len_table(res, req.cluster.gpu.memory_gib, cannot, ranks))
+    for mode, why in cannot.items():
+        say(f"{mode} cannot run here: {why}")
+
+
+def _cannot_run(req, modes: list[str]) -> dict[str, str]:
+    """Why each of ``modes`` has no valid strategy on the request's cluster with its pins, at a length every mode splits
+    (the refusal `seqpar advise --mode M` gives); modes that have one are left out (nothing fits them: memory)."""
+    import math
+
+    from seqpar.advisor.refusal import no_valid_strategy
+    from seqpar.advisor.search import enumerate_strategies
+
+    out = {}
+    any_len = 2 * math.lcm(1024, *range(1, req.cluster.world_size + 1))
+    for mode in modes:
+        r = req.model_copy(update={"mode": mode, "seq_len": any_len})
+        valid, invalid = enumerate_strategies(r, r.workload())
+        if not valid:
+            out[mode] = no_valid_strategy(r, r.workload(), invalid).split(": ", 1)[1]
+    return out
 
 
 @handle_errors

@@ -61,8 +61,8 @@ def check(
             print_json(config_json(got))
         else:
             for line in config_lines(got):
-                (say if got.fits else note)(line)
-        raise typer.Exit(0 if got.fits else EXIT_OOM_OR_FAILED)
+                (say if got.fits and not got.blocked else note)(line)
+        raise typer.Exit(0 if got.fits and not got.blocked else EXIT_OOM_OR_FAILED)
     plan_path = paths[0] if paths else None
     if plan_path is not None:  # re-checked on its own cluster, or on the Cluster flags' (the plan's node shape fills the gaps)
         target = LaunchPlan.load(plan_path)

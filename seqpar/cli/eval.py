@@ -38,12 +38,14 @@ eval_app = typer.Typer(
 )
 
 PLAN_ARG = typer.Argument(..., metavar="PLAN.json", help="A plan written by `seqpar advise -o`: its mode and degrees are used.")
-EVAL_OUTPUT = typer.Option(None, "--output", help="Report and plot go here (default runs/eval-PLAN, PLAN the plan file's name).")
+EVAL_OUTPUT = typer.Option(
+    None, "--output", "--output-dir", help="Report and plot go here (default runs/eval-PLAN, PLAN the plan file's name)."
+)
 EVAL_JSON = typer.Option(False, "--json", help="Print the report as JSON on stdout (only JSON).")
 MAX_LEN = typer.Option(False, "--max-seq-len", help="Only print the longest length the plan's cluster can evaluate (advisor).")
 FORCE = typer.Option(False, "--force", help="Run even when the plan's cluster does not match this machine.")
 # the options of the job a command does not offer: the other task's, and what seqpar eval sets itself
-SET_HERE = ("task", "seq_len", "prediction", "tokenizer", "plan", "output")
+SET_HERE = ("task", "seq_len", "prediction", "plan", "output")
 
 
 def _eval(plan_path: Path, job: EvalJobOptions, o: EvalOptions) -> None:
@@ -81,7 +83,7 @@ def eval_perplexity(
     """Exact held-out loss and perplexity at each length, and the loss by position bucket, forward only in the plan's layout.
 
     Every token of every window counts once (float64 sums over all ranks), so the numbers are the same for every mode and
-    degree. Prints the advisor's forward-only memory and tokens/s first; writes `eval.json` (measured beside predicted) and
+    degree. On chat data the loss counts what training scores, the assistant's tokens (`--score all`: every token). Prints the advisor's forward-only memory and tokens/s first; writes `eval.json` (measured beside predicted) and
     a plot of loss vs position into `--output`.
 
     **Examples**
@@ -89,6 +91,7 @@ def eval_perplexity(
     ```
     seqpar eval plan.json --data heldout.npy --seq-len 32k,64k,128k
     seqpar eval plan.json --model-path runs/plan --data test.jsonl --json
+    seqpar eval plan.json --model-path out --tokenizer tok --data chats.jsonl
     seqpar eval plan.json --max-seq-len
     seqpar eval plan.json --windows 2
     ```
@@ -101,7 +104,7 @@ def eval_perplexity(
 
 @eval_app.command("needle", cls=ReadableCommand)
 @handle_errors
-@with_options(EvalJobOptions, "job", leave_out=("windows", "buckets", *SET_HERE))
+@with_options(EvalJobOptions, "job", leave_out=("windows", "buckets", "score", *SET_HERE))
 def eval_needle(
     job: EvalJobOptions,
     plan_path: Path = PLAN_ARG,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from seqpar.plan.extras import MissingExtra
 from seqpar.plan.files import write_atomic
 from seqpar.plan.job_options import EvalJobOptions
 from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.safe import inside, printable, read_bytes
 from seqpar.plan.specs import check_strategy_shape
 from seqpar.plan.units import format_tokens
 
@@ -44,8 +46,17 @@ def resolve_model_path(path: str | None) -> str | None:
     if not path:
         return None
     p = Path(path)
+    candidates = [p, p / "model"]
     latest = p / "checkpoints" / "latest"
-    candidates = [p, p / "model"] + ([p / "checkpoints" / latest.read_text().strip() / "model"] if latest.is_file() else [])
+    if latest.is_file() or latest.is_symlink():  # a run folder: data from whoever wrote it, read as such
+        name = read_bytes(latest, what="checkpoints/latest", limit=4096).decode("utf-8", "replace").strip()
+        step = p / "checkpoints" / name
+        if not re.fullmatch(r"step-\d{1,12}", name) or not inside(p / "checkpoints", step):
+            raise SeqparError(
+                f"{str(latest)!r} names {printable(name)!r}, not a checkpoint folder beside it; it was not written by "
+                "seqpar launch: pass the checkpoint's model folder (checkpoints/step-N/model) as --model-path"
+            )
+        candidates.append(step / "model")
     for c in candidates:
         if (c / "config.json").is_file():
             return str(c)
@@ -87,6 +98,11 @@ def run_eval(plan_path: Path, job: EvalJobOptions, o: EvalOptions, note: Callabl
     plan = LaunchPlan.load(plan_path)
     s, cl = plan.strategy, plan.cluster
     task, model_path = job.task, resolve_model_path(job.model_path)
+    if model_path:  # a folder is data: no custom code unless --trust-remote-code, weights only as safetensors
+        from seqpar.runtime.data.hf_folder import check_weights, refuse_remote_code
+
+        refuse_remote_code(model_path, "--model-path", job.trust_remote_code)
+        check_weights(model_path)
     spec = model_from_config(model_path) if model_path else plan.workload.model
     lengths = list(job.seq_len) or [plan.workload.seq_len]
     for n in lengths:  # one line naming the length, the mode's rule and the nearest valid lengths
@@ -98,7 +114,16 @@ def run_eval(plan_path: Path, job: EvalJobOptions, o: EvalOptions, note: Callabl
         return 0, {"max_eval_seq_len": longest, "strategy": s.model_dump()}
     from seqpar.runtime.eval import run as rt
 
-    rt.preflight(task, lengths, job.data, model_path, spec.vocab_size, list(job.depths), job.samples)
+    rt.preflight(
+        task,
+        lengths,
+        job.data,
+        job.tokenizer or model_path,
+        spec.vocab_size,
+        list(job.depths),
+        job.samples,
+        trust_remote_code=job.trust_remote_code,
+    )
     if cl.nodes > 1:
         raise SeqparError(
             f"plan {str(plan_path)!r} spans {cl.nodes} nodes; seqpar eval starts the ranks of one node, so evaluate with a "

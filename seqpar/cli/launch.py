@@ -108,7 +108,7 @@ def verify(
     ranks: VerifyOptions,
     nodes: LaunchOptions,
     plan_path: Path = PLAN_ARG,
-    output: Optional[Path] = typer.Option(None, "--output", help="Logs and verify.json go to OUTPUT/verify."),
+    output: Optional[Path] = typer.Option(None, "--output", "--output-dir", help="Logs and verify.json go to OUTPUT/verify."),
     force: bool = typer.Option(False, "--force", help="Run even when the plan's cluster does not match this machine."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
 ):

@@ -8,6 +8,7 @@ peak memory, from each job's run_report.json) and where the exported model is. T
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
@@ -69,11 +70,13 @@ def run_summary(plan: LaunchPlan, plan_path: Path, opts: LaunchOptions) -> list[
         head = f"seqpar launch: stage {n}: " if sp is not None else "seqpar launch: "
         path = job.output / "run_report.json"
         try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError):
+            report = json.loads(path.read_bytes()[: 1 << 20])
+        except (OSError, ValueError, RecursionError):
+            report = None
+        if not isinstance(report, dict):  # missing, or no report the ranks wrote: nothing to compare
             lines.append(f"{head}no run report at {path}")
             continue
-        m, p = report.get("measured") or {}, report.get("predicted") or {}
+        m, p = (x if isinstance(x, dict) else {} for x in (report.get("measured"), report.get("predicted")))
         cpu = (sp or plan).cluster.accelerator == "cpu"
         lines.append(f"{head}done, {report.get('steps', '?')} steps; " + "; ".join(_compare(m, p, cpu)))
         last = last_checkpoint(job)
@@ -92,7 +95,10 @@ def _compare(measured: dict, predicted: dict, cpu: bool) -> list[str]:
     set (interpreter, libraries, model), which the prediction (tensors only) does not count: not compared."""
     out = []
     for key, what, fmt in (("tokens_per_s", "tokens/s", "{:,.0f}"), ("peak_memory_gib", "peak GiB allocated", "{:.2f}")):
-        m, p = measured.get(key), predicted.get(key)
+        m, p = (
+            x if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+            for x in (measured.get(key), predicted.get(key))
+        )
         if m is None:
             continue
         text = f"{what} {fmt.format(m)} measured"

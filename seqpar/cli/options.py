@@ -47,6 +47,7 @@ class RequestFlags:
         typer.Option(
             "--model",
             "-m",
+            "--model-path",
             rich_help_panel=WORKLOAD,
             help="Profile name (seqpar profiles list), Hub id, or a local config.json / folder.",
         ),
@@ -56,7 +57,13 @@ class RequestFlags:
     )
     micro_batch: Annotated[
         int,
-        typer.Option("--micro-batch", min=1, rich_help_panel=WORKLOAD, help="Sequences per data-parallel rank per forward pass."),
+        typer.Option(
+            "--micro-batch",
+            "--per-device-train-batch-size",
+            min=1,
+            rich_help_panel=WORKLOAD,
+            help="Sequences per data-parallel rank per forward pass.",
+        ),
     ] = 1
     tokens_per_step: Annotated[
         Optional[int],
@@ -64,6 +71,10 @@ class RequestFlags:
             "--tokens-per-step", min=1, rich_help_panel=WORKLOAD, help="Tokens per optimizer step (sets gradient accumulation)."
         ),
     ] = None
+    # the Hugging Face Trainer's spelling, answered: seqpar's step is set in tokens, since dp is the search's choice
+    gradient_accumulation_steps: Annotated[Optional[int], typer.Option("--gradient-accumulation-steps", min=1, hidden=True)] = (
+        None
+    )
     # packed documents: the length mix (seqpar.advisor.doc_lens says what each source assumes); none = one document per window
     doc_lens: Annotated[
         Optional[str],
@@ -103,7 +114,7 @@ class RequestFlags:
         Optional[int], typer.Option("--gpus", min=1, rich_help_panel=CLUSTER, help="GPUs per node of the declared cluster.")
     ] = None
     nodes: Annotated[
-        Optional[int], typer.Option("--nodes", min=1, rich_help_panel=CLUSTER, help="Nodes of the declared cluster.")
+        Optional[int], typer.Option("--nodes", "--nnodes", min=1, rich_help_panel=CLUSTER, help="Nodes of the declared cluster.")
     ] = None
     cluster: Annotated[
         Optional[str],
@@ -120,8 +131,8 @@ class RequestFlags:
         typer.Option(
             "--pinned-host-gib",
             rich_help_panel=CLUSTER,
-            help="Host RAM per node that seqpar's checkpoint offload and host-kept matmul outputs may page-lock, GiB "
-            "(default: 40% of the host RAM); the plan carries it and seqpar launch pins within exactly that.",
+            help="Host RAM per node, GiB, that seqpar may page-lock for offloaded layers and kept matmul outputs "
+            "(default: 40% of the host RAM).",
         ),
     ] = None
     mode: Annotated[
@@ -147,7 +158,7 @@ class RequestFlags:
             "--recompute-layers",
             min=0,
             rich_help_panel=PINS,
-            help="Decoder layers recomputed in backward, from the first; the rest keep all their activations (default: as few as memory allows).",
+            help="Layers recomputed in backward, from the first (default: as few as memory allows).",
         ),
     ] = None
     offload_layers: Annotated[
@@ -156,7 +167,7 @@ class RequestFlags:
             "--offload-layers",
             min=0,
             rich_help_panel=PINS,
-            help="checkpointing offload: layers whose input goes to host RAM, from the first (default: as few as fit the GPU).",
+            help="With checkpointing offload: layers whose input goes to host RAM (default: as few as fit).",
         ),
     ] = None
     kept_saves: Annotated[
@@ -164,8 +175,8 @@ class RequestFlags:
         typer.Option(
             "--kept-saves",
             rich_help_panel=PINS,
-            help="What the layers past the recomputed ones keep: all (every activation; default) or matmuls (only matmul "
-            "outputs and attention's out + lse, the elementwise ops recomputed: about 2/3 of the memory).",
+            help="What the layers past the recomputed ones keep: all (default) or matmuls (matmul outputs and "
+            "attention's out + lse: about 2/3 of the memory).",
         ),
     ] = None
     kept_host_layers: Annotated[
@@ -174,8 +185,8 @@ class RequestFlags:
             "--kept-host-layers",
             min=0,
             rich_help_panel=PINS,
-            help="--kept-saves matmuls: up to this many kept layers hold their matmul outputs in pinned host memory "
-            "(copied on a side stream); the advisor tries every count up to it and keeps the fastest (default 0).",
+            help="With --kept-saves matmuls: at most this many kept layers hold them in pinned host memory; the "
+            "fastest count wins (default 0).",
         ),
     ] = None
     sharding: Annotated[Optional[Sharding], typer.Option("--sharding", rich_help_panel=PINS, help="Model-state sharding.")] = None
@@ -187,7 +198,7 @@ class RequestFlags:
         typer.Option(
             "--fused-ops",
             rich_help_panel=PINS,
-            help="Fused kernels: liger = Liger-Kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA, pip install liger-kernel); default none.",
+            help="liger: Liger-Kernel's fused RMSNorm, RoPE and SwiGLU (CUDA; pip install liger-kernel); default none.",
         ),
     ] = None
     tiled_mlp: Annotated[
@@ -195,7 +206,7 @@ class RequestFlags:
         typer.Option(
             "--tiled-mlp/--no-tiled-mlp",
             rich_help_panel=PINS,
-            help="TiledMLP (each MLP one sequence tile at a time: less memory, one more MLP forward); default: the search tries both.",
+            help="Each MLP a tile of the sequence at a time: less memory, one more MLP forward (default: both tried).",
         ),
     ] = None
 
@@ -253,6 +264,16 @@ def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note
     from seqpar.advisor.request import AdviseRequest
     from seqpar.profiles import get_model
 
+    if flags.gradient_accumulation_steps is not None:
+        from seqpar.plan.errors import SeqparError
+
+        ga = flags.gradient_accumulation_steps
+        raise SeqparError(
+            f"--gradient-accumulation-steps {ga}: seqpar sets accumulation from --tokens-per-step, since the "
+            "data-parallel degree is the search's choice (tokens per step = micro-batch x seq_len x dp x accumulation); "
+            f"give --tokens-per-step {ga} x {flags.micro_batch} x {seq_len} x the dp you want, e.g. --tokens-per-step "
+            f"{ga * flags.micro_batch * seq_len} at dp 1"
+        )
     model = get_model(flags.model)
     mix = request_doc_mix(flags, seq_len if flags.seq_len is not None else None, model.vocab_size)
     if mix is not None:
@@ -289,15 +310,22 @@ class TrainingFlags:
 
     steps: Annotated[
         Optional[int],
-        typer.Option("--steps", min=1, rich_help_panel=TRAINING, help=f"Optimizer steps (default {_T['steps'].default})."),
+        typer.Option(
+            "--steps", "--max-steps", min=1, rich_help_panel=TRAINING, help=f"Optimizer steps (default {_T['steps'].default})."
+        ),
     ] = None
     lr: Annotated[
         Optional[float],
-        typer.Option("--lr", rich_help_panel=TRAINING, help=f"Peak learning rate (default {_T['learning_rate'].default:g})."),
+        typer.Option(
+            "--lr",
+            "--learning-rate",
+            rich_help_panel=TRAINING,
+            help=f"Peak learning rate (default {_T['learning_rate'].default:g}).",
+        ),
     ] = None
     warmup: Annotated[
         Optional[int],
-        typer.Option("--warmup", min=0, rich_help_panel=TRAINING, help="Linear warmup steps (default 0)."),
+        typer.Option("--warmup", "--warmup-steps", min=0, rich_help_panel=TRAINING, help="Linear warmup steps (default 0)."),
     ] = None
     lr_schedule: Annotated[
         Optional[LrSchedule],
@@ -319,6 +347,7 @@ class TrainingFlags:
         Optional[str],
         typer.Option(
             "--checkpoint-every",
+            "--save-steps",
             metavar="N|auto",
             rich_help_panel=TRAINING,
             help="Steps between checkpoints; 0 = only the final one; auto (default) = about hourly from the predicted step time.",
@@ -327,7 +356,20 @@ class TrainingFlags:
     keep_last: Annotated[
         Optional[int],
         typer.Option(
-            "--keep-last", min=0, rich_help_panel=TRAINING, help=f"Checkpoints kept, newest first; 0 = all (default {KEEP_LAST})."
+            "--keep-last",
+            "--save-total-limit",
+            min=0,
+            rich_help_panel=TRAINING,
+            help=f"Checkpoints kept, newest first; 0 = all (default {KEEP_LAST}).",
+        ),
+    ] = None
+    seed: Annotated[
+        Optional[int],
+        typer.Option(
+            "--seed",
+            min=0,
+            rich_help_panel=TRAINING,
+            help=f"Seed of the weights, data order and dropout (default {_T['seed'].default}).",
         ),
     ] = None
 
@@ -346,7 +388,10 @@ class TrainingFlags:
                 raise SeqparError(
                     f"{flag} {v} must be a finite number {low}; e.g. {flag} {'2e-5' if flag == '--lr' else '0.1' if flag == '--weight-decay' else '1e6'}"
                 )
-        every = parse_checkpoint_every(self.checkpoint_every) if self.checkpoint_every is not None else None
+        from seqpar.cli.params import read_text
+
+        every = self.checkpoint_every
+        every = None if every is None else read_text("--checkpoint-every", every, parse_checkpoint_every)
         given = {
             "steps": self.steps,
             "learning_rate": self.lr,
@@ -355,6 +400,7 @@ class TrainingFlags:
             "weight_decay": self.weight_decay,
             "rope_theta": self.rope_theta,
             "keep_last": self.keep_last,
+            "seed": self.seed,
         }
         out = {k: v for k, v in given.items() if v is not None}
         if self.checkpoint_every is not None:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Optional
+import re
+from typing import Any, Callable, Optional
 
 import typer
 
+from seqpar.plan.errors import SeqparError
 from seqpar.plan.flags import Option, build, options
+from seqpar.plan.units import INT64_MAX, MAX_INT_DIGITS
 
 
 def with_options(cls: type, name: str, leave_out: tuple[str, ...] = ()):
@@ -61,7 +64,10 @@ def _parameter(o: Option) -> inspect.Parameter:
         annotation = o.kind if o.default is not None else Optional[o.kind]
         default, kw["min"] = o.default, f.min
     return inspect.Parameter(
-        _param_name(o), inspect.Parameter.KEYWORD_ONLY, default=typer.Option(default, f.name, **kw), annotation=annotation
+        _param_name(o),
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(default, f.name, *f.aliases, **kw),
+        annotation=annotation,
     )
 
 
@@ -73,7 +79,23 @@ def _value(o: Option, given: Any) -> Any:
         return tuple(given or ())
     if given is None:
         return o.default
-    return o.read(given) if isinstance(given, str) and (o.flag.parse or o.flag.choices) else given
+    if isinstance(given, str) and (o.flag.parse or o.flag.choices):
+        return read_text(o.flag.name, given, o.read)
+    return given
 
 
-__all__ = ["with_options"]
+def read_text(flag: str, text: str, parse: Callable[[str], Any]) -> Any:
+    """``parse(text)`` for an option typer hands over as text, SeqparError naming ``flag`` for a number no count can be:
+    its digits are counted before parsing (Python's int() raises a bare ValueError past 4300), its value after."""
+    run = max((len(m) for m in re.findall(r"\d+", text)), default=0)
+    if run > MAX_INT_DIGITS:
+        raise SeqparError(
+            f"{flag} {text[:12]}... holds a number of {run} digits, more than any count seqpar takes; give a smaller one"
+        )
+    value = parse(text)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+        raise SeqparError(f"{flag} {text} is more than {INT64_MAX} (2**63 - 1); give a smaller number")
+    return value
+
+
+__all__ = ["read_text", "with_options"]

@@ -15,7 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seqpar.emit.capabilities import TABLE, caps
+from seqpar.emit.capabilities import TABLE, cannot_run, caps
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.files import write_atomic
 from seqpar.plan.launch_plan import LaunchPlan, Prediction
@@ -37,6 +37,7 @@ class Emission:
     files: dict[Path, str]  # path -> text, written next to the plan
     command: str
     notes: list[str] = field(default_factory=list)  # one line per plan choice the tool changed, and what it leaves to you
+    blocked: list[str] = field(default_factory=list)  # why the tool cannot run it on the plan's cluster (capabilities)
 
     @property
     def fits(self) -> bool:
@@ -74,7 +75,8 @@ def emit(plan: LaunchPlan, tool: str, plan_path: str | Path, coeffs=None) -> Emi
         notes.append(f"{tool} runs {describe(s)}")
     stem = Path(plan_path).with_suffix("")
     files, command, left = mod.files(plan.model_copy(update={"workload": w}), s, stem)
-    return Emission(tool, s, pred, files, command, notes + changed + left)
+    blocked = cannot_run(mod.CAPS, s, cl.accelerator, cl.world_size)
+    return Emission(tool, s, pred, files, command, notes + changed + left, blocked)
 
 
 def _first(it, n: int) -> list:
@@ -94,12 +96,13 @@ def write_emission(em: Emission) -> list[Path]:
 def emission_lines(em: Emission) -> list[str]:
     """What the CLI says about an emission: its prediction, each note, the files and the command."""
     p = em.prediction
-    verdict = "fits" if em.fits else "RISKS OOM"
+    verdict = "RISKS OOM" if not em.fits else "CANNOT RUN on this cluster" if em.blocked else "fits"
     head = (
         f"{em.tool}: {verdict}, predicted peak {p.peak_memory_gib:.1f} GiB allocated, {p.reserved_memory_gib:.1f} GiB "
         f"reserved of {p.capacity_gib:.1f} GiB, {p.tokens_per_s:,.0f} tokens/s"
     )
-    return [head] + [f"note: {n}" for n in em.notes] + [f"wrote {p}" for p in em.files] + [f"run: {em.command}"]
+    lines = [head] + [f"note: {n}" for n in em.blocked + em.notes]
+    return lines + [f"wrote {p}" for p in em.files] + [f"run: {em.command}"]
 
 
 __all__ = ["Emission", "TOOLS", "emission_lines", "emit", "tool_module", "write_emission"]

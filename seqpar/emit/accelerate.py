@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from seqpar.emit.capabilities import TABLE
-from seqpar.emit.common import Reading, ds_config, dump_json, load_json, read_ds, yaml_text
+from seqpar.emit.common import Reading, count, ds_config, dump_json, load_json, read_ds, yaml_text, zero_stage
 from seqpar.emit.nearest import attn_implementation
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
@@ -108,10 +108,10 @@ def read(data: dict, path: Path) -> Reading:
     r = Reading("accelerate", path)
     r.ignored += sorted(k for k in data if k not in KNOWN)
     dt = str(data.get("distributed_type", "NO")).upper()
-    if isinstance(data.get("num_processes"), int) and data["num_processes"] > 0:
-        r.put("world_size", data["num_processes"], f"num_processes {data['num_processes']}")
-    if isinstance(data.get("num_machines"), int) and data["num_machines"] > 0:
-        r.put("nodes", data["num_machines"], f"num_machines {data['num_machines']}")
+    if data.get("num_processes") not in (None, -1):  # -1: accelerate's "not set" (a scheduler passes it)
+        r.put("world_size", count(data["num_processes"], "num_processes", path), f"num_processes {data['num_processes']}")
+    if data.get("num_machines") is not None:
+        r.put("nodes", count(data["num_machines"], "num_machines", path), f"num_machines {data['num_machines']}")
     mp = data.get("mixed_precision")
     if mp in ("bf16", "fp16", "no"):
         r.put("dtype", {"no": "fp32"}.get(mp, mp), f"mixed_precision {mp}")
@@ -141,7 +141,7 @@ def _read_deepspeed(r: Reading, dsc: dict, path: Path) -> None:
         raise SeqparError(
             f"{path}: deepspeed_config_file {str(p)!r} does not exist; run seqpar check where accelerate launch runs"
         )
-    stage = int(dsc.get("zero_stage", 2))  # DeepSpeedPlugin's default
+    stage = zero_stage(dsc.get("zero_stage", 2), "deepspeed_config.zero_stage", path)  # 2: DeepSpeedPlugin's default
     off_p, off_o = dsc.get("offload_param_device", "none"), dsc.get("offload_optimizer_device", "none")
     inline = {"zero_optimization": {"stage": stage, "offload_param": {"device": off_p}, "offload_optimizer": {"device": off_o}}}
     read_ds(r, inline, "deepspeed_config: ")
@@ -163,9 +163,7 @@ def _read_fsdp(r: Reading, f: dict) -> None:
 
 def _read_parallelism(r: Reading, pc: dict, path: Path, *, deepspeed: bool) -> None:
     size = {k: pc.get(f"parallelism_config_{k}_size", 1) for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
-    for k, v in size.items():
-        if not isinstance(v, int) or v < 1:
-            raise SeqparError(f"{path}: parallelism_config_{k}_size {v!r} must be a whole number >= 1")
+    size = {k: count(v, f"parallelism_config_{k}_size", path) for k, v in size.items()}
     if size["cp"] > 1 and size["sp"] > 1:
         raise SeqparError(f"{path}: cp_size {size['cp']} and sp_size {size['sp']} are both > 1; accelerate allows one of them")
     if size["tp"] > 1:

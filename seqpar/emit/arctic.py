@@ -8,22 +8,37 @@ without ``zero_optimization`` it runs ZeRO stage 2); ``model``: ``type`` (huggin
 ``attn_implementation``, ``dtype``, ``disable_activation_checkpoint`` (default false: checkpointing on), ``peft_config``;
 ``data``: ``sources`` (required), ``max_length`` (a HumanInt: ``k m b t`` are powers of 10 and ``ki mi gi ti`` powers of
 2, so its ``128k`` is 128000 where seqpar's is 131072); ``optimizer``: ``type`` (fused_adam | cpu_adam),
-``learning_rate``, ``weight_decay``. It computes the loss on logits a tile at a time (seqpar's chunked).
+``learning_rate``, ``weight_decay``; ``scheduler`` (``config/scheduler.py``, ``scheduler/hf_factory.py``): ``type``
+huggingface, ``name`` (transformers' get_scheduler name), ``warmup_ratio`` (default 0.1: without the key a run warms
+up over a tenth of its steps and decays linearly to 0, whatever the plan says), the warmup being
+``int(warmup_ratio * train_iters)`` steps. It computes the loss on logits a tile at a time (seqpar's chunked).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 from seqpar.emit.capabilities import TABLE
-from seqpar.emit.common import Reading, ds_config, model_ref, read_ds, yaml_text
+from seqpar.emit.common import Reading, count, ds_config, model_ref, read_ds, yaml_text
 from seqpar.emit.nearest import attn_implementation
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.safe import printable
 from seqpar.plan.specs import Strategy
 
 CAPS = TABLE["arctic"]
+
+
+def scheduler(steps: int, warmup_steps: int, schedule: str) -> dict:
+    """The plan's schedule as ArcticTraining's huggingface scheduler factory builds it: transformers' get_scheduler with
+    ``int(warmup_ratio * steps)`` warmup steps, so the ratio is the smallest float that gives exactly ``warmup_steps``."""
+    name = "cosine" if schedule == "cosine" else "constant_with_warmup" if warmup_steps else "constant"
+    ratio = warmup_steps / steps
+    while int(ratio * steps) < warmup_steps:  # 7 / 300 * 300 is 6.999...: int() would warm up one step short
+        ratio = math.nextafter(ratio, 1.0)
+    return {"type": "huggingface", "name": name, "warmup_ratio": ratio}
 
 
 def arctic_config(plan: LaunchPlan, s: Strategy) -> dict:
@@ -47,6 +62,7 @@ def arctic_config(plan: LaunchPlan, s: Strategy) -> dict:
             "learning_rate": t.learning_rate,
             "weight_decay": t.weight_decay,
         },
+        "scheduler": scheduler(t.steps, t.warmup_steps, t.lr_schedule),
         "model": {
             "type": "liger" if s.fused_ops == "liger" else "huggingface",
             "name_or_path": model_ref(w.model)[0],
@@ -85,14 +101,17 @@ def human_int(value, key: str, path: Path) -> int:
     else:
         m = _HUMAN.match(str(value).replace("_", "").strip().lower())
         if not m:
-            raise SeqparError(f"{path}: {key} {value!r} is not a number (ArcticTraining writes 500000, 500_000, 128k or 128ki)")
+            raise SeqparError(
+                f"{path}: {key} {printable(repr(value), 60)} is not a number (ArcticTraining writes 500000, 500_000, 128k "
+                "or 128ki)"
+            )
         n = float(m.group(1)) * _SCALE.get(m.group(2) or "", 1)
+        if not math.isfinite(n):  # a number of hundreds of digits reads as inf
+            raise SeqparError(f"{path}: {key} {str(value)[:20]}... is more than any count a tool holds; fix the file")
         if n != int(n):
             raise SeqparError(f"{path}: {key} {value!r} is not a whole number")
         n = int(n)
-    if n < 1:
-        raise SeqparError(f"{path}: {key} {value!r} must be >= 1")
-    return n
+    return count(n, key, path)
 
 
 def read(data: dict, path: Path) -> Reading:

@@ -2,9 +2,11 @@
 
 Keys (axolotl 0.19.0 ``utils/schemas/config.py`` and ``validation.py``; FSDP2 keys from its ``schemas/fsdp.py`` and
 ``examples/alst/llama3-8b-fsdp2-alst.yaml``): ``base_model``, ``sequence_len``, ``micro_batch_size``,
-``gradient_accumulation_steps``, ``context_parallel_size`` (ring attention through ring-flash-attn; needs
-``attn_implementation: flash_attention_2``; ``ring_attn_func`` batch_ring or varlen_llama3, the only two its enum
-accepts), ``gradient_checkpointing``, ``activation_offloading`` (``hidden_states``: each checkpointed layer's input in
+``gradient_accumulation_steps``, ``context_parallel_size`` (ring attention through ring-flash-attn's CUDA kernels;
+its validator ``check_context_parallel_size`` refuses ``context_parallel_size > 1`` unless ``attn_implementation`` is
+flash_attention_2 or flash_attention_3, so it is written on CPU clusters too, where the config then cannot run;
+``ring_attn_func`` batch_ring or varlen_llama3, the only two its enum accepts), ``lr_scheduler`` (transformers'
+scheduler names: ``constant`` ignores ``warmup_steps``, so a warmed-up constant plan is ``constant_with_warmup``), ``gradient_checkpointing``, ``activation_offloading`` (``hidden_states``: each checkpointed layer's input in
 host RAM, seqpar's offload; ``true``/``legacy``/``disk`` offload every saved tensor), ``selective_checkpointing``,
 ``tiled_mlp``, the Liger plugin (``plugins: [axolotl.integrations.liger.LigerPlugin]``, ``liger_rms_norm``,
 ``liger_rope``, ``liger_glu_activation``, ``liger_fused_linear_cross_entropy``: the chunked loss), ``deepspeed`` (a path
@@ -17,13 +19,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from seqpar.emit.capabilities import TABLE
-from seqpar.emit.common import Reading, load_json, model_ref, read_ds, trainer_ds, yaml_text
+from seqpar.emit.common import Reading, count, load_json, model_ref, read_ds, trainer_ds, yaml_text
 from seqpar.emit.nearest import attn_implementation
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import Strategy
 
 CAPS = TABLE["axolotl"]
+RING_ATTN = "flash_attention_2"  # what axolotl's context parallelism requires (ring-flash-attn), on any cluster
 LIGER = "axolotl.integrations.liger.LigerPlugin"
 CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
 LAYER_CLASS = {
@@ -36,6 +39,7 @@ LAYER_CLASS = {
 
 def axolotl_config(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
     w, t = plan.workload, plan.training
+    ring = CAPS.native(s.mode) == "context_parallel_size"
     cfg: dict = {
         "base_model": model_ref(w.model)[0],
         "datasets": [{"path": "YOUR/DATASET", "type": "completion"}],
@@ -45,7 +49,7 @@ def axolotl_config(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
         "gradient_accumulation_steps": s.gradient_accumulation_steps,
         "max_steps": t.steps,
         "learning_rate": t.learning_rate,
-        "lr_scheduler": t.lr_schedule,
+        "lr_scheduler": t.lr_schedule if t.lr_schedule == "cosine" or not t.warmup_steps else "constant_with_warmup",
         "warmup_steps": t.warmup_steps,
         "weight_decay": t.weight_decay,
         "max_grad_norm": t.grad_clip,
@@ -53,14 +57,14 @@ def axolotl_config(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
         "optimizer": "adamw_torch_fused" if plan.cluster.accelerator == "cuda" else "adamw_torch",
         "bf16": w.dtype == "bf16",
         "fp16": w.dtype == "fp16",
-        "attn_implementation": attn_implementation(plan.cluster),
+        "attn_implementation": RING_ATTN if ring else attn_implementation(plan.cluster),
         "gradient_checkpointing": s.checkpointing != "none",
     }
     if s.checkpointing == "offload":
         cfg["activation_offloading"] = "hidden_states"
     if s.checkpointing == "selective":
         cfg |= {"selective_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    if CAPS.native(s.mode) == "context_parallel_size":
+    if ring:
         cfg |= {"context_parallel_size": s.sp_degree, "ring_attn_func": "batch_ring"}
     if s.tiled_mlp:
         cfg["tiled_mlp"] = True
@@ -92,6 +96,7 @@ def files(plan: LaunchPlan, s: Strategy, stem: Path) -> tuple[dict[Path, str], s
     text = yaml_text(cfg, f"axolotl config for {plan.workload.model.name}, written by seqpar advise --emit axolotl")
     notes = ["set datasets: to your data (YOUR/DATASET is a placeholder)"]
     notes += [model_ref(plan.workload.model)[1]] if model_ref(plan.workload.model)[1] else []
+    # on CPU ranks capabilities.cannot_run says the config cannot run there (the flash-attn kernels need CUDA)
     notes += ["context_parallel_size needs pip install ring-flash-attn flash-attn"] if CAPS.native(s.mode) else []
     return {yml: text}, f"axolotl train {yml}", notes
 
@@ -130,14 +135,15 @@ def read(data: dict, path: Path) -> Reading:
     if not data.get("base_model"):
         raise SeqparError(f"{path}: base_model is missing; axolotl needs the model to train (a Hub id or folder)")
     r.put("model", str(data["base_model"]), f"base_model {data['base_model']}")
-    r.put("seq_len", _int(data.get("sequence_len", 512), "sequence_len", path), "sequence_len")
-    r.put("micro_batch_size", _int(data.get("micro_batch_size", 1), "micro_batch_size", path), "micro_batch_size")
+    r.put("seq_len", count(data.get("sequence_len", 512), "sequence_len", path), "sequence_len")
+    r.put("micro_batch_size", count(data.get("micro_batch_size", 1), "micro_batch_size", path), "micro_batch_size")
     r.put(
         "gradient_accumulation_steps",
-        _int(data.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", path),
+        count(data.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", path),
         "gradient_accumulation_steps",
     )
-    cp = _int(data.get("context_parallel_size") or data.get("sequence_parallel_degree") or 1, "context_parallel_size", path)
+    degrees = [(k, data[k]) for k in ("context_parallel_size", "sequence_parallel_degree") if data.get(k) is not None]
+    cp = [count(v, k, path) for k, v in degrees][0] if degrees else 1  # the first given, as axolotl reads them
     if cp > 1:
         r.put("mode", CAPS.mode_named("context_parallel_size"), f"context_parallel_size {cp} (ring-flash-attn)")
         r.values["sp_degree"] = cp
@@ -146,7 +152,7 @@ def read(data: dict, path: Path) -> Reading:
     else:
         r.put("mode", CAPS.mode_named(""), "context_parallel_size 1")
         r.values["sp_degree"] = 1
-    if (data.get("tensor_parallel_size") or 1) > 1:
+    if data.get("tensor_parallel_size") is not None and count(data["tensor_parallel_size"], "tensor_parallel_size", path) > 1:
         r.not_understood.append(f"tensor_parallel_size {data['tensor_parallel_size']}")
     gc, off = data.get("gradient_checkpointing", False), data.get("activation_offloading", False)
     if gc == "offload" or off in ("hidden_states",):
@@ -188,12 +194,6 @@ def read(data: dict, path: Path) -> Reading:
     else:
         r.put("sharding", "ddp", "no deepspeed / fsdp: DDP")
     return r
-
-
-def _int(v, key: str, path: Path) -> int:
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
-        return v
-    raise SeqparError(f"{path}: {key} {v!r} must be a whole number >= 1")
 
 
 __all__ = ["CAPS", "axolotl_config", "files", "read"]

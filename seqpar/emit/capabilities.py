@@ -21,7 +21,8 @@ Facts (read in the released wheels; accelerate 1.16.0, TRL 1.16.0, axolotl 0.19.
   ``every_n_layers`` (every n-th layer, not the first k) and one offload switch for all of them. The nearest is the
   policy on every layer (and every checkpointed input offloaded): less GPU memory than the plan, more recomputation.
 - TRL >= 1.15 computes the SFT loss through a fused LM head, chunk by chunk ("without materializing the full logits"):
-  seqpar's ``chunked``; it has no switch back to full logits.
+  seqpar's ``chunked``; it has no switch back to full logits. TRL 1.16's SFTTrainer warns that ``use_liger_kernel`` is
+  deprecated (FutureWarning, removal in 2.0; trl/trainer/sft_trainer.py): the row has no Liger kernels.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class Caps:
     approx: dict[str, str] = field(default_factory=dict)  # mode it runs -> how the tool runs it, when not seqpar's kernel
     adjust: Callable[[Strategy], tuple[Strategy, list[str]]] | None = None  # rules across choices (e.g. FSDP's policies)
     layer_split: bool = False  # the tool runs checkpoint_layers / offload_layers (none of today's tools does)
+    # on CPU ranks: "ranks" (any job of several processes) or "mode <m>" -> why the tool's release cannot run it there
+    cpu: dict[str, str] = field(default_factory=dict)
 
     def modes_for(self, mode: str) -> tuple[str, ...]:
         """The modes this tool runs for the plan's ``mode``, nearest first (the mode's description says which)."""
@@ -111,6 +114,11 @@ def fsdp_checkpointing(s: Strategy) -> tuple[Strategy, list[str]]:
     return s, []
 
 
+CPU_LAUNCH = (
+    "accelerate launch starts one process when use_cpu is set (accelerate 1.16 commands/launch.py runs its DeepSpeed, "
+    "FSDP and multi-GPU launchers only off CPU, and MULTI_CPU needs mpirun), so the job's {world} ranks would train as "
+    "one; train on CPU ranks with seqpar launch"
+)
 ULYSSES_ALST = "Ulysses runs as DeepSpeed's ALST (the same all-to-alls): predicted as seqpar's ulysses_attn"
 ACCELERATE_WHY = {
     "mode dist_flash_attn": "no tool runs LightSeq's dist_flash_attn schedule; its nearest is ring attention (accelerate's torch context parallelism)",
@@ -128,6 +136,10 @@ ACCELERATE_APPROX = {
 # accelerate's ParallelismConfig axis per mode: sp_size (DeepSpeed's Ulysses), cp_size (torch context parallelism)
 ACCELERATE_RUNS = {"data_parallel": "", "ulysses_attn": "sp_size", "zigzag_ring_attn": "cp_size"}
 ACCELERATE_SHARDINGS = {"data_parallel": SAME_SHARDING, "ulysses_attn": DEEPSPEED_ONLY, "zigzag_ring_attn": FSDP_ONLY}
+TRL_LIGER = (
+    "TRL 1.16 deprecates use_liger_kernel (removed in 2.0), and its replacement, model_init_kwargs use_kernels, loads "
+    "Hub kernels (Liger's RMSNorm, on CUDA), not Liger's SwiGLU and RoPE"
+)
 AXOLOTL_RING = (
     "ring attention runs through ring-flash-attn's batch_ring (axolotl accepts no zigzag variant): the same K/V rotation "
     "over contiguous chunks, less even causal work; predicted as seqpar's zigzag_ring_attn"
@@ -141,20 +153,24 @@ TABLE: dict[str, Caps] = {
         why=ACCELERATE_WHY,
         approx=ACCELERATE_APPROX,
         adjust=fsdp_checkpointing,
+        cpu={"ranks": CPU_LAUNCH},
     ),
     "trl": Caps(
         "trl",
         runs=ACCELERATE_RUNS,  # SFTTrainer runs accelerate's parallelism
         shardings=ACCELERATE_SHARDINGS,
         loss_impl={"hf": "chunked", "chunked": "chunked"},
+        fused_ops={"none": "none", "liger": "none"},
         tiled_mlp={False: False, True: False},
         why={
             **ACCELERATE_WHY,
             "loss_impl hf": "TRL >= 1.15 computes the SFT loss through a fused LM head a chunk at a time (no full-logits switch)",
+            "fused_ops liger": TRL_LIGER,
             "tiled_mlp True": "TRL, transformers and accelerate have no TiledMLP",
         },
         approx=ACCELERATE_APPROX,
         adjust=fsdp_checkpointing,
+        cpu={"ranks": CPU_LAUNCH},
     ),
     "axolotl": Caps(
         "axolotl",
@@ -166,6 +182,11 @@ TABLE: dict[str, Caps] = {
             "mode usp_attn": "axolotl has no Ulysses half for usp_attn: ring attention over all its ranks",
         },
         approx={"zigzag_ring_attn": AXOLOTL_RING},
+        cpu={
+            "mode zigzag_ring_attn": "axolotl's context parallelism runs ring-flash-attn's flash-attn kernels, which need "
+            "CUDA GPUs (the config says attn_implementation flash_attention_2, which axolotl's validator requires for "
+            "context_parallel_size > 1); train on CPU ranks with seqpar launch"
+        },
     ),
     "arctic": Caps(
         "arctic",
@@ -208,6 +229,15 @@ def caps(tool: str) -> Caps:
     return TABLE[tool]
 
 
+def cannot_run(caps: Caps, s: Strategy, accelerator: str, world_size: int) -> list[str]:
+    """Why the tool cannot run ``s`` on a cluster of ``world_size`` ``accelerator`` ranks as written, one sentence each
+    ([] where it runs; on CUDA nothing is known to stop it). What ``--emit`` and ``check`` say instead of "fits"."""
+    if accelerator == "cuda":
+        return []
+    keys = (["ranks"] if world_size > 1 else []) + [f"mode {s.mode}"]
+    return [f"{caps.tool} cannot run this on CPU ranks: " + caps.cpu[k].format(world=world_size) for k in keys if k in caps.cpu]
+
+
 def deepspeed_ulysses(s: Strategy) -> bool:
     """Whether ``s`` runs as DeepSpeed's sequence parallelism (its JSON then carries the Ulysses keys)."""
     return bool(TABLE["deepspeed"].runs.get(s.mode))
@@ -223,6 +253,7 @@ __all__ = [
     "TABLE",
     "Unsupported",
     "ZERO",
+    "cannot_run",
     "caps",
     "deepspeed_ulysses",
     "fsdp_checkpointing",

@@ -12,14 +12,18 @@ tensor parallelism, other optimizers) make the verdict partial and are named; ot
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from seqpar.emit import tool_module
 from seqpar.emit.common import Reading
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.files import MAX_JSON_BYTES, read_bounded, read_json_object
 from seqpar.plan.launch_plan import LaunchPlan, Prediction
+from seqpar.plan.safe import printable
 from seqpar.plan.specs import Strategy
+from seqpar.plan.units import INT64_MAX, MAX_INT_DIGITS
 
 COMBOS = ({"trl", "accelerate", "deepspeed"}, {"axolotl"}, {"arctic"})
 ORDER = ("deepspeed", "accelerate", "trl", "axolotl", "arctic")  # later readings take precedence
@@ -27,30 +31,93 @@ SCRIPT_DEFAULTS = {"mode": "data_parallel", "sp_degree": 1, "sharding": "ddp", "
 SCRIPT_DEFAULTS |= {"fused_ops": "none", "tiled_mlp": False, "gradient_accumulation_steps": 1}
 
 
+# A YAML alias repeats its anchor's value without copying it, so a file of a few lines can describe a value of billions
+# (the "billion laughs"); a reader that prints a key's value (a partial verdict names it) would then spell them all out.
+# A tool's config is some hundreds of values once its aliases are spelled out.
+MAX_YAML_VALUES = 100_000
+
+
 def load_config(path: Path) -> dict:
-    """A JSON or YAML mapping; SeqparError with one line for a missing, malformed or non-mapping file."""
+    """A JSON or YAML mapping; SeqparError with one line for a missing, oversized, malformed or non-mapping file, one
+    with a number no value can be (over MAX_INT_DIGITS digits, NaN in JSON), or YAML whose aliases spell out more than
+    MAX_YAML_VALUES values."""
+    fix = "pass a plan or an accelerate/TRL/Axolotl/ArcticTraining/DeepSpeed config"
+    if path.suffix == ".json":
+        return read_json_object(
+            path, "config", "config", missing_fix=fix, invalid_fix="fix the file", finite=True, int_max=INT64_MAX
+        )
     import yaml
 
-    if not path.is_file():
-        raise SeqparError(
-            f"config {str(path)!r} does not exist; pass a plan or an accelerate/TRL/Axolotl/ArcticTraining/DeepSpeed config"
-        )
-    text = path.read_text(errors="replace")
+    text = read_bounded(path, "config", fix, MAX_JSON_BYTES).decode("utf-8", errors="replace")
+    loader = yaml.SafeLoader(text)
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        node = loader.get_single_node()
+        values = _spelled_out(node)
+        if values > MAX_YAML_VALUES:
+            raise SeqparError(
+                f"config {_shown(path)} spells out {'endlessly many' if values == math.inf else f'over {values:,}'} values "
+                f"through its YAML aliases (*name), more than the {MAX_YAML_VALUES:,} a tool's config holds; fix the file"
+            )
+        data = loader.construct_document(node) if node is not None else None
+    except SeqparError:
+        raise
     except RecursionError:  # a hostile file nests thousands of levels deep
-        raise SeqparError(f"config {str(path)!r} nests too deeply to be a config; fix the file") from None
-    except json.JSONDecodeError as e:
-        raise SeqparError(f"config {str(path)!r} is not valid JSON ({e}); fix the file") from None
+        raise SeqparError(f"config {_shown(path)} nests too deeply to be a config; fix the file") from None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f"line {where.line + 1}: " if where is not None else ""
         raise SeqparError(
-            f"config {str(path)!r} is not valid YAML ({line}{getattr(e, 'problem', None) or e}); fix the file"
+            f"config {_shown(path)} is not valid YAML ({line}{getattr(e, 'problem', None) or e}); fix the file"
         ) from None
+    except ValueError as e:  # Python's int() past 4300 digits ("Exceeds the limit"), a date such as 2024-13-45
+        what = (
+            f"an integer of over 4300 digits (no value seqpar reads has more than {MAX_INT_DIGITS})"
+            if "Exceeds the limit" in str(e)
+            else f"a value YAML cannot read ({printable(str(e), 60)})"
+        )
+        raise SeqparError(f"config {_shown(path)} holds {what}; fix the file") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
-        raise SeqparError(f"config {str(path)!r} holds a {type(data).__name__}, not a mapping of keys")
+        raise SeqparError(f"config {_shown(path)} holds a {type(data).__name__}, not a mapping of keys")
     return data
+
+
+def _spelled_out(root) -> float:
+    """How many values the YAML node graph ``root`` holds with every alias spelled out (a node reached twice counts
+    twice); inf for an alias inside its own anchor. Walked without recursion, each node's count computed once."""
+    if root is None:
+        return 0
+    total: dict[int, float] = {}
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in total and not done:
+            continue
+        kids = _children(node)
+        if not done:
+            total[id(node)] = math.inf  # in progress: an alias to it from below is a cycle
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in total)
+        else:
+            total[id(node)] = 1 + sum(total[id(k)] for k in kids)
+            if total[id(node)] > MAX_YAML_VALUES:
+                return total[id(node)]
+    return total[id(root)]
+
+
+def _children(node) -> list:
+    import yaml
+
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [x for pair in node.value for x in pair]
+    return []
+
+
+def _shown(path: Path) -> str:
+    return repr(printable(str(path)))
 
 
 def detect(data: dict, path: Path) -> str:
@@ -79,8 +146,8 @@ def is_plan_file(path: Path) -> bool:
     if path.suffix != ".json":
         return False
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):  # the plan gate names what is wrong with it
+        data = json.loads(read_bounded(path, "config", "", MAX_JSON_BYTES))
+    except (OSError, ValueError, RecursionError, SeqparError):  # the plan gate names what is wrong with it
         return True
     return not isinstance(data, dict) or detect_or_none(data) in (None, "plan")
 
@@ -113,6 +180,14 @@ class ConfigCheck:
         return [f"{r.path.name}: {k}" for r in self.readings for k in r.not_understood]
 
     @property
+    def blocked(self) -> list[str]:
+        """Why the tool cannot run these configs on their cluster (capabilities.cannot_run); [] where it can."""
+        from seqpar.emit.capabilities import TABLE, cannot_run
+
+        cl = self.plan.cluster
+        return cannot_run(TABLE[self.tool], self.plan.strategy, cl.accelerator, cl.world_size)
+
+    @property
     def ignored(self) -> list[str]:
         return [f"{r.path.name}: {k}" for r in self.readings for k in r.ignored]
 
@@ -126,6 +201,8 @@ def read_all(paths: list[Path]) -> list[Reading]:
             raise SeqparError(f"{p} is a seqpar plan: check it on its own (seqpar check {p}), not with tool configs")
         try:
             readings.append(tool_module(kind).read(data, p))
+        except SeqparError:
+            raise
         except (TypeError, AttributeError, ValueError) as e:  # a key holding a list where a number belongs, ...
             raise SeqparError(f"{p}: a key holds a value of the wrong type for {kind} ({e}); fix the file") from None
     kinds = [r.kind for r in readings]

@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from seqpar.emit.capabilities import TABLE, deepspeed_ulysses
+from seqpar.plan.errors import SeqparError
 from seqpar.plan.jobspec import deepspeed_config
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import ModelSpec, Strategy
+from seqpar.plan.units import INT64_MAX
 
 STAGE_OF = {"ddp": 0, "zero2": 2, "zero3": 3, "zero3_offload": 3, "fsdp": 3}
 
@@ -39,6 +41,33 @@ class Reading:
         """Record ``name = value``, read from ``key`` (its value is appended unless ``key`` already says it)."""
         self.values[name] = value
         self.used.append(key if " " in key else f"{key} {value}")
+
+
+def count(value, key: str, path: Path, *, least: int = 1) -> int:
+    """``value`` of ``key`` in the config ``path`` as a whole number from ``least`` to INT64_MAX; SeqparError with one line
+    for anything else a YAML or JSON file can hold there: NaN, .inf, a fraction, a negative or zero count, true, text, a
+    number no tool could hold. A config that says "fits" for micro-batch NaN would gate nothing."""
+    if isinstance(value, int) and not isinstance(value, bool) and least <= value <= INT64_MAX:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > INT64_MAX:
+        raise SeqparError(f"{path}: {key} {value} is more than {INT64_MAX} (2**63 - 1), more than any tool holds; fix the file")
+    raise SeqparError(f"{path}: {key} {_short(value)} is not a whole number >= {least}; fix the file")
+
+
+def zero_stage(value, key: str, path: Path) -> int:
+    """A DeepSpeed ZeRO stage: 0, 1, 2 or 3 (deepspeed ``runtime/zero/config.py``'s ZeroStageEnum); as text too, where
+    accelerate's YAML holds it."""
+    if isinstance(value, str) and value.strip() in ("0", "1", "2", "3"):
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
+        return value
+    raise SeqparError(f"{path}: {key} {_short(value)} is not a ZeRO stage (0, 1, 2 or 3); fix the file")
+
+
+def _short(value) -> str:
+    from seqpar.plan.safe import printable
+
+    return printable(repr(value), limit=60)
 
 
 def model_ref(spec: ModelSpec) -> tuple[str, str | None]:
@@ -95,7 +124,7 @@ def read_ds(r: Reading, ds: dict, prefix: str = "") -> None:
     z = ds.get("zero_optimization") or {}
     if not isinstance(z, dict):
         z = {}
-    stage = z.get("stage", 0)
+    stage = zero_stage(z.get("stage", 0), f"{prefix}zero_optimization.stage", r.path)
     dev = {
         k: (z.get(k) or {}).get("device", "none") if isinstance(z.get(k), dict) else "none"
         for k in ("offload_param", "offload_optimizer")
@@ -104,7 +133,7 @@ def read_ds(r: Reading, ds: dict, prefix: str = "") -> None:
         r.put("sharding", "zero3_offload", f"{prefix}zero_optimization stage 3, offload_param cpu")
         if dev["offload_optimizer"] != "cpu":
             r.not_understood.append(f"{prefix}offload_param cpu without offload_optimizer cpu (predicted as both offloaded)")
-    elif stage in (0, 1, 2, 3):
+    else:
         r.put("sharding", {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}[stage], f"{prefix}zero_optimization stage {stage}")
         if stage == 1:
             r.not_understood.append(f"{prefix}zero_optimization stage 1 (gradients not sharded; predicted as stage 2)")
@@ -112,21 +141,20 @@ def read_ds(r: Reading, ds: dict, prefix: str = "") -> None:
             r.not_understood.append(
                 f"{prefix}offload_optimizer {dev['offload_optimizer']} at stage {stage} (predicted on the GPU)"
             )
-    else:
-        r.not_understood.append(f"{prefix}zero_optimization stage {stage!r}")
     if "nvme" in dev.values():
         r.not_understood.append(f"{prefix}offload to nvme (predicted as cpu)")
     for key, name in (
         ("train_micro_batch_size_per_gpu", "micro_batch_size"),
         ("gradient_accumulation_steps", "gradient_accumulation_steps"),
     ):
-        if isinstance(ds.get(key), int) and not isinstance(ds.get(key), bool):
-            r.put(name, ds[key], f"{prefix}{key} {ds[key]}")
+        if ds.get(key) not in (None, "auto"):  # "auto": the HF Trainer fills it from its own arguments
+            r.put(name, count(ds[key], f"{prefix}{key}", r.path), f"{prefix}{key} {ds[key]}")
     for dt in ("bf16", "fp16"):
         if isinstance(ds.get(dt), dict) and ds[dt].get("enabled") is True:
             r.put("dtype", dt, f"{prefix}{dt}.enabled")
     sp = ds.get("sequence_parallel_size")
-    if isinstance(sp, int) and sp > 1:
+    sp = 1 if sp is None else count(sp, f"{prefix}sequence_parallel_size", r.path)
+    if sp > 1:
         r.put("mode", TABLE["deepspeed"].mode_named("sequence_parallel_size"), f"{prefix}sequence_parallel_size {sp}")
         r.values["sp_degree"] = sp
 
@@ -134,11 +162,25 @@ def read_ds(r: Reading, ds: dict, prefix: str = "") -> None:
 def load_json(path: Path, what: str) -> dict:
     from seqpar.plan.files import read_json_object
 
-    return read_json_object(path, what, "config", missing_fix="check the path", invalid_fix="fix the file")
+    return read_json_object(
+        path, what, "config", missing_fix="check the path", invalid_fix="fix the file", finite=True, int_max=INT64_MAX
+    )
 
 
 def dump_json(data: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-__all__ = ["Reading", "STAGE_OF", "ds_config", "trainer_ds", "dump_json", "load_json", "model_ref", "read_ds", "yaml_text"]
+__all__ = [
+    "Reading",
+    "STAGE_OF",
+    "count",
+    "ds_config",
+    "dump_json",
+    "load_json",
+    "model_ref",
+    "read_ds",
+    "trainer_ds",
+    "yaml_text",
+    "zero_stage",
+]

@@ -208,7 +208,7 @@ def config_lines(res: ConfigCheck) -> list[str]:
         f"optimizer {w.optimizer}, on {res.plan.cluster.world_size}x {res.plan.cluster.gpu.name}",
     ]
     cr = CheckResult(res.fits, p, terms, res.fix, res.fix_strategy, res.reason, 0 if res.fits else 1, res.plan)
-    lines = head + check_lines(cr)
+    lines = head + [f"CANNOT RUN on this cluster: {why}" for why in res.blocked] + check_lines(cr)
     if res.fix_keys:
         lines.append(f"in {res.tool}'s keys: " + "; ".join(res.fix_keys))
     if res.not_understood:
@@ -225,7 +225,8 @@ def config_json(res: ConfigCheck) -> dict:
     terms = sorted(res.prediction.memory_breakdown_gib.items(), key=lambda kv: -kv[1])[:4]
     return {
         "fits": res.fits,
-        "exit_code": 0 if res.fits else 1,
+        "exit_code": 0 if res.fits and not res.blocked else 1,
+        "cannot_run": res.blocked,
         "partial": bool(res.not_understood),
         "configs": [{"path": str(r.path), "kind": r.kind, "read": r.used} for r in res.readings],
         "reason": res.reason,

@@ -3,10 +3,12 @@ carries its parallelism, and those arguments read back.
 
 Fields (trl 1.16.0 ``SFTConfig`` over transformers' ``TrainingArguments``; ``ScriptArguments`` and ``ModelConfig`` of
 ``trl/scripts/sft.py``): ``max_length`` (the global sequence length; ``max_seq_length`` was removed in TRL 0.20),
-``per_device_train_batch_size`` (default 8), ``gradient_accumulation_steps``, ``gradient_checkpointing`` (TRL's
-default True), ``gradient_checkpointing_kwargs`` (``selective: true``: TRL >= 1.15's selective checkpointing that keeps
-attention; ``offload: true``: transformers >= 5.17 keeps checkpointed inputs in pinned host memory),
-``pad_to_multiple_of`` (the multiple the mode splits), ``use_liger_kernel``, ``bf16``, ``optim``, ``dtype`` (ModelConfig,
+``per_device_train_batch_size`` (default 8), ``gradient_accumulation_steps``, ``activation_checkpointing`` and
+``activation_checkpointing_kwargs`` (transformers 5.25's names: its ``gradient_checkpointing`` and
+``gradient_checkpointing_kwargs`` are deprecated aliases, removed in v6, and TRL's default ``gradient_checkpointing:
+true`` warns unless ``activation_checkpointing`` is set; the kwargs hold ``selective: true``, TRL >= 1.15's selective
+checkpointing that keeps attention, or ``offload: true``, transformers >= 5.17's checkpointed inputs in pinned host
+memory), ``pad_to_multiple_of`` (the multiple the mode splits), ``bf16``, ``optim``, ``dtype`` (ModelConfig,
 default float32: fp32 weights under bf16 autocast, i.e. seqpar's adamw with an fp32 master; bfloat16 weights make
 AdamW's moments bf16, seqpar's adamw-bf16), ``attn_implementation``, ``model_name_or_path``. ``parallelism_config``
 cannot come from a YAML (HfArgumentParser keeps a dict a dict): accelerate's YAML carries it, and SFTTrainer reads it off
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from seqpar.emit import accelerate
 from seqpar.emit.capabilities import TABLE
-from seqpar.emit.common import Reading, dump_json, model_ref, read_ds, trainer_ds, yaml_text
+from seqpar.emit.common import Reading, count, dump_json, model_ref, read_ds, trainer_ds, yaml_text
 from seqpar.emit.nearest import attn_implementation
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
@@ -54,19 +56,17 @@ def sft_args(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
         "fp16": w.dtype == "fp16",
         "use_cpu": cl.accelerator == "cpu",
         "optim": "adamw_torch_fused" if cl.accelerator == "cuda" else "adamw_torch",
-        "gradient_checkpointing": s.checkpointing != "none" and s.sharding != "fsdp",
+        "activation_checkpointing": s.checkpointing != "none" and s.sharding != "fsdp",
         "report_to": "none",
     }
-    if args["gradient_checkpointing"]:
+    if args["activation_checkpointing"]:
         kw: dict = {"use_reentrant": False}
         kw |= {"selective": True} if s.checkpointing == "selective" else {}
         kw |= {"offload": True} if s.checkpointing == "offload" else {}
-        args["gradient_checkpointing_kwargs"] = kw
+        args["activation_checkpointing_kwargs"] = kw
     mult = split_multiple(s.mode, s.sp_degree, s.ulysses_degree)
     if mult > 1:
         args["pad_to_multiple_of"] = mult
-    if s.fused_ops == "liger":
-        args["use_liger_kernel"] = True
     if axis == "sp_size":  # accelerate >= 1.16 evaluates whole sequences on every rank unless told (env only)
         args["env"] = {"PARALLELISM_CONFIG_SP_DISABLE_IN_EVAL": "false"}
     return args
@@ -88,10 +88,10 @@ def files(plan: LaunchPlan, s: Strategy, stem: Path) -> tuple[dict[Path, str], s
     args = sft_args(plan, s, f"{stem.name}-sft")
     out[sft] = yaml_text(args, f"trl sft arguments for {plan.workload.model.name}, written by seqpar advise --emit trl")
     notes = [model_ref(plan.workload.model)[1]] if model_ref(plan.workload.model)[1] else []
-    if s.checkpointing == "selective" and args["gradient_checkpointing"]:
+    if s.checkpointing == "selective" and args["activation_checkpointing"]:
         notes.append("selective checkpointing needs TRL >= 1.15")
-    if s.checkpointing == "offload" and args["gradient_checkpointing"]:
-        notes.append("gradient_checkpointing_kwargs offload needs transformers >= 5.17")
+    if s.checkpointing == "offload" and args["activation_checkpointing"]:
+        notes.append("activation_checkpointing_kwargs offload needs transformers >= 5.17")
     cmd = f"accelerate launch --config_file {acc} -m trl.scripts.sft --config {sft} --dataset_name YOUR/DATASET"
     return out, cmd, notes
 
@@ -128,9 +128,13 @@ def read(data: dict, path: Path) -> Reading:
             r.ignored.append(k)
     if data.get("model_name_or_path"):
         r.put("model", str(data["model_name_or_path"]), f"model_name_or_path {data['model_name_or_path']}")
-    r.put("seq_len", data.get("max_length", 1024), f"max_length {data.get('max_length', '1024 (default)')}")
-    r.put("micro_batch_size", data.get("per_device_train_batch_size", 8), "per_device_train_batch_size")
-    r.put("gradient_accumulation_steps", data.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps")
+    if data.get("max_length", 1024) is not None:  # None: no truncation, the longest sample (then --seq-len says it)
+        seq = count(data.get("max_length", 1024), "max_length", path)
+        r.put("seq_len", seq, f"max_length {data.get('max_length', '1024 (default)')}")
+    micro = count(data.get("per_device_train_batch_size", 8), "per_device_train_batch_size", path)
+    r.put("micro_batch_size", micro, "per_device_train_batch_size")
+    ga = count(data.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", path)
+    r.put("gradient_accumulation_steps", ga, "gradient_accumulation_steps")
     on = data.get("activation_checkpointing", data.get("gradient_checkpointing", True))  # TRL's default: on
     kw = data.get("activation_checkpointing_kwargs", data.get("gradient_checkpointing_kwargs")) or {}
     ck = "none" if not on else "selective" if kw.get("selective") else "offload" if kw.get("offload") else "full"

@@ -24,6 +24,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "deepspeed": ("deepspeed", "zero2/zero3/zero3_offload sharding on GPUs"),
     "liger_kernel": ("liger", "fused_ops liger"),
     "flash_attn": ("flash", "flash-attn kernels"),
+    "tensorboard": ("track", "--report-to tensorboard"),
+    "wandb": ("track", "--report-to wandb"),
 }
 
 
@@ -53,7 +55,19 @@ def missing_message(module: str, why: str | None = None) -> str | None:
     if top not in EXTRAS:
         return None
     extra, used_for = EXTRAS[top]
-    return f"{why or used_for} needs {top}, which is not installed: {install_line(extra)}"
+    return f"{why or used_for} needs {top}, which is not installed: {install_hint(extra)}"
+
+
+def install_hint(extra: str) -> str:
+    """``install_line(extra)``, with DeepSpeed's recipe: its ops are built on first use, and its setup imports torch, so
+    pip must not build it in an isolated environment (that also makes it install without a network, from an sdist)."""
+    if extra == "deepspeed":
+        return (
+            f"DS_BUILD_OPS=0 {install_line(extra).replace('pip install', 'pip install --no-build-isolation', 1)} "
+            "(after torch; offline, from DeepSpeed's source archive: DS_BUILD_OPS=0 pip install --no-build-isolation "
+            "deepspeed-VERSION.tar.gz)"
+        )
+    return install_line(extra)
 
 
 def require(module: str, why: str | None = None) -> None:

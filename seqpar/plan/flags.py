@@ -41,6 +41,7 @@ class Flag:
     always: bool = False  # written even at its default: a recorded command names it
     required: bool = False  # a rank refuses to start without it
     panel: str | None = None  # the group --help shows it in (None: the command's Options)
+    aliases: tuple[str, ...] = ()  # other spellings accepted (e.g. the Hugging Face Trainer's); the name is written
 
 
 def option(default: Any, name: str, help: str, **kw: Any) -> Any:
@@ -158,12 +159,12 @@ class OptionsParser(argparse.ArgumentParser):
             shown = o.default not in (None, "", ()) and o.kind is not bool and not f.required
             help = f"{f.help} [default: {f.show(o.default)}]" if shown else f.help  # as typer shows it
             if o.kind is bool:
-                self.add_argument(f.name, dest=dest, action="store_false" if o.default else "store_true", help=help)
+                self.add_argument(f.name, *f.aliases, dest=dest, action="store_false" if o.default else "store_true", help=help)
             elif o.repeated:
-                self.add_argument(f.name, dest=dest, action="append", metavar=metavar, help=help)
+                self.add_argument(f.name, *f.aliases, dest=dest, action="append", metavar=metavar, help=help)
             else:
                 kw = {"required": True} if f.required else {"default": o.default}
-                self.add_argument(f.name, dest=dest, type=_reader(o), metavar=metavar, help=help, **kw)
+                self.add_argument(f.name, *f.aliases, dest=dest, type=_reader(o), metavar=metavar, help=help, **kw)
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         ns = super().parse_args(args, namespace)

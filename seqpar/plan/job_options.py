@@ -58,10 +58,16 @@ def _allow_env():
         (),
         "--allow-env",
         metavar="NAME",
-        help="Let the plan's launch.env set NAME beyond the allow-list (names starting SEQPAR_, NCCL_, TORCH_NCCL_ or "
-        "CUDA_, allocator and thread settings); only for plans you trust: PYTHONPATH, LD_PRELOAD or PATH make the job "
+        help="Let the plan's launch.env set NAME beyond the allow-list (names starting NCCL_, TORCH_NCCL_ or CUDA_, "
+        "allocator and thread settings, seqpar's SEQPAR_PG_TIMEOUT_S and SEQPAR_PINNED_BUDGET_GIB); only for plans you trust: PYTHONPATH, LD_PRELOAD or PATH make the job "
         "run other code.",
     )
+
+
+_TRUST_HELP = (
+    "Run the Python code a model or tokenizer folder asks for (auto_map in config.json or tokenizer_config.json); only "
+    "for folders you trust. Without it such a folder is refused."
+)
 
 
 def _comma_list(values) -> str:
@@ -95,6 +101,9 @@ class DataOptions:
         None, "--data-cache", panel=DATA, help="Folder of the tokenized-data cache (default ~/.cache/seqpar/data)."
     )
     procs: int | None = option(None, "--data-procs", min=1, panel=DATA, help="Tokenizer processes (default: the cores).")
+    # Here, beside --tokenizer, because the launcher loads the tokenizer with the data options; the trainer reads it for
+    # the model folder too.
+    trust_remote_code: bool = option(False, "--trust-remote-code", help=_TRUST_HELP)
 
     @property
     def packing(self) -> str:
@@ -121,16 +130,32 @@ class TrainOptions:
     output: str | None = option(
         None,
         "--output",
+        aliases=("--output-dir",),
         help="Checkpoints, run report, metrics and log go here (default runs/PLAN, PLAN the plan file's name).",
     )
-    steps: int | None = option(None, "--steps", min=1, help="Optimizer steps (default: the plan's; per stage for staged plans).")
+    steps: int | None = option(
+        None,
+        "--steps",
+        min=1,
+        aliases=("--max-steps",),
+        help="Optimizer steps (default: the plan's; per stage for staged plans).",
+    )
     model_path: str | None = option(
         None,
         "--model-path",
+        aliases=("--model",),
         help="Hugging Face model folder or Hub id (owner/name, from the HF cache or downloaded; HF_TOKEN for gated "
         "repos, HF_HUB_OFFLINE=1: cache only). Default: the plan's model, random weights.",
     )
     resume: bool = option(False, "--resume", panel=CHECKPOINTS, help="Continue from the newest checkpoint in --output.")
+    accept_foreign_run: bool = option(
+        False,
+        "--accept-foreign-run",
+        panel=CHECKPOINTS,
+        help="--resume or --init-from a run folder signed with another user's or machine's key (or by an older seqpar): "
+        "only if you trust where it came from. Its files are still checked against their digests and read as "
+        "safetensors and JSON only.",
+    )
     init_from: str | None = option(
         None, "--init-from", help="A save_pretrained folder to start the weights from (a recipe's previous stage)."
     )
@@ -143,6 +168,7 @@ class TrainOptions:
     checkpoint_every: int | str | None = option(
         None,
         "--checkpoint-every",
+        aliases=("--save-steps",),
         metavar="N|auto",
         parse=parse_checkpoint_every,
         panel=CHECKPOINTS,
@@ -151,6 +177,7 @@ class TrainOptions:
     keep_last: int | None = option(
         None,
         "--keep-last",
+        aliases=("--save-total-limit",),
         min=0,
         panel=CHECKPOINTS,
         help=f"Checkpoints kept, newest first; 0 = all (default: the plan's training.keep_last, else {KEEP_LAST}).",
@@ -211,7 +238,9 @@ class VerifyOptions:
 
     data: str = option("synthetic", "--data", always=True, help="As for `seqpar launch`: synthetic or a token/text file.")
     output: str = option("", "--output", required=True, help="Folder for both runs' logs and verify.json.")
-    model_path: str | None = option(None, "--model-path", help="Local Hugging Face model folder (default: random weights).")
+    model_path: str | None = option(
+        None, "--model-path", aliases=("--model",), help="Local Hugging Face model folder (default: random weights)."
+    )
     allow_env: tuple[str, ...] = _allow_env()  # the job loads the plan as the trainer does
     seq_len: int | None = option(
         None, "--seq-len", parse=parse_seq_len, help="Length to check at (default: seq_len / sp_degree)."
@@ -240,10 +269,19 @@ class EvalJobOptions:
     model_path: str | None = option(
         None,
         "--model-path",
+        aliases=("--model",),
         help="Local model folder: transformers' save_pretrained, or seqpar launch's run / checkpoint (its model/). "
         "Default: the plan's model with random weights.",
     )
     tokenizer: str | None = option(None, "--tokenizer", help="Local tokenizer folder (default: --model-path's).")
+    score: str = option(
+        "trained",
+        "--score",
+        choices=("trained", "all"),
+        help="Which tokens the held-out loss counts: trained (what training scores: a chat's assistant tokens, every "
+        "token of text) or all.",
+    )
+    trust_remote_code: bool = option(False, "--trust-remote-code", help=_TRUST_HELP)
     data: str | None = option(
         None,
         "--data",
@@ -251,7 +289,7 @@ class EvalJobOptions:
         "synthetic. Default: synthetic tokens; for the needle seqpar's filler text (random ids without a tokenizer).",
     )
     plan: str = option("", "--plan", required=True, help="The launch plan (seqpar advise -o).")
-    output: str = option("runs/eval", "--output", always=True, help="Folder for the report.")
+    output: str = option("runs/eval", "--output", aliases=("--output-dir",), always=True, help="Folder for the report.")
 
 
 # --------------------------------------------------------------------------------------------- the launcher
@@ -263,7 +301,9 @@ class LaunchOptions:
     nodes meet. The node options stay with the launcher; jobspec writes the ranks' argv."""
 
     train: TrainOptions = field(default_factory=TrainOptions)
-    nnodes: int | None = option(None, "--nnodes", min=1, panel=NODES, help="Nodes of the job (default: the plan's).")
+    nnodes: int | None = option(
+        None, "--nnodes", min=1, aliases=("--nodes",), panel=NODES, help="Nodes of the job (default: the plan's)."
+    )
     # an int, or in a plan's recorded command "$NODE_RANK" for each node's shell to fill in
     node_rank: int | str = option(0, "--node-rank", min=0, panel=NODES, help="This node's rank (multi-node).")
     rdzv_endpoint: str | None = option(

@@ -10,12 +10,13 @@ from typing import Iterable, Literal, Optional
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from seqpar.plan.base import SCHEMA_VERSION, SEED_MAX, Frozen, Mode
-from seqpar.plan.env import _ENV_NAME, ALLOWED_ENV_TEXT, env_refusals
+from seqpar.plan.env import _ENV_NAME, ALLOWED_ENV_TEXT, env_refusals, env_value_problem
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.files import first_error, read_json_object, write_atomic
 from seqpar.plan.options import KEEP_LAST
 from seqpar.plan.rules import plan_problems
 from seqpar.plan.specs import ClusterSpec, Strategy, Workload
+from seqpar.plan.units import INT64_MAX
 
 
 class Prediction(Frozen):
@@ -107,8 +108,8 @@ class LaunchSpec(Frozen):
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables set for the job (they override seqpar launch's); names outside the allow-list "
-        "(schema.plan_env_allowed: SEQPAR_*, NCCL_*, TORCH_NCCL_*, CUDA_*, allocator and thread settings) need "
-        "`seqpar launch --allow-env NAME`.",
+        "(schema.plan_env_allowed: NCCL_*, TORCH_NCCL_*, CUDA_*, allocator and thread settings, seqpar's process-group "
+        "timeout and pinned budget) need `seqpar launch --allow-env NAME`; seqpar's internal SEQPAR_* settings are refused.",
     )
 
     @field_validator("env")
@@ -122,6 +123,9 @@ class LaunchSpec(Frozen):
                 )
             if "\0" in v:
                 raise ValueError(f"environment variable {k} holds a NUL character, which no environment can carry; remove it")
+            problem = env_value_problem(k, v)
+            if problem:
+                raise ValueError(problem)
         return env
 
 
@@ -194,6 +198,8 @@ class LaunchPlan(Frozen):
             "plan",
             missing_fix=f"write one with `seqpar advise ... -o {p}`",
             invalid_fix="regenerate it with `seqpar advise -o`",
+            finite=True,  # a plan holds finite numbers only: NaN and Infinity are not JSON, and never a plan's
+            int_max=INT64_MAX,
         )
         ver = data.get("schema_version", SCHEMA_VERSION)
         if isinstance(ver, int) and ver > SCHEMA_VERSION:

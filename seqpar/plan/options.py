@@ -102,14 +102,24 @@ def hourly(step_time_s: float) -> int:
     return max(1, round(HOURLY_S / step_time_s)) if step_time_s > 0 else 1
 
 
-def interval(every: int | str | None, step_time_s: float | None) -> tuple[int | None, str]:
+def interval(every: int | str | None, step_time_s: float | None, steps: int | None = None) -> tuple[int | None, str]:
     """(steps between checkpoints, why) for ``training.checkpoint_every`` (or --checkpoint-every) ``every``: an int K
     (0 = only at the end), or None / "auto" = about hourly at ``step_time_s`` (the predicted step time); None steps
-    when there is none yet (the trainer then decides from the first measured steps)."""
+    when there is none yet (the trainer then decides from the first measured steps). ``steps``: the run's steps, so
+    that an interval past them reads as what it means (only the final checkpoint)."""
     if isinstance(every, int):
-        return every, ("only at the end (checkpoint_every 0)" if every == 0 else f"every {every} steps")
+        if every == 0:
+            return every, "only at the end (checkpoint_every 0)"
+        if steps is not None and every >= steps:
+            return every, f"only at the end (every {every} steps, and the run has {steps})"
+        return every, f"every {every} steps"
     if step_time_s:
         n = hourly(step_time_s)
+        if steps is not None and n >= steps:
+            return n, (
+                f"only at the end: {steps} steps at the predicted {step_time_s:.3g} s per step take less than the hour "
+                "between checkpoints"
+            )
         return n, f"every {n} steps: about hourly at the predicted {step_time_s:.3g} s per step"
     return None, "about hourly, from the measured step time (the plan has no predicted step time)"
 

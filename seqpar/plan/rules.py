@@ -10,6 +10,7 @@ from typing import Optional
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.options import LayerSplit, layer_split
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload, check_strategy_shape
+from seqpar.plan.units import divisors
 
 ZERO3 = ("zero3", "zero3_offload")  # ZeRO-3: parameters gathered by module hooks
 
@@ -20,10 +21,9 @@ def layout_problems(strategy: Strategy, seq_len: int, model: ModelSpec, cluster:
     s, c, out = strategy, cluster, []
     if s.world_size != c.world_size:
         if c.world_size % s.sp_degree:
-            divisors = [d for d in range(1, c.world_size + 1) if c.world_size % d == 0]
             out.append(
                 f"sp_degree {s.sp_degree} does not divide the {c.world_size} ranks of the cluster ({c.nodes} x "
-                f"{c.gpus_per_node}), so no dp_degree fills it; use an sp_degree in {divisors}"
+                f"{c.gpus_per_node}), so no dp_degree fills it; use an sp_degree in {divisors(c.world_size)}"
             )
         else:
             out.append(

@@ -76,6 +76,40 @@ def _offline_fix(repo_id: str) -> str:
     )
 
 
+def _endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def unreachable(timeout: float = 1.5) -> str | None:
+    """Why the Hub cannot be reached from here (no DNS answer, no route, refused, timed out), else None. Asked once,
+    in at most ``timeout`` seconds, before a download: huggingface_hub retries a failed connection five times over
+    about 20 s, printing each retry. Behind a proxy (HTTPS_PROXY and friends) the answer is left to the download."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlsplit(_endpoint())
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme != "http" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except socket.gaierror:
+        return f"{host} has no address here (no network, or no DNS)"
+    except TimeoutError:
+        return f"{host}:{port} did not answer within {timeout:g} s (no network, or a firewall)"
+    except OSError as e:
+        return f"{host}:{port} refused the connection ({e.strerror or e})"
+    return None
+
+
+def _no_network(repo_id: str, what: str, why: str) -> SeqparError:
+    return SeqparError(
+        f"model {repo_id!r}: the Hugging Face cache ({cache_dir()}) lacks {what}, and the Hub cannot be reached ({why}); "
+        f"run `hf download {repo_id}` where the Hub is reachable (same HF_HOME), or pass a local folder or a profile "
+        "name (seqpar profiles list)"
+    )
+
+
 def _hub_error(e: Exception, repo_id: str, what: str) -> SeqparError:
     """One line for each way the Hub can refuse, naming the fix."""
     from huggingface_hub import errors
@@ -94,7 +128,9 @@ def _hub_error(e: Exception, repo_id: str, what: str) -> SeqparError:
     if isinstance(e, errors.RevisionNotFoundError):
         return SeqparError(f"model {repo_id!r} has no such revision; check the text after '@' (a branch, tag or commit)")
     if isinstance(e, errors.EntryNotFoundError):
-        return SeqparError(f"model {repo_id!r} has no {what} on the Hub; it is not a transformers model repository")
+        return SeqparError(
+            f"model {repo_id!r}: the Hub repository holds no {what}, so it is not a transformers model; check the id"
+        )
     if isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
         return SeqparError(
             f"model {repo_id!r}: {what} is not in the Hugging Face cache ({cache_dir()}) and the Hub cannot be reached; {_offline_fix(repo_id)}"
@@ -118,6 +154,9 @@ def fetch_config(repo_id: str, revision: str | None = None) -> HubConfig:
             f"{_offline_fix(repo_id)}"
         )
     else:
+        why = unreachable()
+        if why is not None:
+            raise _no_network(repo_id, "config.json", why)
         try:
             path, where = Path(hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache)), "Hub"
         except Exception as e:  # huggingface_hub's errors, and whatever the HTTP stack raises underneath
@@ -162,10 +201,13 @@ def snapshot(model: str, *, weights: bool = True) -> Path:
             f"--model-path {model!r}: the model's weights are not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is "
             f"set; run `hf download {repo_id}` where the Hub is reachable (same HF_HOME), or pass a local folder"
         )
+    why = unreachable()
+    if why is not None:
+        raise _no_network(repo_id, "the model's weights", why)
     try:
         folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=MODEL_FILES))
     except Exception as e:
-        raise _hub_error(e, repo_id, "its files") from None
+        raise _hub_error(e, repo_id, "model files (config.json, *.safetensors)") from None
     if not any(folder.glob("*.safetensors")):
         raise SeqparError(
             f"--model-path {model!r}: the repository has no .safetensors weights (seqpar loads only those); convert it "
@@ -174,4 +216,4 @@ def snapshot(model: str, *, weights: bool = True) -> Path:
     return folder
 
 
-__all__ = ["HubConfig", "MODEL_FILES", "cache_dir", "fetch_config", "offline", "parse_hub_id", "snapshot"]
+__all__ = ["HubConfig", "MODEL_FILES", "cache_dir", "fetch_config", "offline", "parse_hub_id", "snapshot", "unreachable"]

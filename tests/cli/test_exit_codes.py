@@ -62,10 +62,11 @@ def _set(path: str, value):
 
 PLAN_CASES = {
     "seed -1": (_set("training.seed", -1), "training.seed: Input should be greater than or equal to 0"),
-    "seed 2**70": (_set("training.seed", 2**70), "training.seed: Input should be less than or equal to 4294967295"),
-    "learning rate Infinity": (_set("training.learning_rate", math.inf), "training.learning_rate: Input should be a finite"),
-    "grad clip NaN": (_set("training.grad_clip", math.nan), "training.grad_clip: Input should be a finite number"),
-    "host RAM Infinity": (_set("cluster.host_ram_gib", math.inf), "cluster.host_ram_gib: Input should be a finite"),
+    "seed 2**40": (_set("training.seed", 2**40), "training.seed: Input should be less than or equal to 4294967295"),
+    "seed 2**70": (_set("training.seed", 2**70), "training.seed is 1180591620717411303424, more than 9223372036854775807"),
+    "learning rate Infinity": (_set("training.learning_rate", math.inf), "training.learning_rate is Infinity, not a finite"),
+    "grad clip NaN": (_set("training.grad_clip", math.nan), "training.grad_clip is NaN, not a finite number"),
+    "host RAM Infinity": (_set("cluster.host_ram_gib", math.inf), "cluster.host_ram_gib is Infinity, not a finite number"),
     "gpt2": (_set("workload.model.architecture", "gpt2"), "architecture: Input should be 'llama', 'mistral'"),
     "lone surrogate": (_set("workload.model.name", "tiny\ud800"), "workload.model.name holds a lone surrogate"),
     "env key with =": (_set("launch.env", {"A=B": "1"}), "environment variable name 'A=B' is not a name"),

@@ -246,12 +246,16 @@ def test_two_nodes_need_a_rendezvous_endpoint_whatever_the_launcher(tmp_path, sh
 
 def test_advise_without_output_does_not_point_at_a_file_it_never_wrote(tmp_path):
     wide = {"COLUMNS": "400"}  # one table row per line
-    r = runner.invoke(app, ["advise", "-s", "64k", "--gpu", "h100", "--gpus", "8"], env=wide)
-    assert r.exit_code == 0
-    run = next(ln for ln in r.stdout.splitlines() if ln.startswith("run "))
-    assert run.split(None, 1)[1].strip() == "not written: add -o plan.json to write it, then seqpar launch plan.json"
+    for extra in ([], ["--verbose"]):
+        r = runner.invoke(app, ["advise", "-s", "64k", "--gpu", "h100", "--gpus", "8", *extra], env=wide)
+        assert r.exit_code == 0
+        label, want = ("run ", "not written: add -o plan.json to write it, then seqpar launch plan.json")
+        if not extra:
+            label, want = ("Next ", "add -o plan.json to write the plan, then: seqpar launch plan.json")
+        run = next(ln for ln in r.stdout.splitlines() if ln.startswith(label))
+        assert run.split(None, 1)[1].strip() == want
     assert not (tmp_path / "plan.json").exists()
     out = tmp_path / "mine.json"
     r = runner.invoke(app, ["advise", "-s", "64k", "--gpu", "h100", "--gpus", "8", "-o", str(out)], env=wide)
-    run = next(ln for ln in r.stdout.splitlines() if ln.startswith("run "))
+    run = next(ln for ln in r.stdout.splitlines() if ln.startswith("Next "))
     assert run.split(None, 1)[1].strip() == f"seqpar launch {out}" and out.is_file()

@@ -30,6 +30,9 @@ NOT_HERE = {
     "bash .ci/run": "the test suite itself (CI runs it)",
     "seqpar eval plan.json --model-path runs/plan --data heldout.npy --seq-len 32k,64k,128k": "a trained run and held-out data",
     "seqpar eval needle plan.json --model-path ./Llama-2-7B-512K --lengths 64k,128k,256k,512k": "a downloaded 7B model and GPUs",
+    "seqpar eval plan.json --model-path ./weights --tokenizer ./tok --data chats.jsonl": (
+        "a model folder, a tokenizer and chats (tests/runtime/eval/test_eval_tokenizer.py runs it)"
+    ),
     "seqpar launch plan.json --data chats.jsonl --model-path ./Qwen2.5-0.5B-Instruct": "a downloaded chat model (tests/runtime/data/test_data_train.py trains chats)",
     "seqpar launch plan.json --data corpus.jsonl --tokenizer ./tok --long-documents error": "a corpus and a tokenizer folder",
     "seqpar verify plan.json": "a plan of this machine's GPUs (tests/runtime/train/test_verify.py runs verify on CPU plans)",
@@ -94,6 +97,7 @@ def test_readme_shell_commands_run_as_written(tmp_path):
     model = Path("runs", "plan", "checkpoints", f"step-{steps:06d}", "model")
     assert lines[-1] == f"seqpar launch: model exported to {model} (transformers' from_pretrained reads it)", lines
     assert (first / model / "config.json").is_file()
+    assert f"exported model (`{model}`" in README  # the quick start names the folder the launch prints
     assert any(r.startswith("seqpar calibrate") for r in ran) and any(r.startswith("seqpar explain") for r in ran)
     assert len(ran) >= 7
 

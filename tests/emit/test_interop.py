@@ -81,7 +81,9 @@ def test_trl_loads_in_trl_and_round_trips(runner, tmp_path):
         ["--config", str(sft), "--dataset_name", "x", "--use_cpu", "true"]
     )
     assert (args.max_length, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (262144, 1, 1)
-    assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == {"use_reentrant": False, "selective": True}
+    kw = {"use_reentrant": False, "selective": True}
+    assert args.activation_checkpointing and args.activation_checkpointing_kwargs == kw  # transformers 5.25's names
+    assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == kw  # the aliases TRL reads mirror them
     assert args.pad_to_multiple_of == 4 and args.max_steps == plan["training"]["steps"]
     assert (model.model_name_or_path, model.dtype) == ("meta-llama/Meta-Llama-3-8B", "float32")
     got = check(runner, [sft, tmp_path / "plan.accelerate.yaml"], "--gpu", "h100")
@@ -288,9 +290,7 @@ def test_emit_and_check_import_no_torch(tmp_path):
                 "fsdp",
                 "--loss-impl",
                 "chunked",
-                "--fused-ops",
-                "liger",
-            ],
+            ],  # no Liger: TRL 1.16 deprecates use_liger_kernel (tests/emit/test_current_keys.py)
         ),
     ],
 )

@@ -172,7 +172,8 @@ def test_what_each_key_maps_to(runner, tmp_path, data, kind, expect):
         ({"a.yaml": {"max_seq_length": 4096, "output_dir": "o"}}, r"max_seq_length was removed in TRL 0.20"),
         ({"a.yaml": AXOLOTL, "b.yaml": {"distributed_type": "NO"}}, r"check one launch's configs at a time"),
         ({"a.yaml": {"model": {"name_or_path": "x"}, "data": {"max_length": "lots"}}}, r"data.max_length 'lots' is not a number"),
-        ({"a.yaml": AXOLOTL | {"tensor_parallel_size": "two"}}, r"a key holds a value of the wrong type for axolotl"),
+        ({"a.yaml": AXOLOTL | {"tensor_parallel_size": "two"}}, r"tensor_parallel_size 'two' is not a whole number >= 1"),
+        ({"a.yaml": AXOLOTL | {"plugins": 5}}, r"a key holds a value of the wrong type for axolotl"),
         ({"a.yaml": "a: " + "[" * 5000 + "]" * 5000}, r"nests too deeply to be a config"),
     ],
 )

@@ -54,7 +54,8 @@ for f in sys.argv[1:]:
     d["model"]["attn_implementation"] = "sdpa"  # flash_attention_2 needs the flash_attn package (CUDA) at validation
     p = Path(f + ".sdpa.yaml"); p.write_text(yaml.safe_dump(d))
     c = get_config(p)
-    out[f] = [c.sequence_parallel_size, c.activation_checkpoint_cpu_offload, c.tiled_mlp_compute, c.data.max_length]
+    out[f] = [c.sequence_parallel_size, c.activation_checkpoint_cpu_offload, c.tiled_mlp_compute, c.data.max_length,
+              [c.scheduler.type, c.scheduler.name, c.scheduler.warmup_ratio]]
 print(json.dumps(out))
 """
 
@@ -99,8 +100,10 @@ def test_arctic_validates_every_emitted_config(tmp_path):
     ).save_pretrained(tmp_path / "tiny-llama")
     files = _emit(tmp_path, "arctic", str(tmp_path / "tiny-llama"))  # validation reads the model's config.json
     got = _run(os.environ["SEQPAR_ARCTIC_PYTHON"], ARCTIC, list(files), tmp_path)
-    for f, (sp, offload, tiled, max_length) in got.items():
+    for f, (sp, offload, tiled, max_length, sched) in got.items():
         strategy = files[f][0]
+        want = yaml_of(f)["scheduler"]  # the plan's schedule, not ArcticTraining's default (linear, warmup_ratio 0.1)
+        assert sched == [want["type"], want["name"], want["warmup_ratio"]]
         assert sp == strategy["sp_degree"] or yaml_of(f)["sequence_parallel_size"] == sp
         assert (offload, tiled, max_length) == (
             yaml_of(f)["activation_checkpoint_cpu_offload"],

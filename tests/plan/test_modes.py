@@ -32,7 +32,7 @@ def test_the_builtin_modes_are_registered_in_order():
     d = modes.describe("usp_attn")
     assert d.takes_ulysses_degree and d.splits_heads and d.rotates_kv and d.splits_sequence
     assert not modes.describe("data_parallel").splits_sequence
-    assert modes.describe("dist_flash_attn").needs_checkpointing and modes.describe("dist_flash_attn").pairs_ranks
+    assert modes.describe("dist_flash_attn").needs_checkpointing
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,11 @@ def test_a_plan_cannot_make_the_job_run_code(tmp_path):
         ("CUDA_VISIBLE_DEVICES", True),
         ("OMP_NUM_THREADS", True),
         ("SEQPAR_PG_TIMEOUT_S", True),
+        ("SEQPAR_PINNED_BUDGET_GIB", True),
+        ("SEQPAR_FAULT_STEP", False),  # seqpar's internals: a test hook, its own files
+        ("SEQPAR_DATA_CACHE", False),
+        ("SEQPAR_COEFFICIENTS", False),
+        ("SEQPAR_ARCTIC_PYTHON", False),
         ("PYTHONPATH", False),
         ("LD_PRELOAD", False),
         ("LD_LIBRARY_PATH", False),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -208,3 +209,31 @@ def test_launch_model_path_hub_id(tmp_path, monkeypatch, runner):
         assert json.loads((out / "run_report.json").read_text())["steps"] == 1
         losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
     assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize(
+    "endpoint, why",
+    [
+        ("http://127.0.0.1:9", r"127\.0\.0\.1:9 refused the connection"),  # the discard port: nothing listens
+        ("https://seqpar-test.invalid", r"seqpar-test\.invalid has no address here"),  # .invalid never resolves (RFC 2606)
+    ],
+)
+def test_an_unreachable_hub_is_one_line_at_once_naming_the_cause(tmp_path, monkeypatch, runner, endpoint, why):
+    import time
+
+    use_cache(monkeypatch, tmp_path / "hf", offline=False)
+    for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    plan = tmp_path / "plan.json"
+    assert runner.invoke(app, ["advise", "-m", "tiny", "--cluster", "cpu:1", "-s", "64", "-o", str(plan)]).exit_code == 0
+    launch = ["launch", str(plan), "--model-path", "someorg/somemodel", "--output", str(tmp_path / "o")]
+    for args in (["advise", "-s", "1k", "-m", "someorg/somemodel"], launch):
+        start = time.monotonic()
+        r = runner.invoke(app, args)
+        took = time.monotonic() - start
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+        assert r.exit_code == 2 and len(lines) == 1, r.output
+        assert took < 2.0, f"{took:.1f} s"  # no retry storm
+        assert re.search(f"cannot be reached \\({why}", lines[0]), lines[0]
+        assert "run `hf download someorg/somemodel`" in lines[0] and "Retry" not in r.stderr

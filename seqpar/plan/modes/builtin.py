@@ -55,7 +55,6 @@ BUILTIN: tuple[ModeDescription, ...] = (
         balance="lightseq",
         packed_imbalance="dist_flash_attn",
         needs_checkpointing=True,  # EasyContext runs its schedule under gradient checkpointing only
-        pairs_ranks=True,
         summary="LightSeq / DistFlashAttn's balanced causal schedule over contiguous chunks",
         exports={"accelerate": _RING, "trl": _RING, "axolotl": _RING, "arctic": _ULYSSES, "deepspeed": _ULYSSES},
     ),

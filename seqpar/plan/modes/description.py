@@ -52,7 +52,6 @@ class ModeDescription:
     summary: str  # one line for people
     packed_imbalance: str | None = None  # the measured packed-window imbalance it follows (advisor.cost.packed); None: even
     needs_checkpointing: bool = False  # its schedule is only run under gradient checkpointing (the search keeps it there)
-    pairs_ranks: bool = False  # its schedule pairs ranks: the guide's rules want an even sp_degree
     # per export target (seqpar.emit's tools), the modes the tool runs for this one, nearest first: (name,) where the tool
     # runs it itself; a tool missing here does not run it, and `seqpar advise --emit` says so
     exports: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)

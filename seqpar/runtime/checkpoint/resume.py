@@ -20,13 +20,16 @@ groups of facts go into trainer_state.json:
 
 from __future__ import annotations
 
-import hashlib
 import json
+import re
 from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.jobspec import uses_deepspeed
 from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.safe import inside, links_in, printable, read_bytes, refuse_links
+from seqpar.runtime.checkpoint import integrity, trainer_state
+from seqpar.runtime.checkpoint.trainer_state import FORMAT
 
 # ModelSpec fields that shape the network (name and source only say where the figures came from)
 _MODEL_FIELDS = (
@@ -41,7 +44,7 @@ _MODEL_FIELDS = (
     "tie_word_embeddings",
     "attention_bias",
 )
-FORMAT = 2  # trainer_state.json's format: 1 = whole-model torch.save files (pickles); 2 = seqpar.runtime.checkpoint.shards's
+STATE_LIMIT = 64 << 20  # bytes of a trainer_state.json: its parameter shapes and file list, with room to spare
 WINDOWS_PER_STEP = "windows per step (micro_batch_size x gradient_accumulation_steps x dp_degree)"
 
 
@@ -50,7 +53,12 @@ def windows_per_step(plan: LaunchPlan) -> int:
     return plan.workload.micro_batch_size * s.gradient_accumulation_steps * s.dp_degree
 
 
-def run_facts(plan: LaunchPlan, *, data: str, data_windows: int, parameters: dict, fmt: str, packing: str = "") -> dict:
+DATA_DIGEST = "data sha256"  # the run fact of the data's content
+
+
+def run_facts(
+    plan: LaunchPlan, *, data: str, data_windows: int, parameters: dict, fmt: str, packing: str = "", data_sha256: str = ""
+) -> dict:
     """The ``run`` group: ``parameters`` maps each parameter name to its global shape; ``fmt`` is 'dcp' or 'deepspeed';
     ``packing``: how the data becomes windows (seqpar.runtime.data.windows.packing_fact)."""
     w, t = plan.workload, plan.training
@@ -59,6 +67,7 @@ def run_facts(plan: LaunchPlan, *, data: str, data_windows: int, parameters: dic
         "--data": data,
         "data windows": data_windows,
         "data packing": packing,
+        **({DATA_DIGEST: data_sha256} if data_sha256 else {}),  # the data's content (windows.digest_fact)
         "workload.seq_len": w.seq_len,
         WINDOWS_PER_STEP: windows_per_step(plan),
         **{f"workload.model.{k}": getattr(w.model, k) for k in _MODEL_FIELDS},
@@ -102,7 +111,9 @@ def training_facts(plan: LaunchPlan, steps: int) -> dict:
     }
 
 
-def facts(plan: LaunchPlan, steps: int, *, data: str, data_windows: int, packing: str, model, deepspeed: bool) -> dict:
+def facts(
+    plan: LaunchPlan, steps: int, *, data: str, data_windows: int, packing: str, model, deepspeed: bool, data_sha256: str = ""
+) -> dict:
     """The three groups for trainer_state.json; ``model`` is the transformers model (meta-device ones too: shapes only)."""
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
     return {
@@ -111,6 +122,7 @@ def facts(plan: LaunchPlan, steps: int, *, data: str, data_windows: int, packing
             data=data,
             data_windows=data_windows,
             packing=packing,
+            data_sha256=data_sha256,
             parameters=shapes,
             fmt="deepspeed" if deepspeed else "dcp",
         ),
@@ -122,20 +134,23 @@ def facts(plan: LaunchPlan, steps: int, *, data: str, data_windows: int, packing
 def compare(saved: dict, now: dict, folder: Path) -> list[str]:
     """Refuse a changed ``run`` fact (SeqparError naming it); return the applied changes of layout and training."""
     for key, want in now["run"].items():
+        if key == DATA_DIGEST and key not in saved["run"]:  # a checkpoint from before the digest was recorded
+            continue
         got = saved["run"].get(key, _packing_before(saved["run"]) if key == "data packing" else None)
         if key == "parameters":
             _compare_parameters(got or {}, want, folder)
         elif got != want:
             raise SeqparError(
-                f"checkpoint {str(folder)!r} was written with {key} = {got!r}, this run has {want!r}, which changes "
-                f"the data or the model; resume with the plan and flags that wrote it, or start a new --output"
+                f"checkpoint {str(folder)!r} was written with {key} = {printable(repr(got))}, this run has "
+                f"{printable(repr(want))}, which changes the data or the model; resume with the plan and flags that wrote "
+                f"it, or start a new --output"
             )
     changes = []
     for group in ("layout", "training"):
         for key, want in now[group].items():
             got = saved[group].get(key)
-            if got != want:
-                changes.append(f"{key} {got} -> {want}")
+            if got != want:  # values from the file: escaped, they go to the log
+                changes.append(f"{key} {printable(got)} -> {printable(want)}")
     return changes
 
 
@@ -145,13 +160,19 @@ def _packing_before(run: dict) -> str:
     return "" if run.get("--data") == "synthetic" else "stream, windows in file order (seqpar before packed documents)"
 
 
-def launch_check(plan: LaunchPlan, output: Path, data: str, steps: int | None, packing: str = "") -> list[str]:
-    """``seqpar launch --resume``: the newest checkpoint in ``output`` checked (read_state) and compared with ``plan``
-    (compare), less what only the ranks know (parameter shapes, the data's size); returns the changes to apply."""
+def launch_check(
+    plan: LaunchPlan, output: Path, data: str, steps: int | None, packing: str = "", *, foreign: bool = False
+) -> list[str]:
+    """``seqpar launch --resume``: the newest checkpoint in ``output`` checked (read_state, every file's digest too) and
+    compared with ``plan`` (compare), less what only the ranks know (parameter shapes, the data's size); returns the
+    changes to apply. ``foreign``: --accept-foreign-run."""
     folder = latest(output / "checkpoints")
     if folder is None:
         return []
-    saved = read_state(folder)
+    saved = read_state(folder, foreign=foreign)
+    problem = integrity.content_problem(str(folder), folder, saved["files"], sorted(saved["files"]), _FIX)
+    if problem:
+        raise SeqparError(problem)
     fmt = "deepspeed" if uses_deepspeed(plan) else "dcp"
     run = run_facts(plan, data=data, data_windows=0, packing=packing, parameters={}, fmt=fmt)
     for key in ("parameters", "data windows"):
@@ -164,8 +185,9 @@ def _compare_parameters(got: dict, want: dict, folder: Path) -> None:
     for name in sorted(set(got) | set(want)):
         if got.get(name) != want.get(name):
             raise SeqparError(
-                f"checkpoint {str(folder)!r} does not fit this model: parameter {name!r} has shape {got.get(name)} there "
-                f"and {want.get(name)} here; resume with the model (--model-path) that wrote it, or start a new --output"
+                f"checkpoint {str(folder)!r} does not fit this model: parameter {printable(repr(name))} has shape "
+                f"{printable(got.get(name))} there and {want.get(name)} here; resume with the model (--model-path) that "
+                f"wrote it, or start a new --output"
             )
 
 
@@ -176,47 +198,94 @@ def complete(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / "trainer_state.json").is_file())
 
 
+_FIX = "resume from another checkpoint (edit `latest`), or start a new --output"
+_NAME = re.compile(r"step-\d{6,12}")
+
+
 def latest(root: Path) -> Path | None:
-    """The newest committed checkpoint folder (``latest``'s, else the newest with a trainer_state.json), or None."""
+    """The newest committed checkpoint folder (``latest``'s, else the newest with a trainer_state.json), or None.
+    ``latest`` is data from whoever wrote the folder: read without following a link, and it must name a step folder
+    in ``root``; a link anywhere under ``root`` is refused (one line)."""
+    if not root.exists() and not root.is_symlink():
+        return None
+    # seqpar's own hidden folders (.step-N.tmp being written, .step-N.deleting being pruned) are never read and are
+    # removed without following links (shards.clean at start, the saver on a failed write): a link there, e.g. the
+    # disk-full test's /dev/full, is not one to refuse while another rank is removing it
+    found = [p for p in links_in(root) if not p.relative_to(root).parts[0].startswith(".step-")]
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise SeqparError(
+            f"checkpoints folder {printable(str(root))!r} holds a symbolic link, {printable(str(found[0]))!r}{more}; "
+            "seqpar never follows links in a run folder (one could point a write or a read at any file you own): "
+            "remove it or use another --output"
+        )
     pointer = root / "latest"
-    if pointer.is_file():
-        cand = root / pointer.read_text().strip()
-        if (cand / "trainer_state.json").is_file():
-            return cand
+    if pointer.exists():
+        name = read_bytes(pointer, what="checkpoints/latest", limit=4096).decode("utf-8", "replace").strip()
+        if not _NAME.fullmatch(name) or not inside(root, root / name):
+            raise SeqparError(
+                f"{printable(str(pointer))!r} names {printable(name, 80)!r}, not a checkpoint folder beside it "
+                f"(step-NNNNNN); write the name of one of the step-* folders there into it, or start a new --output"
+            )
+        if (root / name / "trainer_state.json").is_file():
+            return root / name
     done = complete(root)
     return done[-1] if done else None
 
 
-def read_state(folder: Path) -> dict:
-    """trainer_state.json after checking the checkpoint is whole and as written; SeqparError with one line otherwise."""
-    name = str(folder)
-    fix = "resume from another checkpoint (edit `latest`), or start a new --output"
+def read_state(folder: Path, *, foreign: bool = False) -> dict:
+    """trainer_state.json after checking the checkpoint is whole, as written, signed with this user's key (or, with
+    ``foreign`` (--accept-foreign-run), by anyone) and of the types and ranges seqpar writes; SeqparError with one line
+    otherwise. The files' contents are checked by their readers (launch_check, shards.load) before they are read."""
+    name = printable(str(folder))
+    refuse_links(folder, "checkpoint")
     try:
-        state = json.loads((folder / "trainer_state.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SeqparError(f"checkpoint {name!r} has no readable trainer_state.json ({type(e).__name__}); {fix}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        fmt = state.get("format", 1) if isinstance(state, dict) else "?"
-        raise SeqparError(f"checkpoint {name!r} has format {fmt}, this seqpar reads format {FORMAT}; {fix}")
-    if state.get("digest") != digest({k: v for k, v in state.items() if k != "digest"}):
-        raise SeqparError(f"checkpoint {name!r}: trainer_state.json was changed after it was written (its digest differs); {fix}")
+        state = json.loads(read_bytes(folder / "trainer_state.json", what="trainer_state.json", limit=STATE_LIMIT))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, or a 5000-digit number
+        raise SeqparError(f"checkpoint {name!r} has no readable trainer_state.json ({type(e).__name__}); {_FIX}") from None
+    fmt = state.get("format", 1) if isinstance(state, dict) else "?"
+    if fmt == 2:  # written before checkpoints were signed
+        if not foreign:
+            raise SeqparError(integrity.foreign_line(name, state))
+        return _legacy(folder, name, state)
+    if fmt != FORMAT:
+        raise SeqparError(f"checkpoint {name!r} has format {printable(fmt, 20)}, this seqpar reads format {FORMAT}; {_FIX}")
+    if not foreign and not integrity.signed_here(state):
+        raise SeqparError(integrity.foreign_line(name, state))
+    problem = trainer_state.problem(state)
+    if problem:
+        raise SeqparError(f"checkpoint {name!r}: trainer_state.json holds what seqpar never writes ({problem}); {_FIX}")
     if folder.name != f"step-{state['step']:06d}":
-        raise SeqparError(f"checkpoint {name!r} holds the state of step {state['step']}, not of its folder's step; {fix}")
-    for rel, size in state["files"].items():
-        p = folder / rel
-        have = p.stat().st_size if p.is_file() else None
-        if have != size:
-            what = "is missing" if have is None else f"has {have} bytes, not the {size} written"
-            raise SeqparError(f"checkpoint {name!r} is incomplete: {rel} {what}; {fix}")
+        raise SeqparError(f"checkpoint {name!r} holds the state of step {state['step']}, not of its folder's step; {_FIX}")
+    integrity.check_names(name, folder, state["files"], _FIX)
+    integrity.check_sizes(name, folder, state["files"], _FIX)
     return state
+
+
+def _legacy(folder: Path, name: str, state: dict) -> dict:
+    """Format 2 (before signing), accepted with --accept-foreign-run: its shards are safetensors and its RNG states
+    JSON, so it is read as it is (sizes checked; it lists no digests); its DeepSpeed states are pickles: refused."""
+    files = state.get("files")
+    if not isinstance(files, dict) or not all(type(v) is int and v >= 0 for v in files.values()):
+        raise SeqparError(f"checkpoint {name!r}: trainer_state.json holds what seqpar never writes (files); {_FIX}")
+    if any(str(rel).startswith("deepspeed/") for rel in files):
+        raise SeqparError(
+            f"checkpoint {name!r} was written before seqpar signed checkpoints, with DeepSpeed's states as pickles, "
+            f"which seqpar no longer reads (a pickle can run code); {_FIX}"
+        )
+    rest = {k: v for k, v in state.items() if k not in ("digest", "files")}
+    problem = trainer_state.problem({**rest, "format": FORMAT, "mac": "0" * 64, "files": {}})
+    if problem:
+        raise SeqparError(f"checkpoint {name!r}: trainer_state.json holds what seqpar never writes ({problem}); {_FIX}")
+    if folder.name != f"step-{state['step']:06d}":
+        raise SeqparError(f"checkpoint {name!r} holds the state of step {state['step']}, not of its folder's step; {_FIX}")
+    integrity.check_names(name, folder, files, _FIX)
+    integrity.check_sizes(name, folder, files, _FIX)
+    return {**rest, "format": 2, "files": {}}  # no digests to check the contents against
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
-
-
-def digest(state: dict) -> str:
-    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
 
 __all__ = [
@@ -224,7 +293,6 @@ __all__ = [
     "WINDOWS_PER_STEP",
     "compare",
     "complete",
-    "digest",
     "facts",
     "latest",
     "launch_check",

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from seqpar.plan.errors import TrainingStopped
+from seqpar.plan.errors import SeqparError, TrainingStopped
 from seqpar.runtime.checkpoint import resume, storage
 from seqpar.runtime.checkpoint import shards as ckpt
 
@@ -71,7 +71,8 @@ class Saver:
                 return
             ckpt.write(tmp, wrapped=r.wrapped, optimizer=r.optimizer, rank=self.rank)
             if final:
-                ckpt.export(tmp, wrapped=r.wrapped, hf_model=r.model, dtype=EXPORT_DTYPES[r.plan.workload.dtype], rank=self.rank)
+                dtype = EXPORT_DTYPES[r.plan.workload.dtype]
+                ckpt.export(tmp, wrapped=r.wrapped, hf_model=r.model, dtype=dtype, rank=self.rank, **r.tokenizer)
             ckpt.fault("checkpoint", step, self.rank)
             ckpt.fault("checkpoint-pause", step, self.rank, tmp)
         except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
@@ -102,15 +103,24 @@ class Saver:
             # DCP's stager would keep CPU tensors by reference, which the next optimizer step updates in place.
             sd = _clone(sd)
         future = dcp.async_save(sd, storage_writer=ckpt.writer(tmp), process_group=self.group)
-        ckpt.write_rng(tmp, self.rank)
+        ckpt.rng.write(tmp, self.rank)
         return future
 
     def _commit(self, step: int, tmp: Path, state: dict, t0: float) -> None:
         dist.barrier()
+        # The manifest's SHA-256s, every rank hashing a share of the files (rank 0 alone would read the whole checkpoint).
+        shares = [None] * dist.get_world_size() if self.rank == 0 else None
+        try:
+            share = ckpt.hash_share(tmp, self.rank, dist.get_world_size())
+        except (OSError, SeqparError):  # rank 0 hashes what is missing and names what is wrong
+            share = {}
+        dist.gather_object(share, shares, dst=0)
+        digests = {k: v for share in shares or [] for k, v in share.items()}
         box: dict = {}
         try:
             self._agree(
-                lambda: box.update(final=ckpt.commit(self.root, tmp, state), gone=ckpt.prune(self.root, self.keep_last)), step
+                lambda: box.update(final=ckpt.commit(self.root, tmp, state, digests), gone=ckpt.prune(self.root, self.keep_last)),
+                step,
             )
         except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
             self._failed(e, tmp, step)

@@ -8,31 +8,32 @@ Layout under ``<output>/checkpoints/``::
                                     world size read back the slices they hold (resharding)
     step-000010/deepspeed/          DeepSpeed plans: DeepSpeed's own sharded checkpoint instead of state/
     step-000010/rng-<rank>.json     python / numpy / torch (/ CUDA) generator states, restored on the same world size
+                                    (seqpar.runtime.checkpoint.rng)
     step-000010/model/              the final checkpoint only: save_pretrained export in the plan's dtype (bf16 on bf16
                                     plans), what transformers, --init-from and the next stage load
-    step-000010/trainer_state.json  written last: step, data position, the facts of seqpar.runtime.checkpoint.resume, every file
-                                    with its size, and a SHA-256 of all that
+    step-000010/trainer_state.json  written last: step, data position, the facts of seqpar.runtime.checkpoint.resume, every
+                                    other file with its size and SHA-256, and an HMAC of all that under the user's key
+                                    (seqpar.runtime.checkpoint.integrity)
     latest                          name of the newest complete checkpoint
 
 Crash consistency: every rank writes into a hidden ``.step-000010.tmp``; after a barrier rank 0 writes the manifest,
 renames the folder into place, then rewrites ``latest`` (both atomic). A kill at any point leaves the previous
 checkpoint complete and ``latest`` naming it; checkpoints beyond ``--keep-last`` are renamed away before they are
 deleted, so a half-deleted one is never mistaken for a checkpoint. Nothing is read with pickle: tensors are safetensors,
-the rest JSON, so a forged checkpoint can fail to load but cannot run code. Multi-node runs need ``--output`` on a file
-system every node sees.
+the rest JSON (DeepSpeed's states too: seqpar.runtime.checkpoint.deepspeed), and torch.distributed.checkpoint reads
+through HuggingFaceStorageReader, whose metadata comes from the safetensors headers (FileSystemReader's ``.metadata``
+would be a pickle). Every file is checked against its SHA-256 before it is read, the ranks sharing the hashing. A forged
+checkpoint can fail to load but cannot run code. Multi-node runs need ``--output`` on a file system every node sees.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import random
 import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
@@ -46,7 +47,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.files import write_atomic
-from seqpar.runtime.checkpoint.resume import FORMAT, complete, digest, latest, step_dir
+from seqpar.runtime.checkpoint import integrity, rng
+from seqpar.runtime.checkpoint.resume import FORMAT, complete, latest, read_state, step_dir
 
 # --------------------------------------------------------------------------------------------- writing
 
@@ -58,20 +60,31 @@ def write(tmp: Path, *, wrapped, optimizer, rank: int) -> None:
         ds.save(wrapped, tmp / "deepspeed")
     else:
         dcp.save(tensors(wrapped, optimizer), storage_writer=writer(tmp))
-    write_rng(tmp, rank)
+    rng.write(tmp, rank)
 
 
 def writer(tmp: Path) -> HuggingFaceStorageWriter:
     return HuggingFaceStorageWriter(str(tmp / "state"), save_distributed=True)
 
 
-def write_rng(tmp: Path, rank: int) -> None:
-    write_atomic(tmp / f"rng-{rank}.json", json.dumps(_rng_state()) + "\n")
+# The files a tokenizer folder holds one of (transformers' fast, sentencepiece and BPE tokenizers, and the config).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-def export(tmp: Path, *, wrapped, hf_model, dtype: torch.dtype, rank: int) -> None:
+def export(
+    tmp: Path,
+    *,
+    wrapped,
+    hf_model,
+    dtype: torch.dtype,
+    rank: int,
+    tokenizer: str | None = None,
+    trust_remote_code: bool = False,
+) -> None:
     """Collective: the weights gathered one tensor at a time and saved by rank 0 with save_pretrained, in ``dtype``
-    (rank 0 holds one copy of the model in that dtype; the others one tensor at a time)."""
+    (rank 0 holds one copy of the model in that dtype; the others one tensor at a time), and beside them the tokenizer
+    the run trained with (``tokenizer``: the data's --tokenizer or --model-path; its chat template too), so the folder
+    loads with AutoTokenizer and AutoModelForCausalLM as it is."""
     ds = _deepspeed(wrapped)
     sd = ds.full_weights(wrapped) if ds is not None else get_model_state_dict(wrapped)  # keys relative to LossModule
     weights = {}
@@ -85,14 +98,39 @@ def export(tmp: Path, *, wrapped, hf_model, dtype: torch.dtype, rank: int) -> No
         data = json.loads(cfg.read_text())
         data["dtype"] = str(dtype).removeprefix("torch.")
         write_atomic(cfg, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        save_tokenizer(tmp / "model", tokenizer, trust_remote_code)
 
 
-def commit(root: Path, tmp: Path, state: dict) -> Path:
-    """Rank 0, after every rank finished writing ``tmp``: manifest and digest, rename into place, point ``latest`` at it."""
+def save_tokenizer(folder: Path, path: str | None, trust_remote_code: bool = False) -> bool:
+    """The tokenizer of ``path`` (a local folder or a cached Hub id), with its chat template, saved into ``folder``
+    (save_pretrained). False when there is none to save: no path, or a local folder without tokenizer files (a model
+    trained on token files from a folder of weights only)."""
+    if not path:
+        return False
+    local = Path(path).expanduser()
+    if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES):
+        return False
+    from seqpar.runtime.data.text import load_tokenizer
+
+    tok = load_tokenizer(path, "the run's tokenizer (for the export)", trust_remote_code=trust_remote_code)
+    tok.save_pretrained(str(folder))
+    return True
+
+
+def hash_share(tmp: Path, rank: int, world_size: int) -> dict[str, dict]:
+    """This rank's share of the digests of ``tmp``'s files (every world_size-th, from ``rank``), for ``commit``."""
+    names = integrity.listing(tmp)
+    return integrity.digests(tmp, names[rank::world_size])
+
+
+def commit(root: Path, tmp: Path, state: dict, digests: dict | None = None) -> Path:
+    """Rank 0, after every rank finished writing ``tmp``: the manifest (each file's size and SHA-256; ``digests``: those
+    the ranks hashed, the rest hashed here) signed with the user's key, rename into place, point ``latest`` at it."""
     final = step_dir(root, state["step"])
-    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    state = {"format": FORMAT, **state, "files": files}
-    state["digest"] = digest(state)
+    names = integrity.listing(tmp)
+    files = {**integrity.digests(tmp, [r for r in names if r not in (digests or {})]), **(digests or {})}
+    state = {"format": FORMAT, **state, "files": {r: files[r] for r in names}}
+    state["mac"] = integrity.sign(state)
     write_atomic(tmp / "trainer_state.json", json.dumps(state, indent=2) + "\n")
     if final.exists():  # the same step saved again (a resumed run ending where it started)
         _remove(final)
@@ -131,14 +169,20 @@ def _fsync_dir(p: Path) -> None:
         os.close(fd)
 
 
-def init_weights(init: str | None) -> str | None:
-    """--init-from: a save_pretrained folder as given, or a previous stage's output folder: its final export."""
+def init_weights(init: str | None, *, foreign: bool = False) -> str | None:
+    """--init-from: a save_pretrained folder as given, or a previous stage's output folder: its final export, checked
+    as a resume checks a checkpoint (signed with the user's key unless ``foreign``, the export's files as written)."""
     if init and (Path(init) / "checkpoints").is_dir():
         last = latest(Path(init) / "checkpoints")
         if last is None or not (last / "model" / "config.json").is_file():
             raise SeqparError(
                 f"--init-from {init!r} holds no final checkpoint with an export (model/); run that stage to its end"
             )
+        state = read_state(last, foreign=foreign)
+        export = sorted(r for r in state["files"] if r.startswith("model/"))
+        problem = integrity.content_problem(str(last), last, state["files"], export, "run that stage again")
+        if problem:
+            raise SeqparError(problem)
         return str(last / "model")
     return init
 
@@ -150,6 +194,7 @@ def load(folder: Path, state: dict, *, wrapped, optimizer, scheduler, rank: int,
     """Collective: model and optimizer from ``folder`` into the wrapped model (resharded to this run's layout), the LR
     schedule at the checkpoint's step, and this rank's RNG. Returns notes for the log."""
     notes = []
+    generators = verify(folder, state, rank, world_size)
     ds = _deepspeed(wrapped)
     if ds is not None:
         ds.load(wrapped, folder / "deepspeed")  # model, fp32 master partitions, optimizer moments
@@ -171,12 +216,44 @@ def load(folder: Path, state: dict, *, wrapped, optimizer, scheduler, rank: int,
             groups = get_optimizer_state_dict(wrapped, optimizer)["param_groups"]
             set_optimizer_state_dict(wrapped, optimizer, {"state": sd["optim"], "param_groups": groups})
         set_schedule(scheduler, optimizer, state["step"])
-    rng = folder / f"rng-{rank}.json"
-    if state["layout"]["world_size"] == world_size and rng.is_file():
-        _set_rng_state(json.loads(rng.read_text()))
+    if generators is not None:
+        rng.restore(generators)
     else:
         notes.append(f"RNG states not restored (world size {state['layout']['world_size']} -> {world_size})")
     return notes
+
+
+def verify(folder: Path, state: dict, rank: int, world_size: int) -> dict | None:
+    """Collective, before any file is read: every file against its SHA-256 (each rank hashing every world_size-th),
+    each DeepSpeed state's structure among them, and this rank's RNG state; every rank raises the same line when one
+    is wrong, so the job stops as one (exit 2), not on the one rank that read the file. Returns this rank's RNG state
+    (None on another world size: not restored)."""
+    import torch.distributed as dist
+
+    names = sorted(state["files"])
+    share = names[rank::world_size]
+    mine, generators = integrity.content_problem(str(folder), folder, state["files"], share, _FIX), None
+    try:
+        if mine is None:
+            for rel in share:
+                if rel.startswith("deepspeed/"):
+                    from seqpar.runtime.checkpoint.deepspeed import check
+
+                    check(folder / rel)
+            path = folder / f"rng-{rank}.json"
+            if state["layout"]["world_size"] == world_size and path.is_file():
+                generators = rng.read(folder, path)
+    except SeqparError as e:
+        mine = str(e)
+    found = [None] * world_size
+    dist.all_gather_object(found, mine)
+    first = next((p for p in found if p), None)
+    if first:
+        raise SeqparError(first)
+    return generators
+
+
+_FIX = "resume from another checkpoint (edit `latest`), or start a new --output"
 
 
 def set_schedule(scheduler, optimizer, step: int) -> None:
@@ -203,39 +280,6 @@ def _deepspeed(wrapped):
     from seqpar.runtime.checkpoint import deepspeed
 
     return deepspeed if deepspeed.is_engine(wrapped) else None
-
-
-# --------------------------------------------------------------------------------------------- RNG as JSON
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode()
-
-
-def _rng_state() -> dict:
-    version, mt, gauss = random.getstate()
-    name, key, pos, has_gauss, cached = np.random.get_state()
-    st = {
-        "python": [version, list(mt), gauss],
-        "numpy": [name, key.tolist(), pos, has_gauss, cached],
-        "torch": _b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = _b64(torch.cuda.get_rng_state())
-    return st
-
-
-def _set_rng_state(st: dict) -> None:
-    def tensor(s: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-
-    version, mt, gauss = st["python"]
-    random.setstate((version, tuple(mt), gauss))
-    name, key, pos, has_gauss, cached = st["numpy"]
-    np.random.set_state((name, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensor(st["torch"]))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensor(st["cuda"]))
 
 
 # --------------------------------------------------------------------------------------------- test hooks

@@ -57,11 +57,12 @@ def sizes(plan: LaunchPlan) -> Sizes:
     return Sizes(n * (weights + moments + extra), n * low, f"{n / 1e9:.3g}B parameters x {weights + moments + extra} B: {what}")
 
 
-def interval(plan: LaunchPlan, override: int | str | None) -> tuple[int | None, str]:
+def interval(plan: LaunchPlan, override: int | str | None, steps: int | None = None) -> tuple[int | None, str]:
     """(steps between checkpoints, why): 0 = only at the end; None = decide from the first measured steps.
-    ``override`` is --checkpoint-every: an int, AUTO, or None for the plan's ``training.checkpoint_every``."""
+    ``override`` is --checkpoint-every: an int, AUTO, or None for the plan's ``training.checkpoint_every``; ``steps``
+    the run's steps (for the why)."""
     every = plan.training.checkpoint_every if override is None else override
-    return options.interval(every, plan.prediction.step_time_s if plan.prediction else None)
+    return options.interval(every, plan.prediction.step_time_s if plan.prediction else None, steps)
 
 
 def saves(start: int, steps: int, every: int | None, final: bool) -> int:
@@ -138,12 +139,15 @@ def launch_problem(plan: LaunchPlan, output: Path, opts, reserved: int = 0) -> t
     already in ``output`` and, on --resume, starting at the newest one's step."""
     import json
 
+    from seqpar.plan.errors import SeqparError
+    from seqpar.plan.safe import read_bytes
+
     done = sorted(p for p in (output / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file())
     start = 0
     if opts.resume and done:
-        try:
-            start = int(json.loads((done[-1] / "trainer_state.json").read_text())["step"])
-        except (OSError, ValueError, KeyError, TypeError):
+        try:  # resume.launch_check has checked it (its signature, its types) when --resume runs
+            start = int(json.loads(read_bytes(done[-1] / "trainer_state.json", limit=64 << 20))["step"])
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, SeqparError):
             start = 0  # the trainer names what is wrong with it
     every, _ = interval(plan, opts.checkpoint_every)
     return space_problem(

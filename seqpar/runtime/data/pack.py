@@ -24,6 +24,7 @@ where ``order`` is a seeded permutation of the windows, a new one per epoch (num
 from __future__ import annotations
 
 import os
+import zipfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -119,8 +120,9 @@ def pack(corpus, S: int, policy: str) -> dict:
     "ptr" (window w = pieces ptr[w]:ptr[w+1]), "kept" (windows that score a token), "dropped"; cached."""
     cached = Path(corpus.folder) / f"pack-{FORMAT}-{S}-{policy}.npz"
     if cached.is_file():
-        with np.load(cached) as f:
-            return {k: f[k] for k in f.files}
+        held = _read_cached(cached, corpus, S)
+        if held is not None:
+            return held
     start, length = _pieces(corpus, S, policy)
     window, order, n = best_fit_decreasing(length, S)
     placed = order[np.argsort(window[order], kind="stable")]  # by window, longest first inside each
@@ -140,6 +142,41 @@ def pack(corpus, S: int, policy: str) -> dict:
     except OSError:  # a read-only cache still trains: the packing is recomputed next time
         part.unlink(missing_ok=True)
     return out
+
+
+_PACK_KEYS = ("dropped", "kept", "length", "ptr", "start")
+_PACK_ERRORS = (ValueError, OSError, EOFError, TypeError, KeyError, OverflowError, zipfile.BadZipFile)
+
+
+def _read_cached(path: Path, corpus, S: int) -> dict | None:
+    """A cached packing, or None (packed again) when the file is not one this code wrote for this corpus: unreadable,
+    holding a pickle, or with pieces outside the corpus or the windows (a torn or edited cache file would otherwise
+    read tokens from anywhere, or never end)."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if sorted(f.files) != sorted(_PACK_KEYS):
+                return None
+            out = {k: f[k] for k in f.files}
+    except _PACK_ERRORS:
+        return None
+    start, length, ptr, kept, dropped = (out[k] for k in ("start", "length", "ptr", "kept", "dropped"))
+    if any(a.dtype.kind != "i" or a.ndim != 1 for a in (start, length, ptr, kept)) or dropped.ndim or dropped.dtype.kind != "i":
+        return None
+    n = len(ptr) - 1
+    ok = (
+        n >= 0
+        and len(start) == len(length)
+        and (n == 0 or (ptr[0] == 0 and ptr[-1] == len(start) and bool(np.all(np.diff(ptr) > 0))))
+        and bool(np.all(start >= 0))
+        and bool(np.all((length > 0) & (length <= S)))
+        and bool(np.all(start + length <= int(corpus.offsets[-1])))
+        and bool(np.all((kept >= 0) & (kept < max(n, 1))))
+        and 0 <= int(dropped) <= n
+        and len(kept) + int(dropped) == n
+    )
+    if ok and n:  # every window's pieces fit it
+        ok = bool(np.all(np.add.reduceat(length, ptr[:-1]) <= S))
+    return out if ok else None
 
 
 @lru_cache(maxsize=4)

@@ -29,7 +29,9 @@ import numpy as np
 
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.extras import install_line
+from seqpar.plan.safe import printable
 from seqpar.runtime.data import cache as data_cache
+from seqpar.runtime.data.hf_folder import refuse_remote_code, shown
 
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for the keyword
 ROW_SHAPE = '{"text": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]}'
@@ -46,18 +48,31 @@ def require_datasets(what: str):
     return datasets
 
 
-def load_tokenizer(path: str | None, what: str):
+def load_tokenizer(path: str | None, what: str, *, trust_remote_code: bool = False):
+    """The tokenizer of a local folder (seqpar.runtime.data.hf_folder: no custom code unless ``trust_remote_code``)."""
     if not path:
         raise SeqparError(
             f"{what} holds text, which needs a tokenizer; pass --model-path (or --tokenizer) with a local tokenizer folder"
         )
+    # a path that is no folder here: said as such, where transformers would read it as a Hub repo id (org/name, from
+    # the local cache only) and answer with the Hub's naming rules
+    if path.startswith((".", "/", "~")) or path.count("/") > 1 or Path(path).expanduser().is_file():
+        if not Path(path).expanduser().is_dir():
+            raise SeqparError(
+                f"tokenizer {path!r} is not a folder ({'a file' if Path(path).expanduser().exists() else 'no such path'}); "
+                "pass a local folder with the tokenizer's files (tokenizer.json or tokenizer_config.json), e.g. the "
+                "model's folder"
+            )
     from transformers import AutoTokenizer
 
+    if Path(path).expanduser().is_dir():
+        refuse_remote_code(Path(path).expanduser(), "tokenizer folder", trust_remote_code)
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SeqparError(
-            f"cannot load a tokenizer from {path!r} ({str(e).splitlines()[0]}); pass a local folder with tokenizer files"
+            f"cannot load a tokenizer from {shown(path)} ({printable(first)}); pass a local folder with tokenizer files"
         ) from None
 
 
@@ -71,8 +86,9 @@ def mask_method(tok) -> str:
 
 def jsonl_rows(path: Path):
     """Rows {"text", "messages" (JSON text), "line"} of a JSONL file, checked line by line (one line naming the first
-    bad one: not UTF-8, not JSON, or neither a text nor a chat row)."""
-    where = f"data file {str(path)!r}"
+    bad one: not UTF-8, not JSON (a number of more digits than Python reads, nesting past the parser's depth, a lone
+    surrogate escape such as \\ud800, which is no text), or neither a text nor a chat row)."""
+    where = f"data file {shown(path)}"
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
@@ -86,9 +102,27 @@ def jsonl_rows(path: Path):
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SeqparError(f"{where} line {n} is not JSON ({e}); write one object per line: {ROW_SHAPE}") from None
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, "Exceeds the limit (4300 digits)", depth
+                reason = "nests too deeply" if isinstance(e, RecursionError) else printable(e)
+                raise SeqparError(f"{where} line {n} is not JSON ({reason}); write one object per line: {ROW_SHAPE}") from None
+            if "\\u" in line and _has_surrogate(row):
+                raise SeqparError(
+                    f"{where} line {n} holds a lone surrogate escape (\\ud800-\\udfff), which is not text; write the "
+                    "character itself, or its escaped surrogate pair"
+                )
             yield _checked(row, f"{where} line {n}") | {"line": n}
+
+
+def _has_surrogate(obj) -> bool:
+    """Whether a JSON value holds a lone UTF-16 surrogate in a string (JSON's \\ud800 escapes decode to one; it cannot be
+    written as UTF-8, so tokenizers and Arrow fail on it)."""
+    if isinstance(obj, str):
+        return any("\ud800" <= ch <= "\udfff" for ch in obj)
+    if isinstance(obj, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_surrogate(v) for v in obj)
+    return False
 
 
 def _checked(row, where: str) -> dict:

@@ -37,6 +37,13 @@ def packing_fact(spec: str, opts: DataOptions) -> str:
     return "" if spec == "synthetic" else opts.packing
 
 
+def digest_fact(data) -> str:
+    """The SHA-256 of the data's content, as a checkpoint records it ('' for synthetic data): a file edited in place
+    between a run and its --resume is then refused, not trained on as if it were the data the checkpoint saw."""
+    corpus = getattr(data, "corpus", None)
+    return corpus.digest if corpus is not None else ""
+
+
 class TokenData:
     """A token stream cut into windows; ``batch(...)`` returns (micro_batch, seq_len + 1) int64 tensors."""
 
@@ -72,6 +79,15 @@ class TokenData:
                 f"tokenize with the model's tokenizer"
             )
         return ids
+
+    def scored(self, index: int) -> np.ndarray | None:
+        """Which tokens of window ``index`` training scores, (seq_len + 1,) bool (chats: the assistant's, the data's
+        scored mask); None when every token is (text, token files, synthetic)."""
+        mask = getattr(getattr(self, "corpus", None), "scored", None)
+        if mask is None or self.tokens is None:
+            return None
+        w, i = self.seq_len + 1, index % self.num_windows
+        return np.asarray(mask[i * w : (i + 1) * w]) != 0
 
     def batch(self, step: int, micro: int, dp_rank: int, *, grad_accum: int, dp_degree: int, micro_batch: int):
         """The (micro_batch, seq_len + 1) int64 tensor this data-parallel rank trains on at (step, micro)."""
@@ -146,6 +162,7 @@ def open_data(
     tokenizer_path: str | None = None,
     cache: str | None = None,
     shuffle: bool = False,
+    trust_remote_code: bool = False,
 ) -> TokenData:
     """``spec`` as one token stream ('synthetic', a .bin/.npy/.jsonl file or a datasets folder; what seqpar eval
     reads): its documents concatenated, text ones ending with EOS. SeqparError with one line if it cannot be read."""
@@ -153,7 +170,9 @@ def open_data(
         return TokenData("synthetic", seq_len, vocab_size, None, seed)
     from seqpar.runtime.data.source import read_corpus
 
-    corpus = read_corpus(spec, vocab_size=vocab_size, tokenizer_path=tokenizer_path, cache_dir=cache)
+    corpus = read_corpus(
+        spec, vocab_size=vocab_size, tokenizer_path=tokenizer_path, cache_dir=cache, trust_remote_code=trust_remote_code
+    )
     data = TokenData(spec, seq_len, vocab_size, corpus.tokens, seed, shuffle)
     data.corpus, data.note = corpus, corpus.note
     return data
@@ -169,7 +188,14 @@ def open_training_data(
         return TokenData("synthetic", seq_len, vocab_size, None, seed)
     from seqpar.runtime.data.source import read_corpus
 
-    corpus = read_corpus(spec, vocab_size=vocab_size, tokenizer_path=tokenizer_path, cache_dir=opts.cache, procs=opts.procs)
+    corpus = read_corpus(
+        spec,
+        vocab_size=vocab_size,
+        tokenizer_path=tokenizer_path,
+        cache_dir=opts.cache,
+        procs=opts.procs,
+        trust_remote_code=opts.trust_remote_code,
+    )
     if opts.doc_boundaries:
         return PackedData(corpus, seq_len, seed, opts.long_documents)
     if corpus.scored is not None:

@@ -84,27 +84,45 @@ def score(ev: Evaluator, ids, targets) -> dict:
     return {"position": pos.reshape(-1), "target": flat_t, "ce": ce, "hit": hit, "pred": pred}
 
 
-def perplexity(ev: Evaluator, data, windows: int, buckets: int) -> dict:
+def window_targets(data, k: int, which: str = "trained"):
+    """Window ``k`` of ``data`` as (inputs (1, L), targets (1, L)): the targets are the next tokens, -100 where training
+    scores nothing (a chat's tokens other than the assistant's: TokenData.scored) unless ``which`` is "all"."""
+    w = torch.from_numpy(data.window(k))[None]  # (1, L+1)
+    targets = w[:, 1:].clone()  # (1, L)
+    scored = data.scored(k) if which == "trained" else None
+    if scored is not None:
+        targets[0, ~torch.from_numpy(scored[1:])] = IGNORE_INDEX
+    return w[:, :-1], targets
+
+
+def perplexity(ev: Evaluator, data, windows: int, buckets: int, which: str = "trained") -> dict:
     """Exact held-out loss and perplexity over the first ``windows`` windows of ``data`` (a seqpar.runtime.data.windows.TokenData
-    at this length), with the loss per position bucket and per window. Collective over the world."""
+    at this length), with the loss per position bucket and per window. ``which``: "trained" counts the tokens training
+    scores (a chat's assistant tokens; every token of text), "all" every token; a bucket or window that counts none
+    has loss None. Collective over the world."""
     L = data.seq_len
     K, B = min(windows, data.num_windows), max(1, min(buckets, L))
     edges = [L * b // B for b in range(B + 1)]  # bucket b holds global positions edges[b] <= p < edges[b+1]
     inner = torch.tensor(edges[1:-1], dtype=torch.long, device=ev.device)
     acc = torch.zeros(2 * B + 2 * K, dtype=torch.float64, device=ev.device)  # bucket sums, counts; window sums, counts
     for k in range(ev.dp_rank, K, ev.dp_degree):
-        w = torch.from_numpy(data.window(k))[None]  # (1, L+1)
-        r = score(ev, w[:, :-1], w[:, 1:])
+        r = score(ev, *window_targets(data, k, which))
         b = torch.bucketize(r["position"], inner, right=True)  # (s,) bucket of each local token
-        ce = r["ce"].double()
+        ce = r["ce"].double()  # 0 where the target is -100
+        counted = (r["target"] != IGNORE_INDEX).double()
         acc[:B].index_add_(0, b, ce)
-        acc[B : 2 * B].index_add_(0, b, torch.ones_like(ce))
+        acc[B : 2 * B].index_add_(0, b, counted)
         acc[2 * B + k] += ce.sum()
-        acc[2 * B + K + k] += ce.numel()
+        acc[2 * B + K + k] += counted.sum()
     dist.all_reduce(acc)  # every token of every window on exactly one rank: the sums are the whole
     sums, counts = acc[:B].tolist(), acc[B : 2 * B].tolist()
     w_sums, w_counts = acc[2 * B : 2 * B + K].tolist(), acc[2 * B + K :].tolist()
     total, tokens = sum(sums), sum(counts)
+    if not tokens:
+        raise SeqparError(
+            f"the {K} held-out windows of {L} tokens hold no token that training scores (a chat's assistant tokens); "
+            "evaluate more windows (--windows), or every token with --score all"
+        )
     loss = total / tokens
     return {
         "seq_len": L,
@@ -114,11 +132,18 @@ def perplexity(ev: Evaluator, data, windows: int, buckets: int) -> dict:
         "perplexity": math.exp(loss),
         "loss_sum": total,
         "buckets": [
-            {"start": edges[b], "end": edges[b + 1], "tokens": int(counts[b]), "loss_sum": sums[b], "loss": sums[b] / counts[b]}
+            {
+                "start": edges[b],
+                "end": edges[b + 1],
+                "tokens": int(counts[b]),
+                "loss_sum": sums[b],
+                "loss": sums[b] / counts[b] if counts[b] else None,
+            }
             for b in range(B)
         ],
-        "window_losses": [s / c for s, c in zip(w_sums, w_counts)],
+        "window_losses": [s / c if c else None for s, c in zip(w_sums, w_counts)],
+        "scored": which,
     }
 
 
-__all__ = ["CHUNK_TOKENS", "Evaluator", "check_head", "perplexity", "score", "token_scores"]
+__all__ = ["CHUNK_TOKENS", "Evaluator", "check_head", "perplexity", "score", "token_scores", "window_targets"]

@@ -23,6 +23,7 @@ Numbers are 7-digit (10^6 .. 10^7 - 1), drawn once from a fixed seed: sample s o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -62,24 +63,36 @@ class Prompt:
     number: str  # the needle's number (text prompts) or its value ids (token prompts)
 
 
-def _tokenizer(path: str | None):
-    """A local tokenizer, or None when ``path`` holds none (token-id prompts then)."""
+def _tokenizer(path: str | None, trust_remote_code: bool = False):
+    """A local tokenizer, or None when ``path`` holds none (token-id prompts then). A folder that asks for custom code
+    is refused (seqpar.runtime.data.hf_folder), never read as one without a tokenizer."""
     if not path:
         return None
     from transformers import AutoTokenizer
 
+    from seqpar.runtime.data.hf_folder import refuse_remote_code
+
+    if Path(path).is_dir():
+        refuse_remote_code(path, "tokenizer folder", trust_remote_code)
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError):
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
         return None
 
 
-def _stream(data: str | None, tok, vocab: int, n: int, seed: int) -> np.ndarray:
+def _stream(data: str | None, tok, vocab: int, n: int, seed: int, trust_remote_code: bool = False) -> np.ndarray:
     """n haystack tokens: the held-out data's token stream (repeated when shorter), else FILLER or seeded random ids."""
     if data and data != "synthetic":
         from seqpar.runtime.data.windows import open_data
 
-        src = open_data(data, seq_len=1, vocab_size=vocab, seed=seed, tokenizer_path=getattr(tok, "name_or_path", None))
+        src = open_data(
+            data,
+            seq_len=1,
+            vocab_size=vocab,
+            seed=seed,
+            tokenizer_path=getattr(tok, "name_or_path", None),
+            trust_remote_code=trust_remote_code,
+        )
         base = np.asarray(src.tokens, dtype=np.int64)
         top = int(base.max())
         if top >= vocab:
@@ -122,7 +135,14 @@ def _sentence_end(hay: np.ndarray, idx: int, tok) -> int:
 
 
 def build_prompts(
-    lengths: list[int], depths: list[float], samples: int, tokenizer_path: str | None, data: str | None, vocab: int
+    lengths: list[int],
+    depths: list[float],
+    samples: int,
+    tokenizer_path: str | None,
+    data: str | None,
+    vocab: int,
+    *,
+    trust_remote_code: bool = False,
 ) -> tuple[list[Prompt], object]:
     """Every (length, depth, sample) prompt, and the tokenizer (None: token-id prompts). SeqparError for depths outside
     [0, 1], samples < 1 or a length the fixed parts (prefix, needle, question, answer) do not fit in."""
@@ -131,7 +151,7 @@ def build_prompts(
         raise SeqparError(f"needle depths {bad or depths} must be fractions of the haystack in [0, 1]; e.g. --depths 0,0.5,1")
     if samples < 1:
         raise SeqparError(f"--samples {samples} must be at least 1 needle per (length, depth)")
-    tok = _tokenizer(tokenizer_path)
+    tok = _tokenizer(tokenizer_path, trust_remote_code)
     rng = np.random.default_rng(NEEDLE_SEED)
     if tok is not None:
         numbers = [str(int(x)) for x in rng.integers(10**6, 10**7, samples)]
@@ -148,7 +168,7 @@ def build_prompts(
             f"the needle prompt needs {fixed} tokens before any haystack (prefix {pre}, needle {nd}, question {q}, "
             f"answer {a}), longer than the context of {short[0]} tokens; use lengths of at least {fixed}"
         )
-    hay_all = _stream(data, tok, vocab, max(lengths), NEEDLE_SEED)
+    hay_all = _stream(data, tok, vocab, max(lengths), NEEDLE_SEED, trust_remote_code)
     prompts = []
     for L in lengths:
         for d in depths:

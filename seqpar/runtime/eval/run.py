@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.files import write_atomic
 from seqpar.plan.flags import OptionsParser
 from seqpar.plan.job_options import EvalJobOptions
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.modes import ulysses_arg
+from seqpar.plan.safe import printable
 from seqpar.runtime.eval.forward import Evaluator, check_head, perplexity, score
+from seqpar.runtime.train.run_files import read_file, write_file
 
 REPORTS = {"perplexity": "eval.json", "needle": "needle.json"}
 
@@ -46,20 +47,37 @@ def parser() -> OptionsParser:
 
 
 def preflight(
-    task: str, lengths: list[int], data: str | None, tokenizer_path: str | None, vocab: int, depths: list[float], samples: int
+    task: str,
+    lengths: list[int],
+    data: str | None,
+    tokenizer_path: str | None,
+    vocab: int,
+    depths: list[float],
+    samples: int,
+    *,
+    trust_remote_code: bool = False,
 ) -> None:
     """The input checks that need no process group, run before any rank starts (every rank repeats them): the held-out
-    data holds a window of every length (perplexity), the needle prompt fits every length. SeqparError otherwise."""
+    data holds a window of every length (perplexity), the needle prompt fits every length. SeqparError otherwise.
+    ``trust_remote_code``: a tokenizer folder may run the code it ships (--trust-remote-code)."""
     from seqpar.runtime.data.windows import TokenData, open_data
 
     if data and data != "synthetic" and Path(data).is_file() and Path(data).stat().st_size == 0:
-        raise SeqparError(f"held-out data file {data!r} is empty (0 bytes); pass a file with at least seq_len + 1 tokens")
+        raise SeqparError(
+            f"held-out data file {printable(data)!r} is empty (0 bytes); pass a file with at least seq_len + 1 tokens"
+        )
     if task == "needle":
         from seqpar.runtime.eval.needle import build_prompts
 
-        build_prompts(lengths, depths, samples, tokenizer_path, data, vocab)
+        build_prompts(lengths, depths, samples, tokenizer_path, data, vocab, trust_remote_code=trust_remote_code)
         return
-    first = open_data(data or "synthetic", seq_len=min(lengths), vocab_size=vocab, tokenizer_path=tokenizer_path)
+    first = open_data(
+        data or "synthetic",
+        seq_len=min(lengths),
+        vocab_size=vocab,
+        tokenizer_path=tokenizer_path,
+        trust_remote_code=trust_remote_code,
+    )
     for L in sorted(lengths):
         TokenData(first.name, L, vocab, first.tokens)  # refuses a length with no whole window (one line)
 
@@ -117,7 +135,13 @@ def setup(args: EvalJobOptions, dtype: torch.dtype | None = None) -> tuple[Launc
     # A model folder keeps its own RoPE base (an export records its stage's); random weights take the plan's.
     theta = None if args.model_path else plan.training.rope_theta
     model = build_model(
-        w.model, model_path=args.model_path, seed=plan.training.seed, rope_theta=theta, device=topo.device, dtype=dtype
+        w.model,
+        model_path=args.model_path,
+        seed=plan.training.seed,
+        rope_theta=theta,
+        device=topo.device,
+        dtype=dtype,
+        trust_remote_code=args.trust_remote_code,  # the folder's own shape: seqpar eval predicts with it
     )
     check_head(model)
     u = ulysses_arg(s.mode, s.ulysses_degree)
@@ -149,7 +173,7 @@ def run(args: EvalJobOptions, dtype: torch.dtype | None = None) -> dict | None:
 
     plan, ev, notes = setup(args, dtype)
     lengths = list(args.seq_len) or [plan.workload.seq_len]
-    predicted = json.loads(Path(args.prediction).read_text()) if args.prediction else {}
+    predicted = _prediction(args.prediction)
     vocab = ev.model.config.vocab_size
     warm_up(ev)
     rows: list[dict] = []
@@ -157,7 +181,15 @@ def run(args: EvalJobOptions, dtype: torch.dtype | None = None) -> dict | None:
         from seqpar.runtime.eval.needle import build_prompts, sweep
 
         depths = list(args.depths)
-        prompts, tok = build_prompts(lengths, depths, args.samples, args.tokenizer or args.model_path, args.data, vocab)
+        prompts, tok = build_prompts(
+            lengths,
+            depths,
+            args.samples,
+            args.tokenizer or args.model_path,
+            args.data,
+            vocab,
+            trust_remote_code=args.trust_remote_code,
+        )
         extra = {"prompts": "text (a tokenizer)" if tok is not None else "token ids (no tokenizer)"}
     else:
         stream = open_data(
@@ -166,6 +198,7 @@ def run(args: EvalJobOptions, dtype: torch.dtype | None = None) -> dict | None:
             vocab_size=vocab,
             seed=plan.training.seed,
             tokenizer_path=args.tokenizer or args.model_path,
+            trust_remote_code=args.trust_remote_code,
         )
         extra = {}
     for L in lengths:
@@ -175,8 +208,9 @@ def run(args: EvalJobOptions, dtype: torch.dtype | None = None) -> dict | None:
             row = {"seq_len": L, "cells": cells}
         else:  # one token stream, cut into windows of each length
             data = TokenData(stream.name, L, vocab, stream.tokens, stream.seed)
+            data.corpus = getattr(stream, "corpus", None)  # its scored mask: a chat's assistant tokens
             tokens = min(args.windows, data.num_windows) * L
-            row, meas = measured(ev, tokens, lambda data=data: perplexity(ev, data, args.windows, args.buckets))
+            row, meas = measured(ev, tokens, lambda data=data: perplexity(ev, data, args.windows, args.buckets, args.score))
             row["windows_requested"] = args.windows
         rows.append({**row, "measured": meas, "predicted": predicted.get("lengths", {}).get(str(L))})
         if notes["rank"] == 0:
@@ -207,8 +241,22 @@ def write_report(args, plan: LaunchPlan, notes: dict, rows: list[dict], predicte
         from seqpar.runtime.eval.needle import grid
 
         report.update(grid(rows))
-    write_atomic(Path(args.output) / REPORTS[args.task], json.dumps(report, indent=2) + "\n")
+    write_file(Path(args.output) / REPORTS[args.task], json.dumps(report, indent=2) + "\n", "eval report")
     return report
+
+
+def _prediction(path: str | None) -> dict:
+    """seqpar eval's prediction file (it wrote it into the output folder just before), read without following a link."""
+    if not path:
+        return {}
+    raw = read_file(path, "prediction file", limit=1 << 24)
+    try:
+        data = json.loads(raw) if raw is not None else None
+    except (ValueError, RecursionError):
+        data = None
+    if not isinstance(data, dict) or not isinstance(data.get("lengths", {}), dict):
+        raise SeqparError(f"prediction file {printable(path)!r} is not the JSON object seqpar eval writes; run seqpar eval again")
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
         shutdown()
     except SeqparError as e:
-        print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        print(f"seqpar: error: {printable(e, 4000)}", file=sys.stderr, flush=True)
         return 2
     finally:
         if dist.is_initialized():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich import box
 from rich.table import Table
 
 from seqpar.plan.units import format_tokens
@@ -35,12 +36,17 @@ def _title(report: dict, what: str) -> str:
     return f"{what}: {s['mode']} sp {s['sp_degree']} x dp {s['dp_degree']}, {report['device']}"
 
 
+def _narrow(title: str) -> Table:
+    """A table that keeps every figure whole at 80 columns: no vertical rules, cells wrap at their spaces, never cut."""
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+
+
 def perplexity_table(report: dict) -> Table:
-    """Per length: windows, tokens, loss, perplexity, the first and last position bucket's loss, and measured
-    (predicted) peak memory and tokens/s."""
-    t = Table(title=_title(report, "Held-out loss"))
-    for col in ("seq_len", "windows", "tokens", "loss", "ppl", "first/last bucket", "peak GiB (pred)", "tokens/s (pred)"):
-        t.add_column(col, justify="right")
+    """Per length: windows, tokens, loss, perplexity, the first and last position bucket's loss, and measured peak memory
+    and tokens/s with the prediction under each."""
+    t = _narrow(_title(report, "Held-out loss"))
+    for col in ("length", "windows", "tokens", "loss", "ppl", "first\nlast", "peak GiB\n(pred)", "tokens/s\n(pred)"):
+        t.add_column(col, justify="right", overflow="fold")
     for r in report["lengths"]:
         b = r["buckets"]
         mem, mem_p = _pair(r, "peak_memory_gib", _gib)
@@ -51,22 +57,27 @@ def perplexity_table(report: dict) -> Table:
             f"{r['tokens']:,}",
             f"{r['loss']:.4f}",
             f"{r['perplexity']:.2f}",
-            f"{b[0]['loss']:.3f}/{b[-1]['loss']:.3f}",
-            f"{mem} ({mem_p})",
-            f"{tps} ({tps_p})",
+            f"{_loss(b[0]['loss'])}\n{_loss(b[-1]['loss'])}",
+            f"{mem}\n({mem_p})",  # the prediction under the measurement: two narrow lines, not one wide one
+            f"{tps}\n({tps_p})",
         )
     return t
 
 
+def _loss(value: float | None) -> str:
+    """A bucket's loss; "-" where it counts no token (chat data: no assistant token at those positions)."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def needle_table(report: dict) -> Table:
-    """Rows depths, columns lengths: exact match over the samples and the answer's mean log-likelihood."""
+    """Rows depths, columns lengths: exact match over the samples and, under it, the answer's mean log-likelihood."""
     g = report["grid"]
-    t = Table(title=_title(report, f"Needle, exact match (answer log-likelihood), {report['prompts']}"))
+    t = _narrow(_title(report, f"Needle, exact match (answer log-likelihood), {report['prompts']}"))
     t.add_column("depth", justify="right")
     for L in g["lengths"]:
-        t.add_column(format_tokens(L), justify="right")
+        t.add_column(format_tokens(L), justify="right", overflow="fold")
     for i, d in enumerate(g["depths"]):
-        cells = [f"{g['exact_match'][i][j]:.2f} ({g['log_likelihood'][i][j]:.1f})" for j in range(len(g["lengths"]))]
+        cells = [f"{g['exact_match'][i][j]:.2f}\n({g['log_likelihood'][i][j]:.1f})" for j in range(len(g["lengths"]))]
         t.add_row(f"{d:.0%}", *cells)
     return t
 
@@ -114,8 +125,9 @@ def plot_loss_by_position(report: dict, path: str | Path) -> dict[int, tuple[lis
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines = {}
     for r in report["lengths"]:
-        xs = [(b["start"] + b["end"]) / 2 for b in r["buckets"]]
-        ys = [b["loss"] for b in r["buckets"]]
+        counted = [b for b in r["buckets"] if b["loss"] is not None]  # chat data: buckets without assistant tokens
+        xs = [(b["start"] + b["end"]) / 2 for b in counted]
+        ys = [b["loss"] for b in counted]
         ax.plot(xs, ys, marker=".", label=f"{format_tokens(r['seq_len'])}: loss {r['loss']:.3f}, ppl {r['perplexity']:.2f}")
         lines[r["seq_len"]] = (xs, ys)
     ax.set_xscale("log", base=2)

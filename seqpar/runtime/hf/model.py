@@ -10,6 +10,11 @@ device (shapes, no storage), the engine wraps it (FSDP2 shards the meta paramete
 rank keeps, and ``share_from_rank0`` broadcasts rank 0's values tensor by tensor (torch.distributed.checkpoint's
 ``broadcast_from_rank0``), each rank keeping its shard. A W-rank job so holds one full copy (rank 0's, while it
 broadcasts) instead of W, and an FSDP2 rank other than 0 never more than its shard.
+
+A model folder is data (seqpar.runtime.data.hf_folder): no custom code without ``--trust-remote-code``, weights only from
+safetensors, and a folder whose safetensors are torn or miss a weight the config has is one line (exit 2), never a
+model trained from partly random weights. To train with a plan, the folder's shape must be the plan's
+(``check_shape``): the plan's memory, speed and layout were worked out for that shape.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
+from seqpar.plan.safe import printable
 from seqpar.plan.specs import ModelSpec
+from seqpar.runtime.data.hf_folder import check_weights, read_config, refuse_remote_code, shown
 
 _CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
@@ -60,6 +67,143 @@ def set_rope_theta(config, theta: float) -> None:
         config.rope_theta = float(theta)
 
 
+# (the ModelSpec field, the transformers config attribute): what a plan's figures and its layout depend on
+SHAPE = (
+    ("num_layers", "num_hidden_layers"),
+    ("hidden_size", "hidden_size"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("num_key_value_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("intermediate_size", "intermediate_size"),
+    ("vocab_size", "vocab_size"),
+)
+
+
+def check_shape(config, spec: ModelSpec, model_path: str) -> None:
+    """SeqparError naming the first shape field where the model folder's config differs from the plan's model."""
+    for field, attr in SHAPE:
+        got = getattr(config, attr, None)
+        if attr == "num_key_value_heads" and got is None:  # transformers' default: multi-head attention
+            got = getattr(config, "num_attention_heads", None)
+        if attr == "head_dim" and got is None:
+            heads = getattr(config, "num_attention_heads", None)
+            got = config.hidden_size // heads if heads else None
+        want = getattr(spec, field)
+        if got != want:
+            raise SeqparError(
+                f"--model-path {shown(model_path)}: config.json has {attr} {printable(got, 60)}, the plan's model "
+                f"{printable(spec.name, 80)!r} has {field} {want}; the plan's memory, speed and layout are worked out "
+                f"for its model: advise a plan for this folder (seqpar advise --model {shown(model_path)} ...) or pass "
+                f"the folder of the plan's model"
+            )
+
+
+def load_config(model_path: str, *, trust_remote_code: bool = False):
+    """transformers' config of a local model folder, after the folder's checks (seqpar.runtime.data.hf_folder)."""
+    from transformers import AutoConfig
+
+    p = Path(model_path)
+    if not (p / "config.json").is_file():
+        raise SeqparError(f"--model-path {shown(model_path)} holds no config.json; pass a local Hugging Face model folder")
+    refuse_remote_code(p, "--model-path", trust_remote_code)  # reads config.json bounded, as a JSON object, first
+    try:
+        return AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # a model_type transformers does not know, a bad field
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SeqparError(
+            f"--model-path {shown(model_path)}: transformers cannot read its config.json ({printable(first)}); pass a "
+            "folder written by save_pretrained"
+        ) from None
+
+
+def weight_names(model_path: str) -> set[str]:
+    """The tensor names of the folder's safetensors files, each file's header checked (safetensors' own reader: its
+    size, JSON and offsets against the file); SeqparError naming the file otherwise. Cheap (headers only), so every
+    rank runs it and a bad folder is the same one line on all of them."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(model_path)
+    check_weights(p)
+    index = read_config(p, "model.safetensors.index.json", "--model-path")
+    if index is None:
+        files = ["model.safetensors"]
+    else:
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise SeqparError(f"--model-path {shown(p / 'model.safetensors.index.json')} has no weight_map; restore the folder")
+        files = sorted({str(v) for v in weight_map.values()})
+        for name in files:  # a file beside the index, never a path elsewhere
+            if Path(name).name != name or not name.endswith(".safetensors"):
+                raise SeqparError(
+                    f"--model-path {shown(p / 'model.safetensors.index.json')} names {printable(name, 80)!r}, not a "
+                    ".safetensors file beside it; restore the folder"
+                )
+    names: set[str] = set()
+    for name in files:
+        try:
+            with safe_open(str(p / name), framework="pt") as f:
+                names.update(f.keys())
+        except (SafetensorError, OSError) as e:  # torn, not safetensors at all, missing
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise SeqparError(
+                f"--model-path {shown(p / name)} is not a readable safetensors file ({printable(first)}); restore the "
+                "folder or write it again with save_pretrained"
+            ) from None
+    return names
+
+
+def check_coverage(model, names: set[str], model_path: str) -> None:
+    """SeqparError when the model has a tensor the folder's weights lack: it would train from random values."""
+    missing = sorted(set(model.state_dict()) - names - _tied(model))
+    if missing:
+        raise SeqparError(
+            f"--model-path {shown(model_path)}: its weights lack {len(missing)} of the model's tensors (e.g. "
+            f"{printable(missing[0])}), which would train from random values; pass a complete folder (config.json and "
+            "safetensors from the same save_pretrained)"
+        )
+
+
+def load_pretrained(model_path: str, config, dtype, *, trust_remote_code: bool = False):
+    """The folder's weights (safetensors only) into the model of ``config``; every weight the model has must be in the
+    files (a tied output head may be absent)."""
+    import torch
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            Path(model_path),
+            config=config,
+            dtype=dtype,
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
+    except torch.OutOfMemoryError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as e:  # a tensor of another shape or dtype
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise SeqparError(
+            f"--model-path {shown(model_path)}: its safetensors weights cannot be loaded ({type(e).__name__}: "
+            f"{printable(first)}); restore the folder or write it again with save_pretrained"
+        ) from None
+    missing = sorted(set(info.get("missing_keys", ())) - _tied(model))
+    if missing:
+        raise SeqparError(
+            f"--model-path {shown(model_path)}: its weights lack {len(missing)} of the model's tensors (e.g. "
+            f"{printable(missing[0])}), which would train from random values; pass a complete folder"
+        )
+    return model
+
+
+def _tied(model) -> set[str]:
+    """Names a checkpoint may leave out because they share another's storage: a tied model's output head."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    return set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
+
+
 def build_model(
     spec: ModelSpec,
     *,
@@ -70,18 +214,21 @@ def build_model(
     device=None,
     dtype=None,
     meta: bool = False,
+    trust_remote_code: bool = False,
+    match_plan: bool = False,
 ):
     """The causal LM; weights from model_path, init_from, or seeded random. Random weights are created directly on
     ``device`` in ``dtype`` (a 7B model initialised in fp32 on the host would take ~27 GB of RAM and a minute of CPU);
-    loaded weights come in ``dtype`` on the host and the caller moves them. ``meta``: shapes only, no weights."""
+    loaded weights come in ``dtype`` on the host and the caller moves them. ``meta``: shapes only, no weights.
+    ``match_plan``: a model folder must have ``spec``'s shape (the trainer's; eval reads the folder's own shape)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if model_path:
-        p = Path(model_path)
-        if not (p / "config.json").is_file():
-            raise SeqparError(f"--model-path {model_path!r} holds no config.json; pass a local Hugging Face model folder")
-        config = AutoConfig.from_pretrained(p, local_files_only=True)
+        config = load_config(model_path, trust_remote_code=trust_remote_code)
+        if match_plan:
+            check_shape(config, spec, model_path)
+        names = weight_names(model_path)  # every rank, rank 0 loading them and the meta ranks alike
     else:
         config = config_from_spec(spec)
     config.use_cache = False
@@ -91,12 +238,16 @@ def build_model(
     dtype = dtype or torch.float32
     if meta:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        if model_path:
+            check_coverage(model, names, model_path)
+        return model
     if model_path:
-        model = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=dtype, local_files_only=True)
+        model = load_pretrained(model_path, config, dtype, trust_remote_code=trust_remote_code)
+        check_coverage(model, names, model_path)
     else:
         with torch.device(device or "cpu"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)  # seqpar's own config
     if init_from:
         load_weights(model, init_from)
     return model
@@ -104,6 +255,7 @@ def build_model(
 
 def load_weights(model, folder: str | Path) -> None:
     """Load the safetensors files of a save_pretrained folder into ``model`` (tied weights may be absent from the files)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files = sorted(Path(folder).glob("*.safetensors"))
@@ -111,8 +263,21 @@ def load_weights(model, folder: str | Path) -> None:
         raise SeqparError(f"checkpoint folder {str(folder)!r} holds no .safetensors weights; it is not a finished checkpoint")
     state = {}
     for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:  # torn by a full disk, or not safetensors at all
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise SeqparError(
+                f"checkpoint file {shown(f)} is not a readable safetensors file ({printable(first)}); restore it or "
+                "start from another checkpoint"
+            ) from None
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape: the folder is another model's
+        first = next((ln for ln in str(e).splitlines() if ln.strip() and "Error" not in ln), type(e).__name__)
+        raise SeqparError(
+            f"checkpoint {shown(folder)} does not fit the model ({printable(first.strip())}); resume with the plan that wrote it"
+        ) from None
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if isinstance(getattr(model, "_tied_weights_keys", None), dict):
         tied = set(model._tied_weights_keys)

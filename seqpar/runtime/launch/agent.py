@@ -7,9 +7,13 @@ child would hide:
 - every failed rank's exit status (``ChildFailedError.failures``): a rank killed by a signal (the OOM killer, ``kill -9``)
   writes nothing, so only its status names it, where its survivors can only say "connection reset by peer". The agent
   lists the ranks it stopped itself there too (SIGTERM, then SIGKILL 30 s later), with later timestamps;
-- the stop: SIGTERM and SIGINT reach the agent, which forwards them to every rank and gives them
+- the stop: the first SIGTERM or SIGINT reaches the agent, which sends SIGTERM to every rank and gives them
   ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (30 by default) before SIGKILL; the ranks write a final checkpoint and exit
-  (seqpar.runtime.launch.stopping), and the agent's SignalException ends here, so the launcher prints one line, not tracebacks;
+  (seqpar.runtime.launch.stopping), and the agent's SignalException ends here, so the launcher prints one line, not
+  tracebacks. The handler is seqpar's, not torch's (torchrun's ``signals_to_handle`` leaves these two to it): torch's
+  raises on every signal, so a burst (a scheduler's repeats, Ctrl-C pressed twice) broke the agent's wait for the
+  ranks, and the launcher said "no checkpoint was written" while they went on to write one. Later signals of a stop
+  are noted and change nothing; the ranks' own grace bounds the wait;
 - the ranks are children of this process and die with it (stopping.die_with_parent), so no rank outlives a ``kill -9``
   of the launcher.
 
@@ -56,10 +60,22 @@ class Outcome:
     oom_kills: int = 0  # kernel OOM kills in this cgroup while the job ran
 
 
-def _raise_signal(signum, frame):
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+class StopHandler:
+    """SIGTERM/SIGINT handler of a running job: the first signal raises torch's SignalException (the agent then stops
+    the ranks and waits for them), later ones are only noted. Stays installed after a stop: the launcher exits 128 + the
+    signal next, and a late signal of the burst must not kill it first (exit -15 instead of 143) or cut its line short."""
 
-    raise SignalException(f"got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+    def __init__(self):
+        self.got: list[int] = []
+
+    def __call__(self, signum, frame):
+        self.got.append(signum)
+        if len(self.got) == 1:
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            # The ranks get SIGTERM for either: they stop the same way, and one still importing (before its handler)
+            # ends quietly instead of printing a KeyboardInterrupt traceback. The launcher exits 128 + this signal.
+            raise SignalException(f"got {signal.Signals(signum).name}", sigval=signal.SIGTERM)
 
 
 def _quiet_torchrun() -> dict[str, int]:
@@ -96,20 +112,24 @@ def run_torchrun(argv: list[str], env: dict[str, str]) -> Outcome:
     saved_env = dict(os.environ)
     os.environ.update(env)  # the agent starts the ranks with its own environment
     levels = {} if os.environ.get("SEQPAR_DEBUG") else _quiet_torchrun()
-    # Until the agent installs its handlers (after the rendezvous), a signal stops the launch the same way.
-    handlers = {s: signal.signal(s, _raise_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = StopHandler()
+    handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     before = oom_kills()
     try:
-        run(parse_args(argv[3:]))
+        args = parse_args(argv[3:])
+        args.signals_to_handle = "SIGHUP,SIGQUIT"  # SIGTERM and SIGINT stay with StopHandler
+        run(args)
         out = Outcome(0)
     except ChildFailedError as e:
         ends = {r: RankEnd(r, f.exitcode, f.pid, f.message, float(f.timestamp)) for r, f in e.failures.items()}
         out = Outcome(1, ends)
     except SignalException as e:
-        out = Outcome(128 + int(e.sigval), signum=int(e.sigval))
+        signum = stop.got[0] if stop.got else int(e.sigval)
+        out = Outcome(128 + signum, signum=signum)
     finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+        if not stop.got:
+            for s, h in handlers.items():
+                signal.signal(s, h)
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
         os.environ.clear()
@@ -119,4 +139,4 @@ def run_torchrun(argv: list[str], env: dict[str, str]) -> Outcome:
     return out
 
 
-__all__ = ["Outcome", "RankEnd", "oom_kills", "run_torchrun"]
+__all__ = ["Outcome", "RankEnd", "StopHandler", "oom_kills", "run_torchrun"]

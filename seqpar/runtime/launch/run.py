@@ -8,43 +8,47 @@ failed first, and how, from each rank's exit status and the line the trainer lea
 process-group timeout (SEQPAR_PG_TIMEOUT_S) bounds how long ranks wait for a dead or stopped peer, and the peer's
 heartbeat (seqpar.runtime.train.liveness) names the one that stopped answering.
 
-Stopping: SIGTERM or Ctrl-C (SIGINT) reaches the agent, which forwards it to every rank; the ranks finish their step, write
-a checkpoint and exit; the launcher prints one line with that checkpoint and exits 128 + the signal (143, 130). The
-ranks die with the launcher (seqpar.runtime.launch.stopping), so even ``kill -9`` of its process group leaves none behind.
+Stopping: SIGTERM or Ctrl-C (SIGINT) reaches the agent, which sends SIGTERM to every rank; the ranks finish their step,
+write a checkpoint and exit; once every rank has exited the launcher prints one line with that checkpoint and exits
+128 + the first signal (143, 130), however many follow it. The ranks die with the launcher (seqpar.runtime.launch.stopping), so
+even ``kill -9`` of its process group leaves none behind.
 
-One launch at a time per output folder: the launcher holds an flock on ``<output>/.seqpar-launch.lock`` (the kernel drops
-it when the process dies, so a dead launcher's lock is taken over); a second launch is refused naming the holder's pid.
+One job at a time per output folder (seqpar.runtime.launch.lock): the launcher holds a lock on the folder, its ranks
+another, so the folder stays taken until every process of the job has exited; a second launch is refused naming the
+launcher's pid, and one that comes while the ranks of a killed launcher are still stopping waits for them.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
 import signal
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
+from seqpar.plan.env import env_value_problem
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.extras import require
 from seqpar.plan.jobspec import Job, LaunchOptions, default_output, jobs_for, uses_deepspeed
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.specs import ClusterSpec
+from seqpar.runtime.launch.lock import LOCK_NAME, RANKS_ENV, check_free, lock_holder, lock_output, wait_for_ranks
+from seqpar.runtime.launch.stopping import STOP_SIGNALS, grace_s
 
 __all__ = [
+    "LOCK_NAME",
     "LaunchOptions",
     "check_machine",
     "failure_message",
     "launch",
+    "lock_holder",
     "lock_output",
     "preflight",
     "require_dependencies",
     "run_job",
 ]
-
-LOCK_NAME = ".seqpar-launch.lock"
-
 
 # --------------------------------------------------------------------------------------------- machine check
 
@@ -73,10 +77,11 @@ def check_machine(
     return diffs
 
 
-def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: Path | None = None) -> list[str]:
+def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: Path | None = None, echo=None) -> list[str]:
     """Everything that can be checked before a process starts; SeqparError (exit 2, nothing written) otherwise.
     ``out``: the output folder (default: the first job's). Returns what the data holds, one line per stage; text data
-    is tokenized here, into the cache every rank then reads (seqpar.runtime.data.cache)."""
+    is tokenized here, into the cache every rank then reads (seqpar.runtime.data.cache). Ranks of an earlier launch
+    that are still stopping are waited for first (``echo`` says so), before anything of the folder is read."""
     from seqpar.runtime.checkpoint.resume import launch_check
     from seqpar.runtime.checkpoint.storage import launch_problem
     from seqpar.runtime.data import windows as datasrc
@@ -85,12 +90,8 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
     out = out or jobs[0][0].output
     if out.exists() and not out.is_dir():
         raise SeqparError(f"--output {str(out)!r} is a file, not a folder; pick a folder (it is created when missing)")
-    holder = None if dry_run else lock_holder(out)
-    if holder is not None:
-        raise SeqparError(
-            f"output {str(out)!r} is in use by another seqpar launch (pid {holder}); wait for it, stop it (kill {holder}), "
-            f"or pick another --output"
-        )
+    if not dry_run:
+        check_free(out, _ranks_wait_s(), echo)
     t, notes = opts.train, []  # the trainer's options: what every job's ranks will read
     data_opts = t.data_options
     for job, sp in jobs:
@@ -104,13 +105,16 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             tokenizer_path=data_opts.tokenizer or t.model_path,
         )
         notes.append(data.note)
+        if t.data != "synthetic":
+            notes += _repeats(t.steps or p.training.steps, p, data.num_windows)
         if not t.resume and not dry_run:
             ck = job.output / "checkpoints"
             if ck.is_dir() and any(x.name.startswith("step-") for x in ck.iterdir()):
                 raise SeqparError(f"output {str(job.output)!r} already holds checkpoints; pass --resume or pick another --output")
         if t.resume and not dry_run:
             # a torn, foreign or incompatible checkpoint: one line
-            launch_check(p, job.output, t.data, t.steps, datasrc.packing_fact(t.data, data_opts))
+            packing = datasrc.packing_fact(t.data, data_opts)
+            launch_check(p, job.output, t.data, t.steps, packing, foreign=t.accept_foreign_run)
         if not dry_run:
             problem, need = launch_problem(p, job.output, t, reserved)
             if problem:
@@ -118,9 +122,33 @@ def preflight(plan: LaunchPlan, jobs, opts: LaunchOptions, dry_run: bool, out: P
             reserved += need
         if not dry_run:  # what the ranks will import: one line naming the extra (exit 1), not a rank's traceback
             require_dependencies(p)
+    if t.model_path and not dry_run and Path(t.model_path).is_dir():  # the ranks check again; this is before any starts
+        from seqpar.runtime.data import hf_folder
+
+        hf_folder.refuse_remote_code(t.model_path, "--model-path", data_opts.trust_remote_code)
+        hf_folder.check_weights(t.model_path)
+    for name in ("SEQPAR_PG_TIMEOUT_S", "SEQPAR_PINNED_BUDGET_GIB"):  # set in the shell: the ranks read them too
+        problem = env_value_problem(name, os.environ[name]) if name in os.environ else None
+        if problem:
+            raise SeqparError(f"the environment's {problem}")
     if t.model_path and not (Path(t.model_path) / "config.json").is_file():
         raise SeqparError(f"--model-path {t.model_path!r} holds no config.json; pass a local Hugging Face model folder")
     return notes
+
+
+def _repeats(steps: int, plan: LaunchPlan, windows: int) -> list[str]:
+    """A line when the steps take more windows than the data holds: the trainer then starts over (a new order each
+    pass), which a user who thinks in epochs wants to know before the run, not from the loss curve."""
+    from seqpar.runtime.checkpoint.resume import windows_per_step
+
+    per = windows_per_step(plan)
+    if steps * per <= windows:
+        return []
+    one = max(1, windows // per)
+    return [
+        f"the data repeats: {steps} steps x {per} window(s) = {steps * per:,} windows from {windows:,}, about "
+        f"{steps * per / windows:.1f} passes (epochs); --steps {one} is about one pass"
+    ]
 
 
 def require_dependencies(plan: LaunchPlan) -> None:
@@ -136,11 +164,11 @@ def require_dependencies(plan: LaunchPlan) -> None:
 
 
 def _stage_done(job: Job, steps: int) -> bool:
-    pointer = job.output / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return False
-    state = job.output / "checkpoints" / pointer.read_text().strip() / "trainer_state.json"
-    return state.is_file() and json.loads(state.read_text()).get("step") == steps
+    """Whether the stage's newest checkpoint is its last step (read as the resume reads it: checked and signed)."""
+    from seqpar.runtime.checkpoint.resume import latest, read_state
+
+    folder = latest(job.output / "checkpoints")
+    return folder is not None and read_state(folder).get("step") == steps
 
 
 def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_run: bool = False, echo=print, header=()) -> int:
@@ -149,10 +177,10 @@ def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_
     plan_path = Path(plan_path)
     jobs = jobs_for(plan, plan_path, opts)
     out = Path(opts.train.output) if opts.train.output else default_output(plan_path)
-    notes = preflight(plan, jobs, opts, dry_run, out)
-    if not dry_run and opts.train.data != "synthetic":
+    notes = preflight(plan, jobs, opts, dry_run, out, echo)
+    if opts.train.data != "synthetic":  # a dry run shows them too, as comments of its script
         for line in dict.fromkeys(notes):  # once per distinct packing (recipe stages differ in seq_len)
-            echo(f"seqpar launch: {line}")
+            echo(f"{'# ' if dry_run else ''}seqpar launch: {line}")  # a dry run prints a script: comments there
     lock = None if dry_run else lock_output(out)
     for line in header:
         echo(line)
@@ -183,9 +211,14 @@ def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_
             for stale in list(job.output.glob("failed-rank*.json")) + list(job.output.glob("failed-rank*.txt")):
                 stale.unlink()
             echo(f"seqpar launch: {title}: {shlex.join(job.argv)}")
-            outcome = run_job(job)
+            outcome = run_job(replace(job, env={**job.env, RANKS_ENV: str(lock.ranks_file)}))
             if outcome.signum is not None:
-                echo(stop_message(job, outcome.signum))
+                left = wait_for_ranks(out, _ranks_wait_s())  # what the ranks left is known once they are gone
+                echo(stop_message(job, outcome.signum, left))
+                # The rest of a burst is ignored from here to the exit: the interpreter's teardown puts back the default
+                # action of a signal that has a Python handler, and a late one would end the launcher -15, not 143.
+                for s in STOP_SIGNALS:
+                    signal.signal(s, signal.SIG_IGN)
                 return outcome.rc
             if outcome.rc != 0:
                 invalid = [r for r in _records(job) if r.get("kind") == "invalid"]
@@ -199,42 +232,10 @@ def launch(plan: LaunchPlan, plan_path: str | Path, opts: LaunchOptions, *, dry_
             lock.close()
 
 
-# --------------------------------------------------------------------------------------------- one launch per output folder
-
-
-def lock_holder(out: Path) -> int | None:
-    """The pid of the live launch that holds ``out``'s lock; None when there is none (no lock file, or a dead one's)."""
-    f = out / LOCK_NAME
-    if not f.is_file():
-        return None
-    with open(f) as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = fh.read().strip()
-            return int(text) if text.isdigit() else -1
-        fcntl.flock(fh, fcntl.LOCK_UN)
-    return None
-
-
-def lock_output(out: Path):
-    """Hold ``out``'s lock for this process (an open file; closing it or dying releases it); SeqparError when held."""
-    out.mkdir(parents=True, exist_ok=True)
-    fh = open(out / LOCK_NAME, "a+")  # never unlinked: a second launch must find the same file to see the lock
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        holder = fh.read().strip() or "unknown"
-        fh.close()
-        raise SeqparError(
-            f"output {str(out)!r} is in use by another seqpar launch (pid {holder}); pick another --output"
-        ) from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"{os.getpid()}\n")
-    fh.flush()
-    return fh
+def _ranks_wait_s() -> float:
+    """How long a rank may still run after its launcher is gone or stopped: its grace after the stop signal (then it
+    exits whatever it is doing), and time to flush and exit on a busy machine."""
+    return grace_s() + 15
 
 
 # --------------------------------------------------------------------------------------------- running and reporting
@@ -250,41 +251,50 @@ def run_job(job: Job):
 
 
 def _run_child(job: Job):
-    """accelerate (DeepSpeed plans) as a child in a session of its own: SIGTERM/SIGINT are forwarded to it (a second one
-    kills it), and it dies with this process."""
+    """accelerate (DeepSpeed plans) as a child in a session of its own: the first SIGTERM/SIGINT sends it SIGTERM (its
+    agent stops the ranks and waits for them), later ones are noted only; it dies with this process."""
     from seqpar.runtime.launch.agent import Outcome
-    from seqpar.runtime.launch.stopping import STOP_SIGNALS, die_with_parent
+    from seqpar.runtime.launch.stopping import die_with_parent
 
     proc = subprocess.Popen(job.argv, env={**os.environ, **job.env}, start_new_session=True, preexec_fn=die_with_parent)
     got: list[int] = []
 
     def forward(signum, frame):
         got.append(signum)
-        os.killpg(proc.pid, signum if len(got) == 1 else signal.SIGKILL)
+        if len(got) == 1:
+            os.killpg(proc.pid, signal.SIGTERM)  # as torchrun's agent does for seqpar (seqpar.runtime.launch.agent)
 
     old = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         rc = proc.wait()
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        if not got:  # after a stop they stay: the rest of a burst must not kill the launcher before it exits 128 + n
+            for s, h in old.items():
+                signal.signal(s, h)
     if got:
         return Outcome(128 + got[0], signum=got[0])
     return Outcome(1 if rc else 0)
 
 
 def last_checkpoint(job: Job) -> Path | None:
-    pointer = job.output / "checkpoints" / "latest"
-    if not pointer.is_file():
+    """The checkpoint a stopped launch names (``latest``, never followed through a link or out of the folder); None
+    when there is none, or none to trust."""
+    from seqpar.runtime.checkpoint.resume import latest
+
+    try:
+        return latest(job.output / "checkpoints")
+    except SeqparError:
         return None
-    folder = job.output / "checkpoints" / pointer.read_text().strip()
-    return folder if (folder / "trainer_state.json").is_file() else None
 
 
-def stop_message(job: Job, signum: int) -> str:
-    """The one line a stopped launch ends with: the signal and the checkpoint to resume from."""
+def stop_message(job: Job, signum: int, left: list[int] | None = None) -> str:
+    """The one line a stopped launch ends with: the signal and the checkpoint to resume from (read once the ranks are
+    gone); ``left``: ranks that still held the folder when the launcher stopped waiting (pids; -1 unknown)."""
     last = last_checkpoint(job)
     where = f"last checkpoint {last} (continue with --resume)" if last else "no checkpoint was written"
+    if left:
+        pids = ", ".join(str(p) for p in left if p > 0) or "unknown"
+        where += f"; ranks still running (pid {pids}) may write a later one"
     return f"seqpar launch: stopped by {signal.Signals(signum).name}; {where}"
 
 

@@ -1,7 +1,8 @@
 """How a rank stops: on a signal, at a step boundary, with a final checkpoint; and never outliving its launcher.
 
-``seqpar launch`` runs torchrun's elastic agent, which forwards SIGTERM and SIGINT to every rank (and sends SIGKILL after
-its grace period, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default). A rank that gets one of them:
+``seqpar launch`` runs torchrun's elastic agent, which sends SIGTERM to every rank when the launcher gets SIGTERM or
+SIGINT (and SIGKILL after its grace period, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default). A rank that gets
+SIGTERM, or SIGINT from elsewhere:
 
 - notes it (``install``): the training loop asks ``requested()`` after every step, a collective over the whole job, so all
   ranks stop after the same step; the loop then writes a checkpoint and raises ``Stopped``, and the rank exits 128 + the
@@ -12,7 +13,14 @@ its grace period, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default). A rank t
   -9`` of its process group (torchrun starts each rank in a session of its own, out of reach of the group), its ranks get
   SIGTERM and stop as above instead of training on as orphans.
 
-Torch is imported only inside ``requested``; the rest is the standard library.
+And how any process of a job ends cleanly (``settle``): torch.distributed's gloo worker thread frees a finished
+collective's tensors itself, a moment after the caller's wait returned. A tensor Python no longer holds then needs the
+interpreter's lock (the GIL) to be freed; if the interpreter is already tearing down, taking it ends the thread inside
+C++ ("terminate called without an active exception", SIGABRT after a finished run). ``settle`` hands the lock over while
+the interpreter is whole. A rank of ``seqpar launch`` skips the teardown (it exits with ``os._exit``); ``with_seqpar``
+and the engine's shutdown settle.
+
+Torch is imported only inside ``requested`` and ``settle``; the rest is the standard library.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import signal
 import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SETTLE_S = 0.1  # what a worker thread descheduled on a busy machine may need to run again
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _received: list[int] = []  # the signal numbers this rank received (the first one counts)
 
@@ -84,6 +93,18 @@ def requested() -> int | None:
     return int(flag.item()) or None
 
 
+def settle(seconds: float = SETTLE_S) -> None:
+    """Let torch.distributed's worker threads free what they still hold of finished collectives, while the interpreter
+    is whole: collect the garbage (a cycle may hold a collective's tensors or a process group), then sleep, which
+    releases the GIL to any thread waiting for it. Local to this process: no collective, so it is safe at exit whatever
+    the other ranks do."""
+    import gc
+    import time
+
+    gc.collect()
+    time.sleep(seconds)
+
+
 def die_with_parent(signum: int = signal.SIGTERM) -> None:
     """Have the kernel send ``signum`` to this process when its parent dies (Linux; elsewhere nothing happens)."""
     try:
@@ -96,4 +117,4 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), signum)
 
 
-__all__ = ["STOP_SIGNALS", "Stopped", "die_with_parent", "grace_s", "install", "received", "requested"]
+__all__ = ["STOP_SIGNALS", "Stopped", "die_with_parent", "grace_s", "install", "received", "requested", "settle"]

@@ -126,6 +126,7 @@ def prepare_inputs(
     cu_seqlens: Tensor | None = None,
     balance: bool = False,
     check_group=None,
+    require_scored: bool = True,
 ) -> dict[str, Tensor]:
     """This rank's {"input_ids", "position_ids", "labels"} (each (B, S_local)) of a full (B, S) batch, and for packed
     documents "cu_seqlens" (global boundaries, (n+1,), or (B, n+1) when rows differ).
@@ -134,8 +135,10 @@ def prepare_inputs(
     call the model without labels and compute the loss with seqpar.loss. position_ids: global (default 0..S-1), or
     restarting at 0 at each document (packed). cu_seqlens: the documents' boundaries [0, l1, l1+l2, ..., S] instead of
     (or agreeing with) packed position ids. balance: reorder documents to even the ranks' attention work. check_group:
-    verify (collectively) that every rank of this group passed the same batch. Lengths the mode cannot split raise
-    SeqparError with the nearest valid lengths."""
+    verify (collectively) that every rank of this group passed the same batch. require_scored: a row that scores no
+    token is an error (a training window with nothing to learn); False lets it count nothing (a Trainer's batch of
+    packed chats, where a row may hold no assistant token). Lengths the mode cannot split raise SeqparError with the
+    nearest valid lengths."""
     check_ids(input_ids, mode, rank, world_size)
     batch, seq_len = input_ids.shape
     if labels is None:
@@ -161,7 +164,7 @@ def prepare_inputs(
     if packed:  # a document's last token has no successor of its own
         for b, bounds in enumerate(rows):
             targets[b, [x - 1 for x in bounds[1:]]] = IGNORE_INDEX
-    if labels is not input_ids or packed:
+    if require_scored and (labels is not input_ids or packed):
         _check_scored(targets)
     full = {"input_ids": input_ids, "position_ids": position_ids, "labels": targets}
     if packed and balance:

@@ -10,7 +10,8 @@ optimizer step (it assumes a per-process dataloader) and DeepSpeed steps only it
 once per optimizer step, as for the other engines, and the checkpoint stores it beside DeepSpeed's.
 
 Checkpoints: DeepSpeed's own sharded checkpoint (fp32 master partitions, optimizer moments, its step counters; what
---resume loads) plus the gathered weights in the model's dtype (16-bit under bf16) as a save_pretrained folder.
+--resume loads), written and read by seqpar's pickle-free checkpoint engine instead of torch.save/torch.load, plus the
+gathered weights in the model's dtype (16-bit under bf16) as a save_pretrained folder.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def prepare(module, plan: LaunchPlan, total_steps: int):
     from accelerate.utils import DeepSpeedPlugin
 
     from seqpar.plan.jobspec import deepspeed_config
+    from seqpar.runtime.checkpoint.deepspeed import install as install_checkpoint_engine
     from seqpar.runtime.train.engine import make_scheduler
 
     _torchrun_env()
@@ -45,6 +47,7 @@ def prepare(module, plan: LaunchPlan, total_steps: int):
     plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(plan))
     accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=plan.strategy.gradient_accumulation_steps)
     engine, optimizer = accelerator.prepare(module, optimizer)
+    install_checkpoint_engine(engine)  # its states saved and loaded without pickle (seqpar.runtime.checkpoint.deepspeed)
     # The schedule drives the optimizer DeepSpeed steps (basic_optimizer: the CPU Adam under offload, not the one built
     # above), and after prepare: DeepSpeed's checkpoint load replaces that optimizer's param_groups, and a scheduler on a
     # stale list would leave the LR of a resumed run where the checkpoint left it.

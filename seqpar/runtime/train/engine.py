@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from seqpar.plan.env import env_value_problem
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.runtime.parallel.loss import loss, loss_from_hidden
@@ -57,7 +58,11 @@ def init_distributed(plan: LaunchPlan) -> Topology:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # A short timeout bounds a collective left hanging by a dead or stopped peer; the sp groups get it too (new_group's
     # own default is 30 min for gloo).
-    timeout = timedelta(seconds=float(os.environ.get("SEQPAR_PG_TIMEOUT_S", "120" if cpu else "600")))
+    raw = os.environ.get("SEQPAR_PG_TIMEOUT_S", "120" if cpu else "600")
+    problem = env_value_problem("SEQPAR_PG_TIMEOUT_S", raw)  # the launcher refuses it first; a rank started by hand too
+    if problem:
+        raise SeqparError(f"the environment's {problem}")
+    timeout = timedelta(seconds=float(raw))
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m seqpar.runtime.train`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -87,16 +92,24 @@ def init_distributed(plan: LaunchPlan) -> Topology:
 def shutdown() -> None:
     """Free the engine and its process groups while the interpreter is whole, all ranks together.
 
-    DDP, the attention context and the modules hold process groups in reference cycles; left to the interpreter's
-    final teardown, gloo's destructor could run after the runtime it needs is gone and abort ("terminate called without
-    an active exception", seen on about 1 in 10 CPU runs)."""
-    import gc
+    DDP, the attention context and the modules hold process groups in reference cycles, and importing transformers pins
+    the default group (module-level default arguments), so destroy_process_group does not end gloo's worker threads.
+    A worker still holding a finished collective's tensors frees them later, under the GIL; at the interpreter's
+    teardown that aborts the process ("terminate called without an active exception"). So: the barrier (every rank's
+    collectives done), the heartbeat stopped (its thread must not be inside the store's client then either), then
+    ``settle`` (the workers free what they hold, this barrier's own work included), and the same after destroying the
+    groups."""
+    from seqpar.runtime.launch.stopping import settle
+    from seqpar.runtime.train import liveness
 
-    gc.collect()
+    settle(0)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier()  # a peer that failed shows here, while the heartbeat can still name it
+    liveness.stop()
+    settle()
+    if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
+        settle()
 
 
 def _free_port() -> int:

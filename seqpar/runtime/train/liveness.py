@@ -6,6 +6,8 @@ store every PERIOD_S; after a timeout, ``silent_ranks`` reads every counter twic
 counter did not move is stopped (SIGSTOP), dead or on a wedged host (its threads do not run), while a rank blocked in the
 same collective keeps beating (torch releases the GIL while it waits). Only under torchrun's agent store
 (TORCHELASTIC_USE_AGENT_STORE: the agent, not a rank, serves MASTER_ADDR:MASTER_PORT), which no rank can block.
+``stop`` ends the beat before the process tears down (seqpar.runtime.train.engine.shutdown): a thread still inside the
+store client when the interpreter finalizes is ended inside C++, which aborts the process.
 """
 
 from __future__ import annotations
@@ -30,15 +32,27 @@ def start(rank: int, world: int) -> None:
     read = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
     _state.update(store=read, rank=rank, world=world)
 
+    done = threading.Event()
+
     def run():
-        while True:
+        while not done.is_set():
             try:
                 beat.add(f"seqpar/alive/{rank}", 1)
             except Exception:  # the agent is gone: the job is ending anyway
                 return
-            time.sleep(PERIOD_S)
+            done.wait(PERIOD_S)
 
-    threading.Thread(target=run, name="seqpar-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=run, name="seqpar-heartbeat", daemon=True)
+    _state.update(done=done, thread=thread)
+    thread.start()
+
+
+def stop() -> None:
+    """End the heartbeat (its thread returns within a period); nothing when none beats."""
+    if "thread" in _state:
+        _state["done"].set()
+        _state["thread"].join(timeout=4 * PERIOD_S)
+        _state.clear()
 
 
 def silent_ranks(wait_s: float = 4 * PERIOD_S) -> list[int] | None:
@@ -56,4 +70,4 @@ def silent_ranks(wait_s: float = 4 * PERIOD_S) -> list[int] | None:
     return [r for r in range(world) if r != me and after[r] == before[r]]
 
 
-__all__ = ["PERIOD_S", "silent_ranks", "start"]
+__all__ = ["PERIOD_S", "silent_ranks", "start", "stop"]

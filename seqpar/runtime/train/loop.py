@@ -25,7 +25,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,10 @@ from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.modes import ulysses_arg
 from seqpar.plan.options import kept
 from seqpar.plan.rules import checkpointing_text
+from seqpar.plan.safe import printable
 from seqpar.runtime.checkpoint import resume
 
+ERROR_LIMIT = 4000  # characters of a rank's error line (escaped: values from files are in it)
 ENGINES = {
     "ddp": "ddp",
     "fsdp": "fsdp2",
@@ -82,6 +84,7 @@ class Run:
     facts: dict  # seqpar.runtime.checkpoint.resume's run / layout / training facts: what a checkpoint records
     notes: dict  # engine, attention backend and dtype reason: for the log line and the run report
     skip_nonfinite: bool = False
+    tokenizer: dict = field(default_factory=dict)  # the export's tokenizer: shards.export's tokenizer, trust_remote_code
 
     @property
     def root(self) -> Path:
@@ -118,7 +121,7 @@ def setup(args: TrainOptions) -> Run:
     plan = LaunchPlan.load(args.plan, allow_env=args.allow_env)
     s, w, t = plan.strategy, plan.workload, plan.training
     steps = args.steps or t.steps
-    every, every_why = interval(plan, args.checkpoint_every)
+    every, every_why = interval(plan, args.checkpoint_every, steps)
     # Before the process group: a missing cache entry is built by one rank while the others wait on its lock (the
     # launcher built it already, so normally every rank just reads it).
     data_opts = args.data_options
@@ -143,14 +146,14 @@ def setup(args: TrainOptions) -> Run:
     log = setup_logging(out, topo.rank)
     # Every rank reads and checks the checkpoint, so a bad one is the same one line everywhere, before any transfer.
     resume_from = resume.latest(out / "checkpoints") if args.resume else None
-    saved = resume.read_state(resume_from) if resume_from is not None else None
+    saved = resume.read_state(resume_from, foreign=args.accept_foreign_run) if resume_from is not None else None
     start = saved["step"] if saved else 0
     if args.resume and resume_from is None:
         log.info("--resume: no checkpoint in %s yet, starting at step 0", out / "checkpoints")
     log.info("%s", data.note)
 
     # ----- model: rank 0 builds it with its weights, the others on the meta device (seqpar.runtime.hf.model)
-    init = ckpt.init_weights(args.init_from)
+    init = ckpt.init_weights(args.init_from, foreign=args.accept_foreign_run)
     param_dtype, autocast_dtype, dtype_reason = engine.compute_dtype(plan, topo.device)
     meta = topo.rank != 0 and not deepspeed  # DeepSpeed builds and partitions its own way
     model = models.build_model(
@@ -162,6 +165,8 @@ def setup(args: TrainOptions) -> Run:
         device=topo.device,
         dtype=param_dtype,
         meta=meta,
+        trust_remote_code=data_opts.trust_remote_code,
+        match_plan=True,  # the plan's figures and layout are for its model's shape
     )
     facts = resume.facts(
         plan,
@@ -169,6 +174,7 @@ def setup(args: TrainOptions) -> Run:
         data=args.data,
         data_windows=data.num_windows,
         packing=datasrc.packing_fact(args.data, data_opts),
+        data_sha256=datasrc.digest_fact(data),
         model=model,
         deepspeed=deepspeed,
     )
@@ -265,6 +271,7 @@ def setup(args: TrainOptions) -> Run:
         facts=facts,
         notes={"engine": engine_name, "backend": backend, "dtype_reason": dtype_reason},
         skip_nonfinite=args.skip_nonfinite,
+        tokenizer={"tokenizer": data_opts.tokenizer or args.model_path, "trust_remote_code": data_opts.trust_remote_code},
     )
 
 
@@ -523,8 +530,10 @@ def _record(rank: int, out: str, kind: str, message: str, peers: list[int] | Non
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
         rec = {"time": time.time(), "rank": rank, "kind": kind, "message": message, "peers": peers or []}
-        (Path(out) / f"failed-rank{rank}.json").write_text(json.dumps(rec) + "\n")
-    except OSError:
+        from seqpar.runtime.train.run_files import write_file
+
+        write_file(Path(out) / f"failed-rank{rank}.json", json.dumps(rec) + "\n", "failure record")
+    except (OSError, SeqparError):  # a link planted there is not written through; the exit code still tells
         pass
 
 
@@ -532,11 +541,16 @@ def main(argv: list[str] | None = None) -> int:
     """The rank's entry point (``python -m seqpar.runtime.train``, what torchrun starts): exit 0 done, 1 failed, 2
     invalid input, 128 + the signal when stopped. An unexpected error is written by ``train`` (torchrun's ``@record``)
     to the error file torchrun reads, then named here in one line for the launcher."""
-    from seqpar.runtime.launch import stopping
+    from seqpar.runtime.launch import lock, stopping
     from seqpar.runtime.parallel.comm import PeerTimeoutError
 
     stopping.install()  # SIGTERM/SIGINT: stop after the current step with a checkpoint
     stopping.die_with_parent()  # the launcher's death ends this rank the same way (torchrun put it in a session of its own)
+    try:
+        lock.hold()  # the output folder stays taken while this rank lives (seqpar.runtime.launch.lock)
+    except SeqparError as e:
+        print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        return 2
     args = parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -558,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         peers = (liveness.silent_ranks() if consequence else None) or getattr(e, "peers", None)
         if Path(args.output, "checkpoints").is_dir():  # a folder this run set up, never one it refused
             _record(rank, args.output, "peer" if consequence else "error", first, peers)
-        print(f"seqpar: rank {rank} failed: {first}", file=sys.stderr, flush=True)
+        print(f"seqpar: rank {rank} failed: {printable(first, ERROR_LIMIT)}", file=sys.stderr, flush=True)
         return 1
     finally:
         import torch.distributed as dist
@@ -581,14 +595,14 @@ def train(args: TrainOptions, rank: int) -> int:
         run(args)
         shutdown()
     except SeqparError as e:
-        print(f"seqpar: error: {e}", file=sys.stderr, flush=True)
+        print(f"seqpar: error: {printable(e, ERROR_LIMIT)}", file=sys.stderr, flush=True)
         if Path(args.output).is_dir():  # the launcher made it: it repeats this line and exits 2 too
             _record(rank, args.output, "invalid", str(e))
         return 2
     except TrainingStopped as e:  # a named stop (non-finite loss, full disk): one line, no traceback
         if Path(args.output).is_dir():
             _record(rank, args.output, "error", str(e))
-        print(f"seqpar: rank {rank} failed: {e}", file=sys.stderr, flush=True)
+        print(f"seqpar: rank {rank} failed: {printable(e, ERROR_LIMIT)}", file=sys.stderr, flush=True)
         return 1
     except stopping.Stopped as e:  # the final checkpoint is written; the launcher says so
         if stopping.received() and Path(args.output, "checkpoints").is_dir():

@@ -23,11 +23,13 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 
-from seqpar.plan.files import write_atomic
+from seqpar.runtime.train.run_files import check_file, check_folder, write_file
 
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
 GAPS = 5  # the longest kernel-free stretches listed
@@ -154,13 +156,22 @@ def profiled_step(out: Path, rank: int, step: int, device: torch.device, log):
             torch.cuda.synchronize(device)
     after = _counters(device)
     folder = out / "profile"
+    check_folder(folder, "profile folder")  # a link there (or in it) would aim the trace anywhere
     folder.mkdir(parents=True, exist_ok=True)
     trace = folder / f"rank{rank}_step{step}.json.gz"
-    prof.export_chrome_trace(str(trace))
+    check_file(trace, "profiler trace")
+    # torch writes the trace with a plain open: to a fresh name of our own, then renamed over the trace's
+    fd, tmp = tempfile.mkstemp(prefix=f".{trace.name}.", suffix=".tmp.json.gz", dir=folder)
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        os.replace(tmp, trace)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     summary = {"step": step, "rank": rank, "trace": trace.name, **summarize(*_events(prof, device.type == "cuda"))}
     if after:
         summary["allocator"] = {k: after[k] - before.get(k, 0) for k in after}
-    write_atomic(folder / f"rank{rank}_step{step}.json", json.dumps(summary, indent=2) + "\n")
+    write_file(folder / f"rank{rank}_step{step}.json", json.dumps(summary, indent=2) + "\n", "profiler summary")
     if "kernel_busy_s" in summary:
         log.info(
             "step %d profiled: kernels busy %.3f s of a %.3f s device window, idle %.3f s, copies %s, %.3f s of them "

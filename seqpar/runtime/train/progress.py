@@ -3,19 +3,46 @@
 The bar shows step, loss, tokens/s, peak memory and ETA. When stderr is not a terminal (CI, torchrun with redirected
 output) the bar is replaced by a log line every ``log_every`` steps. Every rank logs warnings and errors; rank 0 also
 logs progress to ``<output>/train.log``.
+
+A log line carries values read from files (a checkpoint's recorded settings, a data path, a plan's name): each message
+is one line with its control characters, line separators and bidirectional overrides escaped
+(seqpar.plan.safe.printable), so a value cannot start a line of its own in the log or redraw the terminal. train.log
+is opened without following a symbolic link (seqpar.runtime.train.run_files).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
+
+from seqpar.plan.safe import open_nofollow, printable
+
+MESSAGE_LIMIT = 4000  # characters of one log message; the plan line and the data note are well under it
 
 try:  # rich is a core dependency, but a bare GPU image may run the trainer without it: then log lines only
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 except ImportError:  # pragma: no cover
     Console = None
+
+
+class OneLineFormatter(logging.Formatter):
+    """Each message on one line, escaped (the traceback of an exception, ours, keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message, limit=MESSAGE_LIMIT)  # format() sets it afresh for every handler
+        return super().formatMessage(record)
+
+
+class RunLogHandler(logging.FileHandler):
+    """logging.FileHandler that opens its file without following a symbolic link (a link, FIFO or folder there is a
+    SeqparError when the handler is made)."""
+
+    def _open(self):
+        fd = open_nofollow(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT, what="log file")
+        return os.fdopen(fd, "a", encoding=self.encoding or "utf-8", errors=self.errors)
 
 
 def setup_logging(out: Path, rank: int) -> logging.Logger:
@@ -25,13 +52,13 @@ def setup_logging(out: Path, rank: int) -> logging.Logger:
     for h in list(log.handlers):
         log.removeHandler(h)
         h.close()
-    fmt = logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s")
+    fmt = OneLineFormatter(f"%(asctime)s rank {rank} %(levelname)s %(message)s")
     if rank == 0:
-        fh = logging.FileHandler(out / "train.log")
+        fh = RunLogHandler(out / "train.log", encoding="utf-8")
         fh.setFormatter(fmt)
         log.addHandler(fh)
     sh = logging.StreamHandler(sys.stderr)
-    sh.setFormatter(logging.Formatter(f"[seqpar rank {rank}] %(message)s"))
+    sh.setFormatter(OneLineFormatter(f"[seqpar rank {rank}] %(message)s"))
     sh.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     log.addHandler(sh)
     return log

@@ -23,17 +23,33 @@ import torch
 import torch.distributed as dist
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.files import write_atomic
 from seqpar.plan.flops import model_flops_per_sequence
 from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.safe import append_text, printable
 from seqpar.plan.units import GIB
+from seqpar.runtime.train.run_files import read_file, write_file
+
+METRICS, REPORT = "metrics file", "run report"  # how a refusal names them
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak resident set size. On Linux the kernel's high-water mark of its address space (VmHWM in
+    /proc/self/status), not getrusage's ru_maxrss: exec records the old address space's peak in ru_maxrss, and a rank's
+    old address space is the fork of its launcher (torchrun's agent, which tokenized the data), so ru_maxrss reports the
+    launcher's peak when that is higher than the rank's own. Elsewhere ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def memory_now(device: torch.device) -> dict:
-    """Peak memory of this process: CUDA allocator peaks on GPU; the resident set size on CPU."""
-    # ru_maxrss is KiB on Linux, bytes on macOS.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    out = {"peak_rss_gib": rss / GIB}
+    """Peak memory of this process: CUDA allocator peaks on GPU; the resident set size on CPU (its own: peak_rss_bytes)."""
+    out = {"peak_rss_gib": peak_rss_bytes() / GIB}
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
@@ -66,9 +82,12 @@ class Metrics:
         self.path, self.rank, self.trackers = out / "metrics.jsonl", rank, []
         if rank != 0:
             return
-        if self.path.exists():  # keep what the checkpoint covers; the steps after it are run again
-            keep = [ln for ln, rec in _records(self.path, log) if rec["step"] <= resume_step]
-            write_atomic(self.path, "".join(ln + "\n" for ln in keep))
+        held = read_file(self.path, METRICS)
+        if held is not None:  # keep what the checkpoint covers; the steps after it are run again
+            keep = [ln for ln, rec in _records(self.path, log, held) if rec["step"] <= resume_step]
+            write_file(self.path, "".join(ln + "\n" for ln in keep), METRICS)
+        else:
+            append_text(self.path, "", what=METRICS)  # a link planted there is refused now, not after the first step
         if report_to:
             from seqpar.runtime.train import trackers
 
@@ -88,8 +107,7 @@ class Metrics:
             return
         # strict JSON: a skipped step's non-finite loss or norm is null
         line = json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()})
-        with self.path.open("a") as f:
-            f.write(line + "\n")
+        append_text(self.path, line + "\n", what=METRICS)
         values = {k: v for k, v in rec.items() if k != "step"}
         for tracker in self.trackers:
             tracker.log(values, step=rec["step"])
@@ -101,10 +119,13 @@ class Metrics:
         self.trackers = []
 
 
-def _records(path: Path, log) -> list[tuple[str, dict]]:
-    """(line, record) of a metrics file; a torn last line (a crash or a full disk mid-append) is dropped with a warning,
-    a bad line before it is an error naming the file and line."""
-    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+def _records(path: Path, log, held: bytes | None = None) -> list[tuple[str, dict]]:
+    """(line, record) of a metrics file (its bytes ``held``, else read without following a link); a torn last line (a
+    crash or a full disk mid-append) is dropped with a warning, a bad line before it is an error naming the file and
+    line."""
+    if held is None:
+        held = read_file(path, METRICS) or b""
+    lines = held.decode("utf-8", errors="replace").splitlines()
     out = []
     for n, ln in enumerate(lines, 1):
         if not ln.strip():
@@ -113,13 +134,13 @@ def _records(path: Path, log) -> list[tuple[str, dict]]:
             rec = json.loads(ln)
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
                 raise ValueError("no integer 'step'")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # bad JSON, a 5000-digit number, nesting past the parser's depth
             if n == len(lines):
                 log.warning("%s: dropped a torn last line (%d characters); its step runs again", path, len(ln))
                 break
             raise SeqparError(
-                f"metrics file {str(path)!r} line {n} is not a step record ({e}); restore the file or delete it to start "
-                f"its records afresh"
+                f"metrics file {printable(str(path))!r} line {n} is not a step record ({printable(e)}); restore the file "
+                f"or delete it to start its records afresh"
             ) from None
         out.append((ln, rec))
     return out
@@ -128,9 +149,9 @@ def _records(path: Path, log) -> list[tuple[str, dict]]:
 def update_report(out: Path, **fields) -> None:
     """Rank 0: add ``fields`` to run_report.json (atomically)."""
     path = out / "run_report.json"
-    report = json.loads(path.read_text())
+    report = json.loads(read_file(path, REPORT) or b"{}")  # this run wrote it moments ago (write_report)
     report.update(fields)
-    write_atomic(path, json.dumps(report, indent=2) + "\n")
+    write_file(path, json.dumps(report, indent=2) + "\n", REPORT)
 
 
 def write_report(
@@ -198,7 +219,7 @@ def write_report(
         "versions": _versions(),
         "plan": json.loads(plan.model_dump_json()),
     }
-    write_atomic(out / "run_report.json", json.dumps(report, indent=2) + "\n")
+    write_file(out / "run_report.json", json.dumps(report, indent=2) + "\n", REPORT)
     return report
 
 

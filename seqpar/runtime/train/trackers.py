@@ -20,14 +20,14 @@ accelerate.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import secrets
 import string
 from pathlib import Path
 
 from seqpar.plan.errors import SeqparError
-from seqpar.plan.extras import install_line
+from seqpar.plan.extras import require
+from seqpar.plan.safe import printable
 
 # --report-to name -> the module it needs (accelerate's TensorBoardTracker writes with torch.utils.tensorboard, which
 # needs the tensorboard package); the extra "track" installs both.
@@ -38,8 +38,8 @@ _ID_CHARS = string.ascii_lowercase + string.digits  # what W&B accepts in a run 
 
 
 def parse(text: str) -> list[str]:
-    """``--report-to`` (a comma list) as tracker names; SeqparError (one line) for a name seqpar does not know or whose
-    package is not installed. Torch-free."""
+    """``--report-to`` (a comma list) as tracker names; SeqparError (one line) for a name seqpar does not know,
+    MissingExtra (one line naming the install) for one whose package is not installed. Torch-free."""
     names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
     accepted = ", ".join(TRACKERS)
     for name in names:
@@ -48,11 +48,10 @@ def parse(text: str) -> list[str]:
                 f"--report-to {name!r} is not a tracker seqpar logs to; give a comma list of {accepted} (e.g. --report-to "
                 f"tensorboard), or leave it out (metrics.jsonl is always written)"
             )
-        module = TRACKERS[name]
-        if importlib.util.find_spec(module) is None:
-            raise SeqparError(f"--report-to {name} needs {module}, which is not installed: {install_line('track')}")
-    if names and importlib.util.find_spec("accelerate") is None:
-        raise SeqparError(f"--report-to logs through accelerate's trackers, which is not installed: {install_line('runtime')}")
+        # a missing package is the install's gap, not bad input: MissingExtra, exit 1 (the README's exit-code table)
+        require(TRACKERS[name], f"--report-to {name}")
+    if names:
+        require("accelerate", "--report-to (accelerate's trackers)")
     return names
 
 
@@ -64,26 +63,45 @@ def new_run_id() -> str:
 def run_identity(out: Path, *, resumed: bool, project: str | None, run_name: str | None) -> dict:
     """{"project", "run_name", "run_id"} of this run, written to ``<out>/tracker_run.json`` (atomically). A resumed run
     reads the id (and, unless given again, the project and name) back; a fresh one gets a new id."""
-    from seqpar.plan.files import write_atomic
+    from seqpar.runtime.train.run_files import read_file, write_file
 
     path = out / RUN_FILE
     saved: dict = {}
-    if resumed and path.is_file():
+    held = read_file(path, "tracker run file", limit=_RUN_FILE_LIMIT) if resumed else None
+    if held is not None:
+        shown = printable(str(path))
         try:
-            saved = json.loads(path.read_text())
-        except ValueError:
+            saved = json.loads(held.decode("utf-8"))
+        except (ValueError, RecursionError):  # not UTF-8 or JSON, a 5000-digit number, nesting past the parser's depth
             raise SeqparError(
-                f"{str(path)!r} is not JSON; restore it, or delete it to log the resumed run as a new tracker run"
+                f"{shown!r} is not JSON; restore it, or delete it to log the resumed run as a new tracker run"
             ) from None
-        if not isinstance(saved, dict) or not isinstance(saved.get("run_id"), str):
-            raise SeqparError(f"{str(path)!r} holds no run_id; restore it, or delete it to log the resumed run as a new run")
+        if not isinstance(saved, dict) or not _is_run_id(saved.get("run_id")):
+            raise SeqparError(f"{shown!r} holds no run_id; restore it, or delete it to log the resumed run as a new run")
+        for key in ("project", "run_name"):  # they name folders and runs: text of one line, as the flags take
+            if saved.get(key) is not None and not _is_name(saved[key]):
+                raise SeqparError(
+                    f"{shown!r} holds a {key} that is not a name ({printable(saved[key], 60)!r}); restore it, or "
+                    f"delete it to log the resumed run as a new run"
+                )
     ident = {
         "project": project or saved.get("project") or DEFAULT_PROJECT,
         "run_name": run_name or saved.get("run_name") or out.resolve().name,
         "run_id": saved.get("run_id") or new_run_id(),
     }
-    write_atomic(path, json.dumps(ident, indent=2) + "\n")
+    write_file(path, json.dumps(ident, indent=2) + "\n", "tracker run file")
     return ident
+
+
+_RUN_FILE_LIMIT = 1 << 16  # bytes: three short strings
+
+
+def _is_run_id(value) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 64 and all(c in _ID_CHARS for c in value)
+
+
+def _is_name(value) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 256 and printable(value, 256) == value
 
 
 def plan_config(plan, extra: dict | None = None) -> dict:
@@ -121,6 +139,12 @@ def open_trackers(names: list[str], out: Path, ident: dict, *, resume_step: int,
     from accelerate import PartialState
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
+    from seqpar.runtime.train.run_files import check_folder
+
+    # The trackers write under the output folder: a link planted there would aim their files anywhere.
+    for name, folder in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if name in names:
+            check_folder(out / folder, f"{name} folder")
     # The trackers log through accelerate's logger, which needs accelerate's process state: PartialState adopts the
     # process group the trainer made (it makes none while one exists; a DeepSpeed run's Accelerator made it already).
     PartialState()

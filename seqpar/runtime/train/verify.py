@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        from seqpar.runtime.launch import lock, stopping
+
+        stopping.die_with_parent()  # no verify rank outlives its launcher, nor lets another launch in before it exits
+        lock.hold()
         verify_ranks(args)
         from seqpar.runtime.train.engine import shutdown
 

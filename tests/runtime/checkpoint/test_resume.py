@@ -140,11 +140,11 @@ def _expect(exc_type, fn) -> str:
 
 
 def _forge(folder: Path, marker: Path) -> None:
-    """Replace a shard with a pickle that would create ``marker`` when unpickled, and re-sign trainer_state.json the way
-    someone who read this code would: the manifest and digest then match the forged file."""
+    """Replace a shard with a pickle that would create ``marker`` when unpickled, and re-sign trainer_state.json with the
+    user's own key (the worst case: a folder accepted as signed): its size, digest and MAC then match the forged file."""
     import pickle
 
-    from seqpar.runtime.checkpoint.resume import digest
+    from seqpar.runtime.checkpoint import integrity
 
     class Payload:
         def __reduce__(self):
@@ -153,9 +153,8 @@ def _forge(folder: Path, marker: Path) -> None:
     shard = next((folder / "state").glob("shard-*.safetensors"))
     shard.write_bytes(pickle.dumps(Payload()))
     state = json.loads((folder / "trainer_state.json").read_text())
-    state["files"][str(shard.relative_to(folder))] = shard.stat().st_size
-    state.pop("digest")
-    state["digest"] = digest(state)
+    state["files"][str(shard.relative_to(folder))] = integrity.digest(shard)
+    state["mac"] = integrity.sign(state)
     (folder / "trainer_state.json").write_text(json.dumps(state))
 
 

@@ -115,7 +115,8 @@ def _refusals(trainer) -> list[str]:
     msgs = []
     odd = datasets.Dataset.from_dict({"input_ids": _ids(3, 3).tolist()})
     ids = _ids(2, 4)
-    padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids).index_fill_(1, torch.tensor([S - 1]), 0)}
+    # left padding (right padding is masked out of the loss: seqpar.runtime.hf.trainer.even_rows)
+    padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)}
     for call in (lambda: trainer.evaluate(eval_dataset=odd), lambda: trainer.compute_loss(trainer.model, padded)):
         try:
             call()
@@ -160,7 +161,7 @@ def test_trainer_losses_and_eval_loss_equal_the_reference(world, cases):
             torch.testing.assert_close(torch.tensor(eval_loss), torch.tensor(ref_eval), **tol, msg=f"eval {what}")
     odd_eval, padded = results[0][-1]
     assert "the eval set's 3 examples do not split into batches" in odd_eval
-    assert padded.startswith("the batch is padded (attention_mask holds zeros)")
+    assert padded.startswith("the batch is padded on the left or inside a row (attention_mask holds a 0 before a 1)")
 
 
 # --------------------------------------------------------------------------------------------- the Trainer vs seqpar launch

@@ -170,9 +170,9 @@ def _crash_resume_export(rank, world, tmp, plans):
     DeepSpeed's fp32 consolidation of its own checkpoint (zero_to_fp32)."""
     import torch
     import torch.distributed as dist
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
+    from seqpar.runtime.checkpoint.deepspeed import consolidated_fp32
     from seqpar.runtime.checkpoint.shards import latest
     from seqpar.runtime.train.loop import parser, run
 
@@ -199,7 +199,7 @@ def _crash_resume_export(rank, world, tmp, plans):
         if rank == 0:
             last = latest(Path(folder) / "checkpoints")
             exported = AutoModelForCausalLM.from_pretrained(last / "model").state_dict()
-            ds = get_fp32_state_dict_from_zero_checkpoint(str(last / "deepspeed"), tag="state")
+            ds = consolidated_fp32(last / "deepspeed")  # DeepSpeed's zero_to_fp32 over seqpar's pickle-free states
             # compared here: tensors sent back through the result queue would outlive this process's shared memory
             differ = sorted(k for k, v in ds.items() if not torch.equal(exported[k.removeprefix("model.")], v))
             names = (sorted(k.removeprefix("model.") for k in ds), sorted(exported))
@@ -306,6 +306,8 @@ def test_zero_plans_run_deepspeed_or_are_refused_never_fsdp2(tmp_path, monkeypat
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.exit_code == 1 and len(lines) == 1, r.output  # a missing extra: one line naming it (seqpar.plan.extras), exit 1
     assert "sharding 'zero3' (DeepSpeed through accelerate" in lines[0] and "needs deepspeed, which is not installed" in lines[0]
+    # the recipe that installs it, offline too: its ops build on first use and its setup imports torch
+    assert "DS_BUILD_OPS=0 pip install --no-build-isolation" in lines[0] and "source archive" in lines[0], lines[0]
     assert not (tmp_path / "o").exists()
     data = json.loads(plan.model_dump_json())
     data["workload"]["optimizer"] = "none"
