@@ -6,7 +6,7 @@ through a symbolic link: a ``train.log`` linked to a ``.pth`` file in site-packa
 Python that the next interpreter start runs. Files are written whole (seqpar.plan.files.write_atomic) or appended to
 (seqpar.plan.safe.append_text), each only after its name was found to be a new path or a regular file; a link, FIFO,
 device or folder there is one line (SeqparError, exit 2). Folders the trainer writes into (``profile/``,
-``tensorboard/``, ``wandb/``) must hold no link either.
+``tensorboard/``, ``wandb/``) must not be links nor hold one that leads out of them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from seqpar.plan.files import write_atomic
-from seqpar.plan.safe import open_nofollow, read_bytes, refuse_links
+from seqpar.plan.safe import inside, links_in, open_nofollow, read_bytes, refuse_links
 
 
 def check_file(path: str | Path, what: str) -> None:
@@ -42,10 +42,22 @@ def read_file(path: str | Path, what: str, limit: int | None = None) -> bytes | 
         return None
 
 
-def check_folder(folder: str | Path, what: str) -> None:
-    """SeqparError naming the first symbolic link at or under ``folder`` (a folder the trainer writes into)."""
-    if os.path.lexists(folder):
-        refuse_links(folder, what)
+def check_folder(folder: str | Path, what: str, *, library_links: bool = False) -> None:
+    """SeqparError when ``folder`` (one the trainer or a tracker writes into) is a symbolic link, or holds one whose
+    target lies outside it (a link that stays inside cannot point a write at another file of yours).
+    ``library_links``: the folder is a library's own that makes links out of it by design and re-creates them each run
+    (W&B links ``wandb/*/logs/debug-core.log`` to its cache and writes each run into a new ``offline-run-*`` folder);
+    only the folder itself is checked then."""
+    if not os.path.lexists(folder):
+        return
+    root = Path(folder)
+    if root.is_symlink():
+        refuse_links(root, what)
+    if library_links:
+        return
+    outside = [p for p in links_in(root) if not inside(root, p.resolve())]
+    if outside:
+        refuse_links(outside[0], what)
 
 
 __all__ = ["check_file", "check_folder", "read_file", "write_file"]

@@ -144,7 +144,7 @@ def open_trackers(names: list[str], out: Path, ident: dict, *, resume_step: int,
     # The trackers write under the output folder: a link planted there would aim their files anywhere.
     for name, folder in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if name in names:
-            check_folder(out / folder, f"{name} folder")
+            check_folder(out / folder, f"{name} folder", library_links=name == "wandb")
     # The trackers log through accelerate's logger, which needs accelerate's process state: PartialState adopts the
     # process group the trainer made (it makes none while one exists; a DeepSpeed run's Accelerator made it already).
     PartialState()

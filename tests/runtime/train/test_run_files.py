@@ -129,6 +129,26 @@ def test_a_folder_the_trainer_writes_into_may_hold_no_link(tmp_path):
     assert list(elsewhere.iterdir()) == []
 
 
+def test_links_a_tracker_makes_inside_its_folder_are_its_own(tmp_path):
+    """W&B links wandb/latest-run and wandb/debug.log into its run folder: inside, so accepted; one that leads out is not."""
+    from seqpar.runtime.train.run_files import check_folder
+
+    wandb = tmp_path / "run" / "wandb"
+    (wandb / "run-1" / "logs").mkdir(parents=True)
+    (wandb / "latest-run").symlink_to("run-1")
+    (wandb / "debug.log").symlink_to(wandb / "run-1" / "logs" / "debug.log")  # absolute, and dangling: still inside
+    check_folder(wandb, "wandb folder")
+    (wandb / "run-1" / "files").symlink_to(tmp_path)
+    with pytest.raises(SeqparError, match=r"profile folder .*run-1/files"):
+        check_folder(wandb, "profile folder")  # a folder seqpar's own code writes into: no link out of it
+    (wandb / "run-1" / "logs" / "debug-core.log").symlink_to(tmp_path / "cache-log")
+    check_folder(wandb, "wandb folder", library_links=True)  # W&B's own links out of its folder: W&B's business
+    wandb.rename(tmp_path / "real-wandb")
+    wandb.symlink_to(tmp_path / "real-wandb")
+    with pytest.raises(SeqparError, match=r"wandb folder .* symbolic link"):
+        check_folder(wandb, "wandb folder", library_links=True)  # but the folder itself is never a link
+
+
 def test_a_profiled_step_still_writes_its_trace_and_summary(tmp_path):
     from seqpar.runtime.train.profiling import profiled_step
 
