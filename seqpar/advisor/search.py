@@ -37,7 +37,7 @@ from seqpar.plan.modes import describe as describe_mode
 from seqpar.plan.modes import names, split_multiple, splits_sequence, takes_ulysses_degree
 from seqpar.plan.rules import NO_SPLIT, plan_problems, split_tag
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
-from seqpar.plan.units import GIB, divisors
+from seqpar.plan.units import GIB, divisors, longest
 
 CHECKPOINTING = ("full", "selective", "none", "offload")
 SHARDING = ("ddp", "zero2", "zero3", "zero3_offload")  # fsdp costs the same as zero3 in this model; searched when pinned
@@ -535,11 +535,6 @@ def max_seq_len(
             return None
 
         unit = math.lcm(1024, *(split_multiple(s.mode, s.sp_degree, s.ulysses_degree) for s in strategies))
-        lo, hi = 0, 1
-        while hi * unit <= limit and fitting(hi * unit):
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fitting(mid * unit) else (lo, mid)
-        out[mode] = (lo * unit, fitting(lo * unit) if lo else None)
+        n = longest(unit, limit, lambda length: fitting(length) is not None)
+        out[mode] = (n, fitting(n) if n else None)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from typing import Callable
 
 from seqpar.plan.errors import SeqparError
 
@@ -70,3 +71,16 @@ def divisors(n: int) -> list[int]:
                 high.append(n // d)
         d += 1
     return low + high[::-1]
+
+
+def longest(unit: int, limit: int, fits: Callable[[int], bool]) -> int:
+    """The longest length, a multiple of ``unit``, for which ``fits(length)`` holds (0 when none does); ``fits`` must
+    hold up to some length and fail beyond it. Doubled from ``unit`` while at most ``limit``, then bisected (so the
+    answer stays below twice ``limit``): about 2 log2(limit / unit) calls."""
+    lo, hi = 0, 1
+    while hi * unit <= limit and fits(hi * unit):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * unit) else (lo, mid)
+    return lo * unit

@@ -31,3 +31,18 @@ def test_divisors_are_exact_and_fast_on_a_huge_world():
     for n in (1, 2, 12, 36, 97, 1000):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
     assert divisors(1024 * 131072) == [2**k for k in range(28)]  # 2^27 ranks: found up to the square root
+
+
+def test_longest_is_the_largest_multiple_that_fits():
+    from seqpar.plan.units import longest
+
+    for edge in (0, 1, 1023, 1024, 5000, 2**20 + 7):
+        calls = []
+
+        def fits(n, edge=edge):
+            calls.append(n)
+            return n <= edge
+
+        assert longest(1024, 2**26, fits) == edge // 1024 * 1024
+        assert all(n % 1024 == 0 for n in calls) and len(calls) <= 2 * 16 + 2
+    assert longest(1024, 4096, lambda n: True) == 7 * 1024  # doubling stops at the limit; bisection stays below 2x

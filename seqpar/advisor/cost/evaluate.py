@@ -60,7 +60,7 @@ from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import attention_fwd_flops, matmul_params
 from seqpar.plan.modes import describe, split_multiple, takes_ulysses_degree
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy
-from seqpar.plan.units import GIB
+from seqpar.plan.units import GIB, longest
 
 RESULT_BYTES_PER_TOKEN = 16  # fp32 loss + int64 argmax + bool hit per local token (13 B), rounded up
 
@@ -209,16 +209,7 @@ def max_eval_seq_len(
     c = coeffs or load_coefficients()
     unit = math.lcm(1024, split_multiple(s.mode, s.sp_degree, s.ulysses_degree))
 
-    def fits(k: int) -> bool:
-        return estimate_eval_memory(m, k * unit, cluster, s, dtype, c)["fits"]
-
-    lo, hi = 0, 1
-    while hi * unit <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * unit
+    return longest(unit, limit, lambda n: estimate_eval_memory(m, n, cluster, s, dtype, c)["fits"])
 
 
 __all__ = ["EvalPrediction", "estimate_eval_memory", "estimate_eval_time", "max_eval_seq_len", "predict_eval"]

@@ -28,6 +28,7 @@ from seqpar.plan.launch_plan import Prediction
 from seqpar.plan.modes import split_multiple, takes_ulysses_degree
 from seqpar.plan.rules import layout_problems, plan_problems
 from seqpar.plan.specs import ClusterSpec, Strategy, Workload
+from seqpar.plan.units import longest
 
 MEMORY_TARGET_PCT = 10.0  # issue targets, where the configuration is fully stated
 TOKENS_TARGET_PCT = 15.0
@@ -93,16 +94,7 @@ def longest_fitting(row: PublishedRun, coeffs: Optional[Coefficients] = None, li
     c = coefficients_for(row, coeffs)
     unit = math.lcm(1024, split_multiple(s.mode, s.sp_degree, s.ulysses_degree))
 
-    def fits(k: int) -> bool:
-        return not predict(w.model_copy(update={"seq_len": k * unit}), cl, s, c).oom_risk
-
-    lo, hi = 0, 1
-    while hi * unit <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * unit
+    return longest(unit, limit, lambda n: not predict(w.model_copy(update={"seq_len": n}), cl, s, c).oom_risk)
 
 
 def _pct(pred: float, pub: float) -> float:

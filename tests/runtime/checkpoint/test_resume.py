@@ -24,6 +24,7 @@ import pytest
 
 from seqpar.plan.launch_plan import LaunchPlan
 
+from seqpar_testing.hostile import Marker
 from seqpar_testing.train import learnable_tokens, make_plan, read_metrics
 
 
@@ -146,12 +147,8 @@ def _forge(folder: Path, marker: Path) -> None:
 
     from seqpar.runtime.checkpoint import integrity
 
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
     shard = next((folder / "state").glob("shard-*.safetensors"))
-    shard.write_bytes(pickle.dumps(Payload()))
+    shard.write_bytes(pickle.dumps(Marker(marker)))
     state = json.loads((folder / "trainer_state.json").read_text())
     state["files"][str(shard.relative_to(folder))] = integrity.digest(shard)
     state["mac"] = integrity.sign(state)

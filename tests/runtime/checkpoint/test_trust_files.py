@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pickle
 import stat
 from collections import OrderedDict
@@ -23,15 +22,7 @@ from seqpar.plan.errors import SeqparError
 from seqpar.runtime.checkpoint import deepspeed as ds_format
 from seqpar.runtime.checkpoint import integrity, resume, rng, trainer_state
 
-
-class Payload:
-    """Unpickled, it creates its marker file (what a forged checkpoint would run instead)."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+from seqpar_testing.hostile import Marker
 
 
 @pytest.fixture
@@ -172,7 +163,7 @@ def test_a_forged_rng_state_is_refused_and_runs_nothing(tmp_path, forge):
     rng.write(tmp_path, 0)
     assert rng.read(tmp_path, path) == json.loads(path.read_text())  # the real one reads back
     if forge == "pickle":
-        path.write_bytes(pickle.dumps(Payload(marker)))
+        path.write_bytes(pickle.dumps(Marker(marker)))
     elif forge == "wrong-shape":
         st = json.loads(path.read_text())
         st["numpy"][1] = st["numpy"][1][:10]
@@ -267,9 +258,9 @@ def test_a_forged_deepspeed_state_is_refused_and_runs_nothing(tmp_path, forge):
     """What DeepSpeed's own engine would have unpickled on --resume: refused by the pickle-free engine, one line."""
     marker, path = tmp_path / "pwned", tmp_path / "mp_rank_00_model_states.pt"
     if forge == "torch-pickle":
-        torch.save({"module": Payload(marker)}, path)
+        torch.save({"module": Marker(marker)}, path)
     elif forge == "raw-pickle":
-        path.write_bytes(pickle.dumps(Payload(marker)))
+        path.write_bytes(pickle.dumps(Marker(marker)))
     elif forge == "class-not-allowed":
         _forged_tree(path, {"@": "object", "c": "posix.system", "v": {"@": "dict", "v": []}})
     elif forge == "untagged":
@@ -310,7 +301,7 @@ def test_an_unsigned_checkpoint_resumes_only_with_the_flag_and_only_pickle_free(
         resume.read_state(folder)
     assert resume.read_state(folder, foreign=True)["step"] == 4
     (folder / "deepspeed" / "state").mkdir(parents=True)
-    (folder / "deepspeed" / "state" / "mp_rank_00_model_states.pt").write_bytes(pickle.dumps(Payload(tmp_path / "m")))
+    (folder / "deepspeed" / "state" / "mp_rank_00_model_states.pt").write_bytes(pickle.dumps(Marker(tmp_path / "m")))
     state["files"]["deepspeed/state/mp_rank_00_model_states.pt"] = 10
     (folder / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(SeqparError, match="DeepSpeed's states as pickles, which seqpar no longer reads"):

@@ -26,18 +26,11 @@ from seqpar.plan.errors import SeqparError
 from seqpar.runtime.checkpoint import integrity, resume
 
 from seqpar_testing.cli import one_error_line, run
+from seqpar_testing.hostile import Marker
 from seqpar_testing.train import make_plan, read_metrics
 
 STEP = "step-000002"
 SHARD = "state/shard-00001-model-00001-of-00001.safetensors"
-
-
-class Payload:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def _launch(plan: Path, out: Path, *extra: str, key: Path | None = None, timeout: float = 240):
@@ -99,13 +92,13 @@ def _same_size(folder, marker):  # one tensor's bytes changed, the file's size k
 
 
 def _pickle_in_shard(folder, marker, key=FORGER):
-    (folder / SHARD).write_bytes(pickle.dumps(Payload(marker)))
+    (folder / SHARD).write_bytes(pickle.dumps(Marker(marker)))
     _write(folder, _relist(folder, _state(folder), SHARD), key=key)
 
 
 def _metadata_pickle(folder, marker, listed=False):
     """torch.distributed.checkpoint's FileSystemReader would unpickle state/.metadata."""
-    (folder / "state" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    (folder / "state" / ".metadata").write_bytes(pickle.dumps(Marker(marker)))
     if listed:
         _write(folder, _relist(folder, _state(folder), "state/.metadata"), key=FORGER)
 
@@ -264,7 +257,7 @@ def test_a_pickle_in_a_deepspeed_state_runs_nothing_even_signed(tmp_path, deepsp
     import torch
 
     marker = tmp_path / "pwned"
-    torch.save({"module": Payload(marker)}, folder / rel)
+    torch.save({"module": Marker(marker)}, folder / rel)
     _write(folder, _relist(folder, _state(folder), rel))
     r = _launch(plan, forged, "--resume", "--steps", "3", timeout=400)
     assert r.returncode == 2, r.stderr[-3000:]

@@ -26,6 +26,7 @@ from seqpar.runtime.data.source import read_corpus
 from seqpar_testing import run_ranks
 from seqpar_testing.cli import one_error_line, run
 from seqpar_testing.data import make_tokenizer, write_corpus
+from seqpar_testing.hostile import Marker, one_line
 from seqpar_testing.train import make_plan
 
 VOCAB = 256
@@ -51,22 +52,6 @@ def _read(path, tmp_path, tokenizer=None):
     return read_corpus(str(path), vocab_size=VOCAB, tokenizer_path=tokenizer, cache_dir=str(tmp_path / "cache"))
 
 
-def _one_line(e: pytest.ExceptionInfo) -> str:
-    message = str(e.value)
-    assert "\n" not in message and all(ch.isprintable() for ch in message), message
-    return message
-
-
-class Marker:
-    """Creates ``path`` when unpickled."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return (Path.touch, (self.path,))
-
-
 # --------------------------------------------------------------------------------------------- FIFOs and devices
 
 
@@ -76,7 +61,7 @@ def test_a_fifo_as_data_is_refused_at_once(tmp_path, suffix):
     os.mkfifo(fifo)
     with within(10), pytest.raises(SeqparError) as e:
         _read(fifo, tmp_path, make_tokenizer(tmp_path / "tok"))
-    assert "is a FIFO, not a regular file" in _one_line(e)
+    assert "is a FIFO, not a regular file" in one_line(e)
 
 
 def test_a_device_behind_a_data_name_is_refused_at_once(tmp_path):
@@ -84,7 +69,7 @@ def test_a_device_behind_a_data_name_is_refused_at_once(tmp_path):
     link.symlink_to("/dev/zero")  # an endless file: the check of every id would never end
     with within(10), pytest.raises(SeqparError) as e:
         _read(link, tmp_path)
-    assert "is a device, not a regular file" in _one_line(e)
+    assert "is a device, not a regular file" in one_line(e)
 
 
 def test_seqpar_launch_refuses_a_fifo_as_data_before_any_rank(tmp_path):
@@ -165,7 +150,7 @@ def test_a_hostile_npy_header_is_one_line_and_runs_nothing(tmp_path, kind):
     _hostile_npy(kind, path, marker)
     with within(20), pytest.raises(SeqparError) as e:
         _read(path, tmp_path)
-    assert "tokens.npy" in _one_line(e)
+    assert "tokens.npy" in one_line(e)
     assert not marker.exists()
 
 
@@ -187,10 +172,10 @@ def test_a_hostile_jsonl_row_is_one_line_naming_it(tmp_path, kind):
     path.write_text('{"text": "w1 w2 w3"}\n' + JSONL[kind] + "\n")
     with within(60), pytest.raises(SeqparError) as e:
         _read(path, tmp_path, make_tokenizer(tmp_path / "tok"))
-    assert "docs.jsonl" in (line := _one_line(e)) and "line 2" in line, line
+    assert "docs.jsonl" in (line := one_line(e)) and "line 2" in line, line
 
 
-def test_seqpar_launch_refuses_a_5001_digit_integer_in_the_data_with_one_line(tmp_path):
+def test_seqpar_launch_refuses_a_5001_digit_integer_in_the_data_withone_line(tmp_path):
     plan = tmp_path / "plan.json"
     make_plan(1, steps=2).write(plan)
     path = tmp_path / "docs.jsonl"
@@ -203,14 +188,14 @@ def test_seqpar_launch_refuses_a_5001_digit_integer_in_the_data_with_one_line(tm
 
 
 @pytest.mark.parametrize("eos", ["7" * 5001, '"</s>"', "[-1]", "[]", "1.5", '{"a": 1}'])
-def test_a_config_whose_eos_token_id_is_no_token_id_is_one_line(tmp_path, eos):
+def test_a_config_whose_eos_token_id_is_no_token_id_isone_line(tmp_path, eos):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "llama", "eos_token_id": ' + eos + "}")
     np.save(tmp_path / "tokens.npy", np.arange(64, dtype=np.uint16))
     with pytest.raises(SeqparError) as e:
         _read(tmp_path / "tokens.npy", tmp_path, str(folder))
-    assert "config.json" in _one_line(e)
+    assert "config.json" in one_line(e)
 
 
 # --------------------------------------------------------------------------------------------- the cache and resume

@@ -26,6 +26,7 @@ from seqpar.runtime.hf.model import build_model
 
 from seqpar_testing.cli import one_error_line, run
 from seqpar_testing.data import make_tokenizer
+from seqpar_testing.hostile import Marker, one_line
 from seqpar_testing.train import make_plan
 
 PLAN = make_plan(1)
@@ -50,22 +51,6 @@ def _load(folder: Path, **kw):
     return build_model(SPEC, model_path=str(folder), seed=1, rope_theta=None, match_plan=True, **kw)
 
 
-def _one_line(e: pytest.ExceptionInfo) -> str:
-    message = str(e.value)
-    assert "\n" not in message and all(ch.isprintable() for ch in message), message
-    return message
-
-
-class Marker:
-    """A pickle that creates ``path`` when unpickled (what a hostile pytorch_model.bin does with os.system)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return (Path.touch, (self.path,))
-
-
 # --------------------------------------------------------------------------------------------- custom code
 
 
@@ -79,7 +64,7 @@ def test_a_model_folder_asking_for_custom_code_is_refused(saved, tmp_path, meta)
     (folder / "hook.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
     with pytest.raises(SeqparError) as e:
         _load(folder, meta=meta)
-    line = _one_line(e)
+    line = one_line(e)
     assert "config.json asks for custom code" in line and "--trust-remote-code" in line, line
     assert not marker.exists()
 
@@ -95,7 +80,7 @@ def test_a_tokenizer_folder_asking_for_custom_code_is_refused(tmp_path):
     (folder / "hook.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
     with pytest.raises(SeqparError) as e:
         load_tokenizer(str(folder), "data file 'x.jsonl'")
-    line = _one_line(e)
+    line = one_line(e)
     assert "tokenizer_config.json asks for custom code" in line and "--trust-remote-code" in line, line
     assert not marker.exists()
     # the flag is the user's explicit word: the refusal is lifted (transformers then decides what to import)
@@ -133,7 +118,7 @@ def test_pickled_weights_are_refused_unread(saved, tmp_path):
     for meta in (False, True):
         with pytest.raises(SeqparError) as e:
             _load(folder, meta=meta)
-        line = _one_line(e)
+        line = one_line(e)
         assert "pytorch_model.bin" in line and "pickle" in line and "convert" in line, line
     assert not marker.exists()
 
@@ -195,12 +180,12 @@ BAD = [
 
 @pytest.mark.parametrize("kind", BAD)
 @pytest.mark.parametrize("meta", [False, True], ids=["rank0", "meta-rank"])
-def test_a_bad_safetensors_file_is_one_line(saved, tmp_path, kind, meta):
+def test_a_bad_safetensors_file_isone_line(saved, tmp_path, kind, meta):
     folder = _copy(saved, tmp_path)
     _bad_safetensors(kind, folder)
     with pytest.raises(SeqparError) as e:
         _load(folder, meta=meta)
-    assert "model.safetensors" in _one_line(e)
+    assert "model.safetensors" in one_line(e)
 
 
 def test_weights_a_model_needs_that_the_folder_lacks_are_refused(saved, tmp_path):
@@ -213,7 +198,7 @@ def test_weights_a_model_needs_that_the_folder_lacks_are_refused(saved, tmp_path
     for meta in (False, True):
         with pytest.raises(SeqparError) as e:
             _load(folder, meta=meta)
-        line = _one_line(e)
+        line = one_line(e)
         assert "lack 9 of the model's tensors" in line and "model.layers.1." in line, line
 
 
@@ -225,7 +210,7 @@ def test_an_index_naming_a_file_elsewhere_is_refused(saved, tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(SeqparError) as e:
         _load(folder)
-    assert "not a .safetensors file beside it" in _one_line(e)
+    assert "not a .safetensors file beside it" in one_line(e)
 
 
 def test_a_sound_folder_loads_its_own_weights(saved):
@@ -260,7 +245,7 @@ def test_a_model_folder_of_another_shape_than_the_plan_is_refused(saved, tmp_pat
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SeqparError) as e:
         _load(folder, meta=True)
-    line = _one_line(e)
+    line = one_line(e)
     assert f"config.json has {field} {value}" in line and f"{want}" in line, line
     # eval reads the folder's own shape: no refusal for the shape alone, but never a layer from random values
     if field == "num_hidden_layers":
