@@ -73,7 +73,7 @@ def run_baseline(variant: str, spec: dict, seq_len: int, steps: int, warmup: int
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # variant "peft": transformers + peft LoRA (r=32, all linear layers), gradient checkpointing
     cfg = hf_config(spec)
     cfg._attn_implementation = "sdpa"
     torch.set_default_dtype(torch.bfloat16)
@@ -81,8 +81,14 @@ def run_baseline(variant: str, spec: dict, seq_len: int, steps: int, warmup: int
         model = LlamaForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if variant == "peft":  # transformers + peft, as its docs show it: LoRA r=32 on every linear layer of the blocks
+        from peft import LoraConfig, get_peft_model
+
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad when the base is frozen
+        model = get_peft_model(model, LoraConfig(r=32, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if optimizer == "adamw-bf16" else None
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5) if optimizer in ("adamw-bf16", "adamw") else None
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len), device="cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -302,7 +308,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=0)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--optimizer", default="none", choices=["none", "adamw-bf16"])
+    p.add_argument("--optimizer", default="none", choices=["none", "adamw-bf16", "adamw"])
     p.add_argument("--seqpar-args", default="", help="extra `seqpar advise` flags for the seqpar variant")
     p.add_argument("--strategy-set", default="", help="seqpar variant: strategy fields set in the advised plan (k=v,...)")
     p.add_argument("--gpu", default="h200", help="the GPU profile seqpar's plans are advised for (seqpar advise --gpu)")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from seqpar.advisor.bill import NOT_COUNTED, bill_lines, duration, plan_bill
 from seqpar.plan.display import shown_fields
 from seqpar.plan.launch_plan import Alternative, LaunchPlan
+from seqpar.plan.lora import lora_text
 from seqpar.plan.modes import splits_sequence, takes_ulysses_degree
 from seqpar.plan.rules import checkpointed_layers, offloaded_layers
 from seqpar.plan.specs import ClusterSpec, Strategy
@@ -171,7 +172,7 @@ def why_lost(plan: LaunchPlan, a: Alternative) -> str:
     if text.startswith("slower:"):
         return "slower"
     if p is not None and p.oom_risk:
-        return f"risks OOM ({p.reserved_memory_gib:.1f} GiB reserved + headroom > {p.capacity_gib:.1f})"
+        return f"risks OOM ({p.reserved_memory_gib:.1f} GiB reserved + {p.memory_margin_gib:.1f} margin > {p.capacity_gib:.1f})"
     return _FASTER.sub("", text).removeprefix("but ")
 
 
@@ -187,6 +188,8 @@ def answer_rows(plan: LaunchPlan, plan_path: str | None, details: str) -> list[t
         ),
         ("", strategy_text(s, w.model.num_layers)),
     ]
+    if w.lora is not None:  # what trains: the adapters on a frozen (maybe 4-bit) base
+        rows.insert(1, ("", lora_text(w.lora)))
     if p is None:
         rows.append(("Prediction", "none: --policy rules does not model memory or speed (--policy cost, the default, does)"))
     else:

@@ -28,6 +28,9 @@ class ProbedGpu(_Result):
     name: str = Field(description="Name as NVML reports it.")
     profile: Optional[str] = Field(description="The matching seqpar GPU profile, None when there is none.")
     memory_total_gib: float = Field(description="Total device memory, GiB (NVML).")
+    memory_reserved_gib: Optional[float] = Field(
+        default=None, description="Of the total, what the driver keeps (NVML v2 'reserved'); None where the driver has no v2."
+    )
     memory_free_gib: float = Field(description="Free device memory now, GiB (NVML).")
     compute_capability: str = Field(description="CUDA compute capability, e.g. '9.0'.")
     nvlinks_active: int = Field(description="NVLink links in the enabled state (0 where NVLink is absent or unsupported).")
@@ -81,7 +84,11 @@ class ProbeResult(_Result):
                 f"probed GPU(s) {', '.join(found)} have no seqpar profile (or are mixed); declare one with --gpu NAME"
             )
         # Measured beats datasheet: the memory NVML reports (smaller under MIG) replaces the profile's figure.
-        spec = spec.model_copy(update={"memory_gib": min(g.memory_total_gib for g in self.gpus)})
+        update = {"memory_gib": min(g.memory_total_gib for g in self.gpus)}
+        reserved = [g.memory_reserved_gib for g in self.gpus if g.memory_reserved_gib is not None]
+        if reserved:  # what CUDA can reach on the tightest GPU, from the driver itself
+            update["driver_reserved_gib"] = max(reserved)
+        spec = spec.model_copy(update=update)
         if self.gpu_count > 1 and all(t == "NVLink" for i, row in enumerate(self.topology) for j, t in enumerate(row) if i != j):
             kind = gpu_profile(spec.name).intra_node_link
             intra = kind if kind.startswith("nvlink") else ("nvlink4" if spec.compute_capability == "9.0" else "nvlink3")
@@ -151,6 +158,16 @@ def _maybe(fn, *args) -> Any:
         return fn(*args)
     except Exception:  # NVML answers NotSupported for fields a board lacks; the probe reports None for them
         return None
+
+
+def _reserved(nvml, handle) -> Optional[float]:
+    """GiB the driver keeps out of CUDA's reach (NVML's memory info version 2), None where the driver or binding lacks it."""
+    version = getattr(nvml, "nvmlMemory_v2", None)
+    if version is None:
+        return None
+    got = _maybe(lambda: nvml.nvmlDeviceGetMemoryInfo(handle, version=version))
+    reserved = getattr(got, "reserved", None)
+    return reserved / GIB if isinstance(reserved, (int, float)) and reserved >= 0 else None
 
 
 def _text(x: Any) -> str:
@@ -235,6 +252,7 @@ def probe(
         for i, h in handles:
             name = _text(nvml.nvmlDeviceGetName(h))
             mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            reserved = _reserved(nvml, h)
             major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
             prof = match_nvml_name(name)
             gpus.append(
@@ -243,6 +261,7 @@ def probe(
                     name=name,
                     profile=prof.name if prof else None,
                     memory_total_gib=mem.total / GIB,
+                    memory_reserved_gib=reserved,
                     memory_free_gib=mem.free / GIB,
                     compute_capability=f"{major}.{minor}",
                     nvlinks_active=_nvlinks(nvml, h),

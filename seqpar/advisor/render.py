@@ -21,6 +21,7 @@ from seqpar.advisor.bill import NOT_COUNTED, bill_lines, plan_bill
 from seqpar.advisor.training import training_rows
 from seqpar.plan.display import rows as option_rows
 from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.lora import adapter_params, lora_text
 from seqpar.plan.modes import takes_ulysses_degree
 from seqpar.plan.options import PINNED_FRACTION
 from seqpar.plan.rules import checkpointing_text
@@ -56,6 +57,11 @@ def documents_line(w: Workload) -> str:
     return f"packed, mean {mix.mean_tokens:,.0f} tokens: attention {100 * f:.2g}% of one document per window ({mix.source})"
 
 
+def lora_line(w: Workload) -> str:
+    """What trains under LoRA: the adapters, with their size, on a frozen (maybe 4-bit) base."""
+    return f"{lora_text(w.lora)}: {params_text(adapter_params(w.model, w.lora))} adapter parameters"
+
+
 def plan_summary(plan: LaunchPlan) -> str:
     """One line: mode, degrees, seq_len, model, cluster."""
     s, w = plan.strategy, plan.workload
@@ -82,6 +88,7 @@ def plan_tables(plan: LaunchPlan, plan_path: str | None = "plan.json", warn: boo
                 ("micro-batch", w.micro_batch_size),
                 ("tokens per step", w.tokens_per_step or "one micro-batch per DP rank"),
                 ("dtype / optimizer", f"{w.dtype} / {w.optimizer}"),
+                *([("trains", lora_line(w))] if w.lora is not None else []),  # a full fine-tuning: every weight
                 ("documents", documents_line(w)),
             ],
         ),

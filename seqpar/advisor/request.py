@@ -13,7 +13,7 @@ from seqpar.plan.base import Checkpointing, DType, Frozen, FusedOps, KeptSaves, 
 from seqpar.plan.display import option_names
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.rules import plan_problems
-from seqpar.plan.specs import ClusterSpec, DocMix, ModelSpec, Strategy, Workload
+from seqpar.plan.specs import ClusterSpec, DocMix, LoraSpec, ModelSpec, Strategy, Workload
 
 
 def check_workload(workload: Workload, cluster: ClusterSpec, fused_ops: Optional[str] = None) -> None:
@@ -39,6 +39,9 @@ class AdviseRequest(Frozen):
     )
     dtype: DType = Field(default="bf16", description="Parameter and activation dtype.")
     optimizer: Optimizer = Field(default="adamw", description="Optimizer (part of the workload, not searched).")
+    lora: Optional[LoraSpec] = Field(
+        default=None, description="LoRA / QLoRA adapters on a frozen base (part of the workload); None = full fine-tuning."
+    )
     doc_lens: Optional[DocMix] = Field(
         default=None, description="Packed documents' length mix (part of the workload); None = one document per window."
     )
@@ -82,6 +85,11 @@ class AdviseRequest(Frozen):
                 f"{self.seq_len} tokens = {one}); a step holds whole micro-batches: give at least {one}, or leave it out"
             )
         check_workload(self.workload(), self.cluster, self.fused_ops)
+        if self.lora is not None and self.lora.base_dtype == "nf4" and self.optimizer == "none":
+            raise SeqparError(
+                "--qlora trains adapters on a 4-bit base that never changes, but --optimizer none (forward and backward "
+                "only) updates nothing; use --optimizer adamw (or adamw-bf16) with --qlora, or drop --qlora"
+            )
         if self.kept_host_layers and self.kept_saves != "matmuls":
             raise SeqparError(
                 f"--kept-host-layers {self.kept_host_layers} puts kept layers' matmul outputs in host memory, which only "

@@ -198,13 +198,19 @@ def advise_by_rules(req: AdviseRequest, cluster_note: str = "") -> LaunchPlan:
     # AdamW, tiled_mlp) and plain DDP on gloo CPU ranks (DeepSpeed is a GPU engine).
     w = req.workload()
     shardings = [req.sharding] if req.sharding else ["zero3_offload", "fsdp"] if c.accelerator == "cuda" else ["ddp"]
+    if w.lora is not None and not req.sharding and c.accelerator == "cuda":
+        # EasyContext offloads to fit a full fine-tuning's optimizer states; LoRA's are the adapters': small
+        shardings = ["ddp", "zero3", "fsdp"]
     tried = [(sh, plan_problems(w, c, strategy.model_copy(update={"sharding": sh}))) for sh in shardings]
     sharding = next((sh for sh, problems in tried if not problems), None)
     if sharding is None:
         raise SeqparError(tried[0][1][0])
     strategy = strategy.model_copy(update={"sharding": sharding})
     sharding_why = (
-        "EasyContext's engine: DeepSpeed ZeRO-3 with CPU offload; pin --sharding fsdp to run without DeepSpeed"
+        "LoRA trains the adapters only: their gradients and optimizer states are small, so every rank keeps the frozen "
+        "base and reduces the adapters' gradients (pin --sharding zero3 to shard the base)"
+        if w.lora is not None and sharding == "ddp" and sharding == shardings[0] and c.accelerator == "cuda"
+        else "EasyContext's engine: DeepSpeed ZeRO-3 with CPU offload; pin --sharding fsdp to run without DeepSpeed"
         if sharding == "zero3_offload"
         else f"not EasyContext's zero3_offload: {tried[0][1][0]}"
         if sharding != shardings[0]

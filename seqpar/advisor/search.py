@@ -5,7 +5,7 @@ sharding x loss implementation x tiled_mlp off/on (pins in the request restrict 
 Liger-Kernel is an optional dependency, so it is ``none`` unless pinned, and the rationale says when ``liger`` would be
 faster), drops those the plan rules refuse (schema.plan_problems: the same judge LaunchPlan validates with) and records
 why, predicts the rest (memory.py, throughput.py; ~30 us
-each) and returns the fastest that fits with headroom. tiled_mlp costs one more MLP forward and saves memory, so it can only
+each) and returns the fastest that fits with the margin. tiled_mlp costs one more MLP forward and saves memory, so it can only
 win where its untiled twin does not fit, and only there is it predicted. The plan carries the guide tree's choice
 (rules.py) and, where the cost model departs from it, why. ``max_seq_len`` binary-searches the longest sequence that fits
 per mode. The OOM gate (``seqpar check``) is gate.py.
@@ -14,6 +14,11 @@ Search space, not validity: every registered mode (seqpar.plan.modes) is a candi
 needs_checkpointing (dist_flash_attn: EasyContext runs its schedule under gradient checkpointing) is searched with
 checkpointing only unless checkpointing is pinned; a hybrid mode's (usp_attn's) Ulysses degree ranges over
 2..sp_degree/2 (a ring of one is ulysses_attn, a Ulysses group of one zigzag_ring_attn).
+
+LoRA (the workload's ``lora``) changes no axis: the cost model prices its frozen base and small adapter states
+(seqpar.advisor.cost.lora), so offload, ZeRO sharding and checkpointing win or lose on those, and the plan rules refuse
+what the runtime cannot train (a 4-bit base sharded). Only the kept-matmuls note, priced for a full fine-tuning's
+layer, is left out.
 """
 
 from __future__ import annotations
@@ -152,7 +157,7 @@ def describe(s: Strategy) -> str:
 
 def _gpu_fits(w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients) -> bool:
     mem = estimate_memory(w, cl, s, c)
-    return mem.reserved_bytes + c.headroom_gib * GIB <= mem.capacity_bytes
+    return mem.required_bytes + mem.margin_bytes <= mem.capacity_bytes
 
 
 def _first(lo: int, hi: int, ok) -> Optional[int]:
@@ -346,7 +351,7 @@ def _option_notes(
             (x for x in cands if x.strategy.model_copy(update=whole) == untiled), key=lambda x: (not x.fits, -x.tokens_per_s)
         )
         twin = twins[0] if twins else None
-        if twin is not None and twin.fits and twin.peak_gib <= best.peak_gib:  # the twin fits by a split of its own
+        if twin is not None and twin.fits:  # the twin fits by a split of its own: tiling is chosen for speed
             out.append(
                 f"tiled_mlp: without it, {describe(twin.strategy)}: fits at {twin.tokens_per_s:,.0f} tokens/s; the memory "
                 f"the tiles free keeps more of the split on the GPU: {best.tokens_per_s:,.0f} tokens/s "
@@ -395,6 +400,8 @@ def _kept_matmuls_note(req: AdviseRequest, best: Candidate, w: Workload, cl: Clu
     copies hiding under compute (their measurements: BENCHMARKS.md)."""
     s = best.strategy
     if req.kept_saves is not None or not best.fits or s.checkpointing not in ("full", "selective") or s.tiled_mlp:
+        return []
+    if w.lora is not None:  # the kept matmul outputs are priced for a full fine-tuning's layer, not a LoRA one's
         return []
     if req.checkpoint_layers is not None:
         return []

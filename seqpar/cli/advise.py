@@ -67,8 +67,9 @@ def advise(
         None,
         "--emit",
         rich_help_panel=OUTPUT,
-        help="Also write, next to the plan (-o), the config this tool runs with the same strategy (or the nearest it has, "
-        "with a line per change) and print its command; exit 1, nothing written, when that is predicted to OOM.",
+        help="Also write, next to the plan (-o), the config of the fastest strategy this tool can express that fits "
+        "(a line per change from the plan) and print its command; exit 1 with the plan but no tool files when nothing "
+        "it expresses fits.",
     ),
 ):
     """Advise a launch plan: which sequence-parallel mode, degrees, checkpointing and sharding, with the reasons.
@@ -92,6 +93,7 @@ def advise(
     seqpar advise --max-seq-len --gpu h200 --gpus 8
     seqpar advise -s 64k --gpu h200 --gpus 1 --tiled-mlp --fused-ops liger
     seqpar advise -s 128k -m Qwen/Qwen2.5-7B --gpus 8 -o p.json --emit trl
+    seqpar advise --max-seq-len -m llama-3.1-8b --gpus 1 --lora-rank 32 --qlora
     ```
     """
     from seqpar.advisor.advise import advise as run_advice
@@ -114,6 +116,7 @@ def advise(
     if recipe is not None:
         flags = _recipe_defaults(flags, recipe, note)
     req, cluster_note = advise_request(flags, n, policy or "cost", note)
+    emission = None
     if recipe is not None:
         from seqpar.advisor.recipe import advise_recipe
 
@@ -126,15 +129,13 @@ def advise(
 
         plan = plan.model_copy(update={"launch": launch_spec(plan, output)})
         plan = LaunchPlan.model_validate(plan.model_dump())  # re-validate the edited plan before it touches disk
-        emission = _emission(plan, emit_tool, output)
-        plan.write(output)
-        note(f"wrote {output}")
-        if emission is not None:
-            from seqpar.emit import emission_lines, write_emission
+        if emit_tool is not None:  # a usage error (a staged plan) is refused before anything is written
+            from seqpar.emit import emittable
 
-            write_emission(emission)
-            for line in emission_lines(emission):
-                note(line)
+            emittable(plan, emit_tool)
+        plan.write(output)  # whatever the emission's outcome
+        note(f"wrote {output}")
+        emission = _emission(plan, emit_tool, output, flags.pins())
     elif emit_tool is not None:
         raise SeqparError(f"--emit {emit_tool} writes its config next to the plan: add -o plan.json")
     if json_out:
@@ -154,6 +155,12 @@ def advise(
     if unfit:
         kept = f"the plan was written to {output} (seqpar explain {output} shows the memory)" if output else "nothing written"
         note(f"error: no strategy fits: {unfit}; {kept}")
+    refused = emission is not None and not emission.files
+    if refused:
+        from seqpar.emit import refusal_line
+
+        note(f"error: {refusal_line(emission, output)}")  # the last line: what was written, and why the rest was not
+    if unfit or refused:
         raise typer.Exit(EXIT_OOM_OR_FAILED)
 
 
@@ -169,23 +176,22 @@ def _does_not_fit(plan: LaunchPlan) -> str | None:
             why = None if where else why
             return why or (
                 f"{where}predicted {p.reserved_memory_gib:.1f} GiB reserved (peak allocated {p.peak_memory_gib:.1f} GiB) "
-                f"+ headroom exceeds {p.capacity_gib:.1f} GiB per GPU, or host RAM is short; see seqpar advise --max-seq-len"
+                f"+ {p.memory_margin_gib:.1f} GiB margin exceeds the {p.capacity_gib:.1f} GiB a process can allocate per GPU, or host RAM is short; see seqpar advise --max-seq-len"
             )
     return None
 
 
-def _emission(plan: LaunchPlan, tool: str | None, output: Path):
-    """The --emit config for ``plan`` (None without --emit); exit 1 before anything is written when it risks OOM."""
+def _emission(plan: LaunchPlan, tool: str | None, output: Path, pins: dict):
+    """The --emit config for ``plan`` (None without --emit): its lines said and, where it has files, the files written.
+    Where nothing the tool expresses fits it has none; the caller ends with the refusal line and exit 1."""
     if tool is None:
         return None
-    from seqpar.emit import emission_lines, emit
+    from seqpar.emit import emission_lines, emit, write_emission
 
-    em = emit(plan, tool, output)
-    if not em.fits:
-        for line in emission_lines(em)[: -1 - len(em.files)]:  # the verdict and the notes: nothing was written
-            note(line)
-        note(f"{tool}'s nearest strategy is predicted to run out of memory; nothing written (seqpar launch runs the plan)")
-        raise typer.Exit(EXIT_OOM_OR_FAILED)
+    em = emit(plan, tool, output, pins=pins)
+    write_emission(em)
+    for line in emission_lines(em):
+        note(line)
     return em
 
 
@@ -269,6 +275,7 @@ def _max_seq_len_command(flags: RequestFlags, json_out: bool) -> None:
         req.cluster,
         [flags.mode] if flags.mode else None,
         optimizer=req.optimizer,
+        lora=req.lora,
         micro_batch_size=req.micro_batch_size,
         dtype=req.dtype,
         **pins,

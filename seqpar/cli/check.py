@@ -21,6 +21,7 @@ from seqpar.plan.units import parse_seq_len
 @handle_errors
 @with_request_flags
 def check(
+    ctx: typer.Context,
     flags: RequestFlags,
     paths: Optional[list[Path]] = typer.Argument(
         None,
@@ -34,6 +35,8 @@ def check(
 
     Tool configs (accelerate, TRL, Axolotl, ArcticTraining, DeepSpeed) are mapped onto the cost model and judged the
     same way; the fix is named in the tool's own keys, and keys that change memory but are not modelled make it partial.
+    What the tool's keys do not say comes from the flags, else from the files' `seqpar:` block (`seqpar advise --emit`
+    writes one, so its files check back to its prediction with no flags), else from a default, one "assumed:" line each.
     With a plan it is re-evaluated on the plan's cluster, or on the Cluster flags' when given; without one, the Workload,
     Cluster and Pins flags describe the configuration, as for `seqpar advise` (the cost model picks whatever is not pinned).
 
@@ -46,6 +49,7 @@ def check(
     seqpar check -s 128k --gpu h200 --gpus 1 --checkpointing offload --tiled-mlp
     seqpar check axolotl.yaml --gpu h100 --gpus 8
     seqpar check sft.yaml accelerate.yaml --gpu h200
+    seqpar check plan.sft.yaml plan.accelerate.yaml
     ```
     """
     from seqpar.advisor.cluster import resolve_cluster, with_pinned_host
@@ -55,8 +59,9 @@ def check(
 
     if paths and (len(paths) > 1 or not is_plan_file(paths[0])):  # a tool's configs: seqpar.emit reads them
         from seqpar.emit.gate import check_configs, config_json, config_lines
+        from seqpar.emit.sources import given_flags
 
-        got = check_configs(paths, flags, note)
+        got = check_configs(paths, flags, note, given=given_flags(flags, ctx))
         if json_out:
             print_json(config_json(got))
         else:
@@ -69,6 +74,10 @@ def check(
         mix = request_doc_mix(flags, target.workload.seq_len, target.workload.model.vocab_size)
         if mix is not None:  # --doc-lens / --mean-doc-len / --data: the plan re-checked on that document mix
             target = target.model_validate({**target.model_dump(), "workload": {**target.workload.model_dump(), "doc_lens": mix}})
+        lora = flags.lora_spec()
+        if lora is not None:  # --lora-rank ...: the plan re-checked training those adapters
+            work = {**target.workload.model_dump(), "lora": lora.model_dump()}
+            target = target.model_validate({**target.model_dump(), "workload": work})
         f, c = flags, target.cluster
         declared = any(x is not None for x in (f.gpu, f.gpus, f.nodes, f.cluster))
         if declared:

@@ -60,7 +60,14 @@ def launch(
     seqpar launch plan.json --dry-run
     ```
     """
-    from seqpar.cli.launch_text import bill_header, check_trackers, oom_verdict, refuse_fsdp_offload, run_summary
+    from seqpar.cli.launch_text import (
+        bill_header,
+        check_trackers,
+        oom_verdict,
+        refuse_fsdp_offload,
+        refuse_merge_lora,
+        run_summary,
+    )
     from seqpar.runtime.launch.run import launch as run_launch
 
     t = opts.train
@@ -68,6 +75,8 @@ def launch(
     plan = LaunchPlan.load(plan_path, allow_env=t.allow_env)
     if t.fsdp_cpu_offload:
         refuse_fsdp_offload(plan)
+    if t.merge_lora:
+        refuse_merge_lora(plan, t.final_checkpoint)
     verdict = oom_verdict(plan)
     if verdict and dry_run:
         note(f"warning: {verdict}")

@@ -53,6 +53,20 @@ def refuse_fsdp_offload(plan: LaunchPlan) -> None:
     )
 
 
+def refuse_merge_lora(plan: LaunchPlan, final_checkpoint: bool) -> None:
+    """--merge-lora merges a LoRA plan's adapters into its final export: a plan without adapters has none to merge,
+    and --no-final-checkpoint writes no export."""
+    if plan.workload.lora is None:
+        raise SeqparError(
+            "--merge-lora merges a LoRA plan's adapters into the final export, and this plan trains every parameter "
+            "(no workload.lora; its export is the whole model already); advise with --lora-rank, or drop the flag"
+        )
+    if not final_checkpoint:
+        raise SeqparError(
+            "--merge-lora writes the merged model into the final checkpoint, which --no-final-checkpoint skips; drop one"
+        )
+
+
 def check_trackers(report_to: str) -> None:
     """SeqparError (exit 2) for a ``--report-to`` name that is unknown or not installed, checked before anything runs
     (seqpar.runtime.train.trackers.parse, torch-free)."""
@@ -81,8 +95,13 @@ def run_summary(plan: LaunchPlan, plan_path: Path, opts: LaunchOptions) -> list[
         lines.append(f"{head}done, {report.get('steps', '?')} steps; " + "; ".join(_compare(m, p, cpu)))
         last = last_checkpoint(job)
         model = last / "model" if last is not None else None
+        adapter = last is not None and (last / "adapter" / "adapter_config.json").is_file()  # a LoRA plan's export
+        if adapter:
+            lines.append(f"{head}LoRA adapter exported to {last / 'adapter'} (peft's PeftModel.from_pretrained reads it)")
         if model is not None and (model / "config.json").is_file():
             lines.append(f"{head}model exported to {model} (transformers' from_pretrained reads it)")
+        elif adapter:
+            lines.append(f"{head}no merged model (--merge-lora writes one)")
         elif opts.train.final_checkpoint:
             lines.append(f"{head}no exported model found under {job.output / 'checkpoints'}")
         else:
@@ -110,4 +129,4 @@ def _compare(measured: dict, predicted: dict, cpu: bool) -> list[str]:
     return out or ["nothing measured"]
 
 
-__all__ = ["bill_header", "check_trackers", "oom_verdict", "refuse_fsdp_offload", "run_summary"]
+__all__ = ["bill_header", "check_trackers", "oom_verdict", "refuse_fsdp_offload", "refuse_merge_lora", "run_summary"]

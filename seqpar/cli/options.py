@@ -22,11 +22,14 @@ from seqpar.plan.job_options import parse_checkpoint_every
 from seqpar.plan.launch_plan import TrainingSpec
 from seqpar.plan.modes import names as mode_names
 from seqpar.plan.options import KEEP_LAST
+from seqpar.plan.specs import LORA_ALL_LINEAR
 
 if TYPE_CHECKING:
     from seqpar.advisor.request import AdviseRequest
+    from seqpar.plan.specs import LoraSpec
 
 WORKLOAD, CLUSTER, PINS, OUTPUT = "Workload", "Cluster", "Pins (default: the advisor chooses)", "Output"
+LORA = "LoRA (default: full fine-tuning)"
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,42 @@ class RequestFlags:
         Optional[int],
         typer.Option("--eos-id", rich_help_panel=WORKLOAD, help="The token id ending each document of a --data .bin/.npy."),
     ] = None
+    lora_rank: Annotated[
+        Optional[int],
+        typer.Option(
+            "--lora-rank",
+            min=1,
+            rich_help_panel=LORA,
+            help="Train LoRA adapters of this rank (peft's r) on a frozen base instead of every weight.",
+        ),
+    ] = None
+    lora_alpha: Annotated[
+        Optional[float],
+        typer.Option("--lora-alpha", rich_help_panel=LORA, help="LoRA alpha: the update is scaled by alpha / rank (default 32)."),
+    ] = None
+    lora_dropout: Annotated[
+        Optional[float],
+        typer.Option("--lora-dropout", rich_help_panel=LORA, help="Dropout on each adapter's input, 0 to < 1 (default 0)."),
+    ] = None
+    lora_targets: Annotated[
+        Optional[str],
+        typer.Option(
+            "--lora-targets",
+            metavar="NAMES",
+            rich_help_panel=LORA,
+            help="Comma list of the linear layers that get adapters, e.g. q_proj,v_proj; default all-linear: "
+            + " ".join(LORA_ALL_LINEAR)
+            + ".",
+        ),
+    ] = None
+    qlora: Annotated[
+        bool,
+        typer.Option(
+            "--qlora",
+            rich_help_panel=LORA,
+            help="QLoRA: the frozen base's linear layers in 4-bit NF4 (bitsandbytes, double quantization).",
+        ),
+    ] = False
     gpu: Annotated[
         Optional[str],
         typer.Option("--gpu", rich_help_panel=CLUSTER, help="GPU profile of the declared cluster, e.g. a100, h100, h200."),
@@ -224,6 +263,47 @@ class RequestFlags:
         if self.host_ram_gib is not None and not math.isfinite(self.host_ram_gib):
             raise SeqparError(f"--host-ram-gib {self.host_ram_gib} is not a finite amount of RAM; give GiB per node, e.g. 1024")
 
+    def lora_spec(self) -> Optional[LoraSpec]:
+        """The LoRA the flags ask for (None: full fine-tuning); SeqparError naming the flag for a value no adapter takes,
+        or a LoRA flag without --lora-rank."""
+        import math
+
+        from seqpar.plan.errors import SeqparError
+        from seqpar.plan.specs import LoraSpec
+
+        given = [
+            f
+            for f, v in (
+                ("--lora-alpha", self.lora_alpha),
+                ("--lora-dropout", self.lora_dropout),
+                ("--lora-targets", self.lora_targets),
+                ("--qlora", self.qlora or None),
+            )
+            if v is not None
+        ]
+        if self.lora_rank is None:
+            if given:
+                raise SeqparError(
+                    f"{given[0]} shapes LoRA adapters, but no --lora-rank turns them on; add --lora-rank (e.g. "
+                    f"--lora-rank 32), or drop {given[0]}"
+                )
+            return None
+        most = LoraSpec.model_fields["rank"].metadata[-1].le
+        if self.lora_rank > most:
+            raise SeqparError(f"--lora-rank {self.lora_rank} is above {most}; give a rank from 1 to {most} (e.g. 32)")
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise SeqparError(f"--lora-alpha {self.lora_alpha} must be a finite number > 0; e.g. --lora-alpha {self.lora_rank}")
+        if self.lora_dropout is not None and not (0 <= self.lora_dropout < 1):
+            raise SeqparError(f"--lora-dropout {self.lora_dropout} is not from 0 to below 1; e.g. --lora-dropout 0.05")
+        kw: dict = {"rank": self.lora_rank, "base_dtype": "nf4" if self.qlora else "bf16"}
+        if self.lora_alpha is not None:
+            kw["alpha"] = self.lora_alpha
+        if self.lora_dropout is not None:
+            kw["dropout"] = self.lora_dropout
+        if self.lora_targets is not None:
+            kw["target_modules"] = lora_targets(self.lora_targets)
+        return LoraSpec(**kw)
+
     def pins(self) -> dict:
         """The pinned choices (the fields in the Pins panel), by name: AdviseRequest's names for them."""
         hints = get_type_hints(RequestFlags, include_extras=True)
@@ -274,6 +354,7 @@ def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note
             f"give --tokens-per-step {ga} x {flags.micro_batch} x {seq_len} x the dp you want, e.g. --tokens-per-step "
             f"{ga * flags.micro_batch * seq_len} at dp 1"
         )
+    lora = flags.lora_spec()  # refused before the model and the cluster are looked up
     model = get_model(flags.model)
     mix = request_doc_mix(flags, seq_len if flags.seq_len is not None else None, model.vocab_size)
     if mix is not None:
@@ -290,6 +371,7 @@ def advise_request(flags: RequestFlags, seq_len: int, policy: str = "cost", note
         tokens_per_step=flags.tokens_per_step,
         dtype="fp32" if cl.accelerator == "cpu" else "bf16",
         optimizer=flags.optimizer,
+        lora=lora,
         doc_lens=mix,
         policy=policy,
         **flags.pins(),
@@ -413,6 +495,28 @@ def with_training_flags(command):
     return with_dataclass_flags(command, TrainingFlags, "training")
 
 
+def lora_targets(text: str) -> list[str]:
+    """--lora-targets' comma list as LoraSpec.target_modules: all-linear (peft's word) for all seven; SeqparError with
+    one line for an empty list, a name twice or a name that is no linear layer of a decoder block."""
+    from seqpar.plan.errors import SeqparError
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if names == ["all-linear"]:
+        return list(LORA_ALL_LINEAR)
+    if not names:
+        raise SeqparError(f"--lora-targets {text!r} names no layer; give e.g. --lora-targets q_proj,v_proj, or all-linear")
+    for x in names:
+        if x not in LORA_ALL_LINEAR:
+            raise SeqparError(
+                f"--lora-targets: {x!r} is not a linear layer of a decoder block; use a comma list of "
+                f"{','.join(LORA_ALL_LINEAR)}, or all-linear"
+            )
+    twice = next((x for x in names if names.count(x) > 1), None)
+    if twice:
+        raise SeqparError(f"--lora-targets names {twice} twice; list each layer once")
+    return sorted(names, key=LORA_ALL_LINEAR.index)
+
+
 def request_doc_mix(flags: RequestFlags, seq_len: int | None, vocab_size: int):
     """The packed documents' mix the flags describe, or None (one document per window); ``seq_len``: the user's window."""
     from seqpar.advisor.doc_lens import doc_mix
@@ -422,6 +526,7 @@ def request_doc_mix(flags: RequestFlags, seq_len: int | None, vocab_size: int):
 
 __all__ = [
     "CLUSTER",
+    "LORA",
     "OUTPUT",
     "PINS",
     "RequestFlags",
@@ -429,6 +534,7 @@ __all__ = [
     "TrainingFlags",
     "WORKLOAD",
     "advise_request",
+    "lora_targets",
     "request_doc_mix",
     "with_request_flags",
     "with_training_flags",

@@ -125,6 +125,8 @@ def read(data: dict, path: Path) -> Reading:
         r.put("sharding", "ddp", f"distributed_type {dt}")
     else:
         raise SeqparError(f"{path}: distributed_type {dt!r} is not one seqpar models (NO, MULTI_GPU, MULTI_CPU, DEEPSPEED, FSDP)")
+    if data.get("use_cpu") is True or dt == "MULTI_CPU":  # CPU ranks, judged as seqpar advise --cluster cpu:N judges them
+        r.put("accelerator", "cpu", "use_cpu true" if data.get("use_cpu") is True else "distributed_type MULTI_CPU")
     if data.get("megatron_lm_config"):
         r.not_understood.append("megatron_lm_config")
     _read_parallelism(r, data.get("parallelism_config") or {}, path, deepspeed=dt == "DEEPSPEED")
@@ -174,6 +176,9 @@ def _read_parallelism(r: Reading, pc: dict, path: Path, *, deepspeed: bool) -> N
     elif size["cp"] > 1:
         r.put("mode", CAPS.mode_named("cp_size"), f"parallelism_config_cp_size {size['cp']} (torch ring attention)")
         r.values["sp_degree"] = size["cp"]
+    elif "mode" not in r.values:  # neither axis (nor a DeepSpeed JSON's Ulysses degree): whole sequences on every rank
+        r.put("mode", CAPS.mode_named(""), "no parallelism_config sp_size or cp_size")
+        r.values["sp_degree"] = 1
     total = size["dp_replicate"] * size["dp_shard"] * size["tp"] * size["cp"] * size["sp"]
     world = r.values.get("world_size")
     if pc and world and total != world and not (deepspeed and size["sp"] > 1):

@@ -11,7 +11,8 @@ without ``zero_optimization`` it runs ZeRO stage 2); ``model``: ``type`` (huggin
 ``learning_rate``, ``weight_decay``; ``scheduler`` (``config/scheduler.py``, ``scheduler/hf_factory.py``): ``type``
 huggingface, ``name`` (transformers' get_scheduler name), ``warmup_ratio`` (default 0.1: without the key a run warms
 up over a tenth of its steps and decays linearly to 0, whatever the plan says), the warmup being
-``int(warmup_ratio * train_iters)`` steps. It computes the loss on logits a tile at a time (seqpar's chunked).
+``int(warmup_ratio * train_iters) * sequence_parallel_size`` steps of a schedule over ``train_iters *
+sequence_parallel_size``, stepped once per iteration (so at sp > 1 the ratio is the plan's warmup / sp). It computes the loss on logits a tile at a time (seqpar's chunked).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import re
 from pathlib import Path
 
+from seqpar.emit import lora
 from seqpar.emit.capabilities import TABLE
 from seqpar.emit.common import Reading, count, ds_config, model_ref, read_ds, yaml_text
 from seqpar.emit.nearest import attn_implementation
@@ -31,14 +33,29 @@ from seqpar.plan.specs import Strategy
 CAPS = TABLE["arctic"]
 
 
-def scheduler(steps: int, warmup_steps: int, schedule: str) -> dict:
+def scheduler(steps: int, warmup_steps: int, schedule: str, sp: int = 1) -> dict:
     """The plan's schedule as ArcticTraining's huggingface scheduler factory builds it: transformers' get_scheduler with
-    ``int(warmup_ratio * steps)`` warmup steps, so the ratio is the smallest float that gives exactly ``warmup_steps``."""
+    ``int(warmup_ratio * steps) * sp`` warmup steps over ``steps * sp`` (scheduler/hf_factory.py multiplies both by
+    sequence_parallel_size, and the schedule still steps once per optimizer step), so the ratio is the smallest float
+    that gives exactly ``warmup_steps / sp``: the plan's warmup where sp divides it (``stretched`` says where not)."""
     name = "cosine" if schedule == "cosine" else "constant_with_warmup" if warmup_steps else "constant"
-    ratio = warmup_steps / steps
-    while int(ratio * steps) < warmup_steps:  # 7 / 300 * 300 is 6.999...: int() would warm up one step short
+    want = warmup_steps // sp
+    ratio = want / steps
+    while int(ratio * steps) < want:  # 7 / 300 * 300 is 6.999...: int() would warm up one step short
         ratio = math.nextafter(ratio, 1.0)
     return {"type": "huggingface", "name": name, "warmup_ratio": ratio}
+
+
+def stretched(warmup_steps: int, schedule: str, sp: int) -> str:
+    """Why ArcticTraining cannot step the plan's schedule at sequence_parallel_size ``sp`` ('' where it can)."""
+    if sp > 1 and schedule == "cosine":
+        return f"ArcticTraining decays a cosine schedule over sequence_parallel_size x train_iters ({sp}x the plan's steps)"
+    if warmup_steps % sp:
+        return (
+            f"ArcticTraining warms up in multiples of sequence_parallel_size {sp}: "
+            f"{warmup_steps // sp * sp} steps for the plan's {warmup_steps}"
+        )
+    return ""
 
 
 def arctic_config(plan: LaunchPlan, s: Strategy) -> dict:
@@ -47,7 +64,7 @@ def arctic_config(plan: LaunchPlan, s: Strategy) -> dict:
     deepspeed = {"zero_optimization": ds["zero_optimization"]}  # ArcticTraining fills batch sizes, bf16 and SP itself
     if "seq_parallel_communication_data_type" in ds:
         deepspeed["seq_parallel_communication_data_type"] = ds["seq_parallel_communication_data_type"]
-    return {
+    cfg = {
         "type": "sft",
         "micro_batch_size": w.micro_batch_size,
         "gradient_accumulation_steps": s.gradient_accumulation_steps,
@@ -62,7 +79,7 @@ def arctic_config(plan: LaunchPlan, s: Strategy) -> dict:
             "learning_rate": t.learning_rate,
             "weight_decay": t.weight_decay,
         },
-        "scheduler": scheduler(t.steps, t.warmup_steps, t.lr_schedule),
+        "scheduler": scheduler(t.steps, t.warmup_steps, t.lr_schedule, s.sp_degree),
         "model": {
             "type": "liger" if s.fused_ops == "liger" else "huggingface",
             "name_or_path": model_ref(w.model)[0],
@@ -72,6 +89,9 @@ def arctic_config(plan: LaunchPlan, s: Strategy) -> dict:
         },
         "data": {"sources": [{"type": "huggingface_instruct", "name_or_path": "YOUR/DATASET"}], "max_length": w.seq_len},
     }
+    if w.lora is not None:  # peft's LoraConfig arguments (seqpar.emit.lora)
+        cfg["model"]["peft_config"] = lora.arctic_peft_config(w.lora)
+    return cfg
 
 
 def files(plan: LaunchPlan, s: Strategy, stem: Path) -> tuple[dict[Path, str], str, list[str]]:
@@ -81,6 +101,8 @@ def files(plan: LaunchPlan, s: Strategy, stem: Path) -> tuple[dict[Path, str], s
     )
     notes = ["set data.sources to your data (YOUR/DATASET is a placeholder)"]
     notes += [model_ref(plan.workload.model)[1]] if model_ref(plan.workload.model)[1] else []
+    t = plan.training
+    notes += [why] if (why := stretched(t.warmup_steps, t.lr_schedule, s.sp_degree)) else []
     return {yml: text}, f"arctic_training {yml} --num_gpus {plan.cluster.gpus_per_node}", notes
 
 
@@ -123,8 +145,7 @@ def read(data: dict, path: Path) -> Reading:
     if not model.get("name_or_path"):
         raise SeqparError(f"{path}: model.name_or_path is missing; ArcticTraining needs the model to train")
     r.put("model", str(model["name_or_path"]), f"model.name_or_path {model['name_or_path']}")
-    if model.get("peft_config"):
-        r.not_understood.append("model.peft_config (LoRA: fewer trained parameters)")
+    lora.read_arctic(model, r)
     dmap = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
     r.put(
         "dtype",
@@ -163,4 +184,4 @@ def read(data: dict, path: Path) -> Reading:
     return r
 
 
-__all__ = ["CAPS", "arctic_config", "files", "human_int", "read"]
+__all__ = ["CAPS", "arctic_config", "files", "human_int", "read", "scheduler", "stretched"]

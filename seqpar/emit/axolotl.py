@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from seqpar.emit import lora
 from seqpar.emit.capabilities import TABLE
 from seqpar.emit.common import Reading, count, load_json, model_ref, read_ds, trainer_ds, yaml_text
 from seqpar.emit.nearest import attn_implementation
@@ -76,6 +77,8 @@ def axolotl_config(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
             cfg["tiled_mlp_use_original_mlp"] = True
     if s.loss_impl == "chunked":
         cfg["liger_fused_linear_cross_entropy"] = True
+    if w.lora is not None:  # adapter, lora_r, ... (seqpar.emit.lora)
+        cfg |= lora.axolotl_keys(w.lora)
     if s.sharding.startswith("zero"):
         cfg["deepspeed"] = trainer_ds(plan, s)
     elif s.sharding == "fsdp":
@@ -120,7 +123,13 @@ MAPPED = {
     "liger_rms_norm", "liger_rope", "liger_glu_activation", "liger_swiglu", "liger_fused_linear_cross_entropy",
     "deepspeed", "fsdp_version", "fsdp_config", "fsdp", "bf16", "fp16", "optimizer", "tensor_parallel_size",
 }  # fmt: skip
-MEMORY = ("adapter", "load_in_8bit", "load_in_4bit", "lora_", "fp8", "unfrozen_parameters", "qlora")
+MEMORY = ("fp8", "unfrozen_parameters")  # the adapter keys: seqpar.emit.lora
+ADAPTER = (
+    "adapter", "load_in_4bit", "load_in_8bit", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+    "lora_target_linear", "lora_modules_to_save", "lora_target_parameters", "lora_model_dir", "lora_fan_in_fan_out",
+    "peft_use_dora", "peft_use_rslora", "peft_layers_to_transform", "peft_autocast_adapter_dtype", "lora_on_cpu",
+    "qlora_sharded_model_loading",
+)  # fmt: skip
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 
 
@@ -130,11 +139,12 @@ def read(data: dict, path: Path) -> Reading:
         if k.startswith(MEMORY):
             if v not in (False, None, ""):
                 r.not_understood.append(f"{k} {v!r}")
-        elif k not in MAPPED and k not in NEUTRAL:
+        elif k not in MAPPED and k not in NEUTRAL and k not in ADAPTER:
             r.ignored.append(k)
     if not data.get("base_model"):
         raise SeqparError(f"{path}: base_model is missing; axolotl needs the model to train (a Hub id or folder)")
     r.put("model", str(data["base_model"]), f"base_model {data['base_model']}")
+    lora.read_axolotl(data, r)
     r.put("seq_len", count(data.get("sequence_len", 512), "sequence_len", path), "sequence_len")
     r.put("micro_batch_size", count(data.get("micro_batch_size", 1), "micro_batch_size", path), "micro_batch_size")
     r.put(

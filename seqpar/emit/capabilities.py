@@ -61,7 +61,8 @@ class Caps:
     approx: dict[str, str] = field(default_factory=dict)  # mode it runs -> how the tool runs it, when not seqpar's kernel
     adjust: Callable[[Strategy], tuple[Strategy, list[str]]] | None = None  # rules across choices (e.g. FSDP's policies)
     layer_split: bool = False  # the tool runs checkpoint_layers / offload_layers (none of today's tools does)
-    # on CPU ranks: "ranks" (any job of several processes) or "mode <m>" -> why the tool's release cannot run it there
+    # on CPU ranks: "ranks" (any job of several processes), "mode <m>", "checkpointing <c>" or "sharding <s>" -> why
+    # the tool's release cannot run it there
     cpu: dict[str, str] = field(default_factory=dict)
 
     def modes_for(self, mode: str) -> tuple[str, ...]:
@@ -114,11 +115,35 @@ def fsdp_checkpointing(s: Strategy) -> tuple[Strategy, list[str]]:
     return s, []
 
 
-CPU_LAUNCH = (
-    "accelerate launch starts one process when use_cpu is set (accelerate 1.16 commands/launch.py runs its DeepSpeed, "
-    "FSDP and multi-GPU launchers only off CPU, and MULTI_CPU needs mpirun), so the job's {world} ranks would train as "
-    "one; train on CPU ranks with seqpar launch"
+# On CPU ranks (accelerate 1.16 commands/launch.py, utils/launch.py, state.py; DeepSpeed 0.19.8; run by
+# tests/emit/test_tool_runs.py): distributed_type MULTI_CPU goes to the simple launcher, one process (several need
+# mpirun); the DeepSpeed and FSDP launchers start every rank through torchrun but pass no use_cpu on, so a script's
+# Accelerator() counts one process on each. The HF Trainer (TRL) builds its accelerator from use_cpu itself: DeepSpeed's
+# ZeRO then runs on the ranks as emitted, FSDP falls back to DDP (state.py picks FSDP for the GPU kinds of
+# distributed_type only), and ParallelismConfig refuses cp_size on MULTI_CPU.
+ONE_PROCESS = (
+    "accelerate launch starts one process for distributed_type MULTI_CPU (its simple launcher; several CPU processes "
+    "need mpirun), so the job's {world} ranks would train as one; train on CPU ranks with seqpar launch"
 )
+CPU_LAUNCH = (
+    "accelerate launch runs no job of several CPU ranks: distributed_type MULTI_CPU starts one process (several need "
+    "mpirun), and its DeepSpeed and FSDP launchers start the {world} ranks without the config's use_cpu, so each rank's "
+    "Accelerator() counts one process (FSDP then neither shards nor averages gradients, and cp_size is refused); train "
+    "on CPU ranks with seqpar launch"
+)
+TRL_CPU = {
+    "mode zigzag_ring_attn": "accelerate's ParallelismConfig refuses cp_size there (only FSDP2, Multi{{Device}} or "
+    "DeepSpeed, got MULTI_CPU); train on CPU ranks with seqpar launch",
+    "mode ulysses_attn": "DeepSpeed's UlyssesSPDataLoaderAdapter all-gathers every batch over the sequence group and "
+    "gloo refuses rows of unequal lengths (ProcessGroupGloo::allgather: invalid tensor size); train on CPU ranks with "
+    "seqpar launch",
+    "checkpointing offload": "transformers' checkpoint offload keeps the checkpointed inputs in pinned host memory, "
+    "which needs an accelerator (pin_memory=True requires a CUDA or other accelerator backend); train on CPU ranks with "
+    "seqpar launch",
+    "sharding ddp": ONE_PROCESS,
+    "sharding fsdp": "accelerate runs FSDP on GPUs only, so its {world} CPU ranks train as DDP, without FSDP's sharding "
+    "or checkpointing; emit --sharding zero2 or zero3 (DeepSpeed's ZeRO runs there), or train with seqpar launch",
+}
 ULYSSES_ALST = "Ulysses runs as DeepSpeed's ALST (the same all-to-alls): predicted as seqpar's ulysses_attn"
 ACCELERATE_WHY = {
     "mode dist_flash_attn": "no tool runs LightSeq's dist_flash_attn schedule; its nearest is ring attention (accelerate's torch context parallelism)",
@@ -170,7 +195,7 @@ TABLE: dict[str, Caps] = {
         },
         approx=ACCELERATE_APPROX,
         adjust=fsdp_checkpointing,
-        cpu={"ranks": CPU_LAUNCH},
+        cpu=TRL_CPU,
     ),
     "axolotl": Caps(
         "axolotl",
@@ -183,9 +208,12 @@ TABLE: dict[str, Caps] = {
         },
         approx={"zigzag_ring_attn": AXOLOTL_RING},
         cpu={
+            # axolotl 0.19's train command launches with accelerate, whose process count it takes from the GPUs it sees
+            "ranks": "axolotl train starts one process where it sees no GPU (accelerate launch with num_processes 0: "
+            "its simple launcher), so the job's {world} ranks would train as one; train on CPU ranks with seqpar launch",
             "mode zigzag_ring_attn": "axolotl's context parallelism runs ring-flash-attn's flash-attn kernels, which need "
             "CUDA GPUs (the config says attn_implementation flash_attention_2, which axolotl's validator requires for "
-            "context_parallel_size > 1); train on CPU ranks with seqpar launch"
+            "context_parallel_size > 1); train on CPU ranks with seqpar launch",
         },
     ),
     "arctic": Caps(
@@ -234,8 +262,10 @@ def cannot_run(caps: Caps, s: Strategy, accelerator: str, world_size: int) -> li
     ([] where it runs; on CUDA nothing is known to stop it). What ``--emit`` and ``check`` say instead of "fits"."""
     if accelerator == "cuda":
         return []
-    keys = (["ranks"] if world_size > 1 else []) + [f"mode {s.mode}"]
-    return [f"{caps.tool} cannot run this on CPU ranks: " + caps.cpu[k].format(world=world_size) for k in keys if k in caps.cpu]
+    keys = [f"mode {s.mode}", f"checkpointing {s.checkpointing}", "ranks", f"sharding {s.sharding}"]
+    keys = [k for k in keys if k in caps.cpu and (world_size > 1 or k.startswith("mode"))]
+    # the first is where the run stops (a refused mode before the engine it would have run on)
+    return [f"{caps.tool} cannot run this on CPU ranks: " + caps.cpu[k].format(world=world_size) for k in keys[:1]]
 
 
 def deepspeed_ulysses(s: Strategy) -> bool:

@@ -1,11 +1,14 @@
 """``seqpar check CONFIG...``: the OOM gate for the configs accelerate, TRL, Axolotl, ArcticTraining and DeepSpeed run.
 
 Each file's kind is told from its keys (``detect``), each is read by its tool's module into a Reading, and the readings
-of one launch are merged (TRL's arguments over the accelerate YAML over the DeepSpeed JSON it names). What no file says
-comes from the flags (--seq-len, --model, --gpu/--gpus, the pins), else from the default of a plain transformers script
-(no checkpointing, full logits); every such value is listed. The result is predicted as seqpar's strategy and judged
-like a plan; when it does not fit, the cheapest fix is the fastest single change the TOOL can write (seqpar.emit.nearest's
-table), named in its own keys. Keys that change memory and that the cost model does not describe (LoRA, quantization,
+of one launch are merged (TRL's arguments over the accelerate YAML over the DeepSpeed JSON it names). What no tool key
+says comes from the flags given (--seq-len, --model, --gpu/--gpus, the pins), else from the files' ``seqpar:`` block
+(what ``--emit`` predicted with, seqpar.emit.assumed: so its files check back to its prediction with no flags), else from
+a default (a plain transformers script's: no checkpointing, full logits; the probe's or the default GPU); each default is
+one "assumed:" line. ``use_cpu`` (accelerate, TRL) makes the ranks gloo CPU ranks, as ``--cluster cpu:N``. The result
+is predicted as seqpar's strategy and judged like a plan; when it does not fit, the cheapest fix is the fastest single
+change the TOOL can write (seqpar.emit.nearest.expressible), named in its own keys. LoRA and QLoRA keys are read into the
+workload (seqpar.emit.lora); keys that change memory and that the cost model does not describe (DoRA, 8-bit bases,
 tensor parallelism, other optimizers) make the verdict partial and are named; other unknown keys are ignored and listed.
 """
 
@@ -166,10 +169,11 @@ class ConfigCheck:
     plan: LaunchPlan  # the configs as a (not validated) plan: workload, cluster, strategy
     prediction: Prediction
     reason: str
-    defaults: list[str] = field(default_factory=list)  # "field value (where from)" for what no file said
+    defaults: list[str] = field(default_factory=list)  # "given: ..." / "assumed: ...", a line per value no file said
     fix: str = ""
     fix_keys: list[str] = field(default_factory=list)
     fix_strategy: Strategy | None = None
+    emitted: dict = field(default_factory=dict)  # what --emit predicted, as the files' seqpar: block records it
 
     @property
     def fits(self) -> bool:
@@ -196,6 +200,7 @@ def read_all(paths: list[Path]) -> list[Reading]:
     readings = []
     for p in paths:
         data = load_config(p)
+        block = _block(p, data)
         kind = detect(data, p)
         if kind == "plan":
             raise SeqparError(f"{p} is a seqpar plan: check it on its own (seqpar check {p}), not with tool configs")
@@ -205,6 +210,7 @@ def read_all(paths: list[Path]) -> list[Reading]:
             raise
         except (TypeError, AttributeError, ValueError) as e:  # a key holding a list where a number belongs, ...
             raise SeqparError(f"{p}: a key holds a value of the wrong type for {kind} ({e}); fix the file") from None
+        readings[-1].assumed = block
     kinds = [r.kind for r in readings]
     if len(set(kinds)) != len(kinds) or not any(set(kinds) <= c for c in COMBOS):
         raise SeqparError(
@@ -212,6 +218,22 @@ def read_all(paths: list[Path]) -> list[Reading]:
             f"Axolotl or ArcticTraining YAML (got {', '.join(f'{r.path.name} ({r.kind})' for r in readings)})"
         )
     return sorted(readings, key=lambda r: ORDER.index(r.kind))
+
+
+def _block(path: Path, data: dict) -> dict:
+    """The file's seqpar: block (seqpar.emit.assumed), validated; a JSON file's "seqpar" key is taken out of ``data`` so
+    the tool's reader does not list it as a key it ignores."""
+    from seqpar.emit.assumed import KEY, block_of_yaml, validated
+
+    if path.suffix == ".json":
+        raw = data.pop(KEY, None)
+        return {} if raw is None else validated(raw, str(path))
+    text = read_bounded(path, "config", "", MAX_JSON_BYTES).decode("utf-8", errors="replace")
+    try:
+        raw = block_of_yaml(text)
+    except SeqparError as e:
+        raise SeqparError(f"{path}: {e}") from None
+    return validated(raw, str(path)) if raw else {}
 
 
 def merge(readings: list[Reading]) -> dict:
@@ -226,4 +248,12 @@ def merge(readings: list[Reading]) -> dict:
     return values
 
 
-__all__ = ["COMBOS", "ConfigCheck", "detect", "is_plan_file", "load_config", "merge", "read_all"]
+def merge_assumed(readings: list[Reading]) -> dict:
+    """The readings' seqpar: blocks, later over earlier (ORDER)."""
+    out: dict = {}
+    for r in readings:
+        out |= r.assumed
+    return out
+
+
+__all__ = ["COMBOS", "ConfigCheck", "detect", "is_plan_file", "load_config", "merge", "merge_assumed", "read_all"]

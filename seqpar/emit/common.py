@@ -36,6 +36,7 @@ class Reading:
     ignored: list[str] = field(default_factory=list)  # keys seqpar does not read (no effect on memory)
     not_understood: list[str] = field(default_factory=list)  # keys that change memory and the cost model does not describe
     notes: list[str] = field(default_factory=list)
+    assumed: dict[str, Any] = field(default_factory=dict)  # its seqpar: block (seqpar.emit.assumed), in the values' names
 
     def put(self, name: str, value, key: str) -> None:
         """Record ``name = value``, read from ``key`` (its value is appended unless ``key`` already says it)."""

@@ -1,5 +1,6 @@
-"""The verdict of ``seqpar check CONFIG...``: the merged readings (check.py) made a workload, a cluster and a strategy,
-predicted by the cost model, and, when they do not fit, the fastest single change the tool can write that fits."""
+"""The verdict of ``seqpar check CONFIG...``: the merged readings (check.py) made a workload, a cluster and a strategy
+(what the tool's keys do not say from the flags, the files' seqpar: block or a default: sources.py), predicted by the
+cost model, and, when they do not fit, the fastest single change the tool can write that fits."""
 
 from __future__ import annotations
 
@@ -9,55 +10,40 @@ from pathlib import Path
 import yaml
 
 from seqpar.emit import tool_module
-from seqpar.emit.check import SCRIPT_DEFAULTS, ConfigCheck, merge, read_all
+from seqpar.emit.assumed import RECORDS
+from seqpar.emit.check import SCRIPT_DEFAULTS, ConfigCheck, merge, merge_assumed, read_all
 from seqpar.emit.nearest import expressible
+from seqpar.emit.sources import NO_BLOCK, OWN_SPLIT, given_flags, launch_cluster
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan, Rationale, TrainingSpec
+from seqpar.plan.lora import lora_text
 from seqpar.plan.modes import splits_sequence
-from seqpar.plan.rules import layout_problems
+from seqpar.plan.rules import kept_problems, layout_problems, split_problems
 from seqpar.plan.specs import Strategy, Workload
 
 
-def _cluster(values: dict, flags, where: str):
-    from seqpar.advisor.cluster import resolve_cluster
-
-    world, nodes = values.get("world_size"), values.get("nodes")
-    f = flags
-    if world and f.cluster is None:
-        n = f.nodes or nodes or 1
-        gpus = f.gpus or (world // n if world % n == 0 else None)
-        if gpus is None or gpus * n != world:
-            raise SeqparError(f"{where}: num_processes {world} is not --gpus x --nodes ({f.gpus} x {n}); make them agree")
-        return resolve_cluster(f.gpu, gpus, n, None, f.host_ram_gib, pinned_host=f.pinned_host_gib)
-    cl, why = resolve_cluster(f.gpu, f.gpus, f.nodes, f.cluster, f.host_ram_gib, pinned_host=f.pinned_host_gib)
-    if world and cl.world_size != world:
-        raise SeqparError(f"{where}: num_processes {world} but --cluster {f.cluster} has {cl.world_size} ranks; make them agree")
-    return cl, why
-
-
-def check_configs(paths: list[Path], flags, note=print, coeffs=None) -> ConfigCheck:
-    """The OOM verdict for one launch's tool configs (see check.py); ``flags``: seqpar check's RequestFlags."""
+def check_configs(paths: list[Path], flags, note=print, coeffs=None, given: set[str] | None = None) -> ConfigCheck:
+    """The OOM verdict for one launch's tool configs (see check.py); ``flags``: seqpar check's RequestFlags; ``given``:
+    the flags given on the command line (given_flags). Each value comes from the tool's keys, else a given flag, else the
+    files' seqpar: block (seqpar.emit.assumed), else a default, and each default is one "assumed:" line."""
     from seqpar.advisor.cost.coefficients import load_coefficients
     from seqpar.advisor.cost.memory import estimate_memory
     from seqpar.advisor.cost.predict import predict
+    from seqpar.emit.capabilities import TABLE
     from seqpar.plan.units import parse_seq_len
     from seqpar.profiles import get_model
 
     c = coeffs or load_coefficients()
     readings = read_all(paths)
     where = ", ".join(r.path.name for r in readings)
-    v, defaults = merge(readings), []
+    v, block, said = merge(readings), merge_assumed(readings), []
+    given = given_flags(flags) if given is None else given
+    caps = TABLE[_judge(readings)]
     for name, pin in flags.pins().items():
         if pin is None:
             continue
-        own = {
-            "checkpoint_layers": "--recompute-layers",
-            "offload_layers": "--offload-layers",
-            "kept_saves": "--kept-saves",
-            "kept_host_layers": "--kept-host-layers",
-        }
-        if name in own:  # seqpar's own layer split: none of these tools has it
-            flag = own[name]
+        if name in OWN_SPLIT and not caps.layer_split:  # seqpar's own layer split: only a script that runs it has it
+            flag = OWN_SPLIT[name]
             raise SeqparError(
                 f"{flag} {pin}: {where} cannot split checkpointing by layer (a seqpar plan field); drop {flag}, "
                 "or check a seqpar plan that has it"
@@ -66,26 +52,40 @@ def check_configs(paths: list[Path], flags, note=print, coeffs=None) -> ConfigCh
             raise SeqparError(
                 f"--{name.replace('_', '-')} {pin} disagrees with {where} ({v[name]}); drop the flag or change the config"
             )
+        was = f"; the seqpar: block says {block[name]}" if name in block and block[name] != pin else ""
         v[name] = pin
-        defaults.append(f"{name} {pin} (--{name.replace('_', '-')})")
-    if "model" not in v:
-        v["model"] = flags.model
-        defaults.append(f"model {flags.model} (--model; no file names the model)")
-    if "seq_len" not in v:
-        if flags.seq_len is None:
-            raise SeqparError(f"{where} does not say the sequence length; pass --seq-len (e.g. --seq-len 128k)")
+        said.append(f"given: {name} {pin} (--{name.replace('_', '-')}{was})")
+
+    def take(name: str, flag: str | None, value, why: str) -> None:
+        """``name`` from a given flag, else the block, else ``value`` (an assumption, with ``why``)."""
+        if name in v:
+            return
+        if flag is not None and flag in given:
+            v[name] = getattr(flags, flag)
+            said.append(f"given: {name} {v[name]} (--{flag.replace('_', '-')})")
+        elif name in block:
+            v[name] = block[name]
+        else:
+            if value is None:
+                raise SeqparError(why)
+            v[name] = value
+            said.append(f"assumed: {name} {value} ({why})")
+
+    take("model", "model", flags.model, f"no file names the model, {NO_BLOCK} and no --model")
+    if "seq_len" not in v and flags.seq_len is not None:
         v["seq_len"] = parse_seq_len(flags.seq_len)
-        defaults.append(f"seq_len {v['seq_len']} (--seq-len)")
-    if "micro_batch_size" not in v:
-        v["micro_batch_size"] = flags.micro_batch
-        defaults.append(f"micro_batch_size {flags.micro_batch} (--micro-batch)")
+        said.append(f"given: seq_len {v['seq_len']} (--seq-len)")
+    take("seq_len", None, None, f"{where} does not say the sequence length; pass --seq-len (e.g. --seq-len 128k)")
+    take("micro_batch_size", "micro_batch", flags.micro_batch, f"{NO_BLOCK} and no --micro-batch")
     if "mode" in v and not splits_sequence(v["mode"]):
         v.setdefault("sp_degree", 1)
     for name, value in SCRIPT_DEFAULTS.items():
-        if name not in v:
-            v[name] = value
-            defaults.append(f"{name} {value} (a plain transformers script's default)")
-    cl, cluster_note = _cluster(v, flags, where)
+        take(name, None, value, f"a plain transformers script's default; {NO_BLOCK}")
+    if caps.layer_split:  # the script's split of its checkpointing over the layers; none unless something says one
+        same = block.get("checkpointing") == v["checkpointing"]  # a split of another policy is no split of this one
+        for name in OWN_SPLIT:
+            v.setdefault(name, block[name] if same and name in block else Strategy.model_fields[name].default)
+    cl, cluster_note = launch_cluster(v, block, flags, where, said)
     note(f"cluster: {cluster_note}")
     model = get_model(v["model"])
     sp, world = v["sp_degree"], cl.world_size
@@ -94,21 +94,20 @@ def check_configs(paths: list[Path], flags, note=print, coeffs=None) -> ConfigCh
         raise SeqparError(f"{where}: the sequence-parallel degree {sp} does not divide the {world} GPUs; use one of {divisors}")
     if v["sharding"].startswith("zero"):
         v["optimizer"] = "adamw"  # DeepSpeed's bf16 keeps an fp32 master copy of AdamW
-    v.setdefault("optimizer", flags.optimizer)
-    v.setdefault("dtype", "fp32" if cl.accelerator == "cpu" else "bf16")
+    take("optimizer", "optimizer", flags.optimizer, f"{NO_BLOCK} and no --optimizer")
+    take("dtype", None, "fp32" if cl.accelerator == "cpu" else "bf16", f"no file sets the precision; {NO_BLOCK}")
     s = Strategy.over(
         v["mode"],
         sp,
         world,
-        checkpointing=v["checkpointing"],
-        sharding=v["sharding"],
-        loss_impl=v["loss_impl"],
-        gradient_accumulation_steps=v["gradient_accumulation_steps"],
-        fused_ops=v["fused_ops"],
+        **{k: v[k] for k in ("checkpointing", "sharding", "loss_impl", "gradient_accumulation_steps", "fused_ops")},
         tiled_mlp=v["tiled_mlp"],
+        **({k: v[k] for k in OWN_SPLIT} if caps.layer_split else {}),
     )
     ga, micro = v["gradient_accumulation_steps"], v["micro_batch_size"]
     tokens = ga * micro * v["seq_len"] * s.dp_degree if ga > 1 else None
+    extra = {k: v.get(k, block.get(k)) for k in ("lora", "doc_lens")}
+    extra["lora"] = _lora(v.get("lora"), flags.lora_spec(), block.get("lora"), where)
     w = Workload(
         model=model,
         seq_len=v["seq_len"],
@@ -116,16 +115,34 @@ def check_configs(paths: list[Path], flags, note=print, coeffs=None) -> ConfigCh
         tokens_per_step=tokens,
         dtype=v["dtype"],
         optimizer=v["optimizer"],
+        **{k: x for k, x in extra.items() if x is not None},
     )
     problems = layout_problems(s, w.seq_len, model, cl)
+    if caps.layer_split:  # the script's split, as seqpar.apply would refuse it
+        L = model.num_layers
+        problems += split_problems(s.checkpointing, s.checkpoint_layers, s.offload_layers, L, model.name)
+        split = (s.checkpointing, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers, s.tiled_mlp)
+        problems += kept_problems(*split, L, model.name, cl.accelerator == "cuda")
     if problems:
         raise SeqparError(f"{where}: {problems[0]}")
     plan = _as_plan(w, cl, s, where)
     mem = estimate_memory(w, cl, s, c)
-    res = ConfigCheck(readings, _judge(readings), plan, predict(w, cl, s, c), mem.reason, defaults)
+    res = ConfigCheck(readings, _judge(readings), plan, predict(w, cl, s, c), mem.reason, said)
+    res.emitted = {k: block[k] for k in RECORDS if k in block}
     if not res.fits:
         _fix(res, c)
     return res
+
+
+def _lora(read, flag, block, where: str):
+    """The adapters: the tool's keys, else the --lora-* flags, else the seqpar: block (None: full fine-tuning);
+    SeqparError when the flags ask for other adapters than the files train."""
+    if read is not None and flag is not None and read != flag:
+        raise SeqparError(
+            f"--lora-rank and its flags ask for {lora_text(flag)}, but {where} trains {lora_text(read)}; drop the flags "
+            "or change the config"
+        )
+    return read if read is not None else flag if flag is not None else block
 
 
 def _judge(readings) -> str:
@@ -205,7 +222,8 @@ def config_lines(res: ConfigCheck) -> list[str]:
     head = [
         "read: " + ", ".join(f"{r.path} ({r.kind})" for r in res.readings),
         f"as seqpar models it: {w.model.name} at {w.seq_len} tokens, micro-batch {w.micro_batch_size}, {w.dtype}, "
-        f"optimizer {w.optimizer}, on {res.plan.cluster.world_size}x {res.plan.cluster.gpu.name}",
+        f"optimizer {w.optimizer}, on {res.plan.cluster.world_size}x {res.plan.cluster.gpu.name}"
+        + (f", {lora_text(w.lora)}" if w.lora is not None else ""),
     ]
     cr = CheckResult(res.fits, p, terms, res.fix, res.fix_strategy, res.reason, 0 if res.fits else 1, res.plan)
     lines = head + [f"CANNOT RUN on this cluster: {why}" for why in res.blocked] + check_lines(cr)
@@ -213,15 +231,33 @@ def config_lines(res: ConfigCheck) -> list[str]:
         lines.append(f"in {res.tool}'s keys: " + "; ".join(res.fix_keys))
     if res.not_understood:
         lines.append("PARTIAL verdict: the cost model does not describe " + "; ".join(res.not_understood))
-    if res.defaults:
-        lines.append("not in the config: " + "; ".join(res.defaults))
+    lines += res.defaults  # one line per value no file said: "given: ..." (a flag) or "assumed: ..." (a default)
+    if res.plan.cluster.accelerator == "cuda":  # the gate's allocator (seqpar.advisor.cost.memory.estimate_memory)
+        lines.append(
+            "assumed: the job runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as --emit's command sets it "
+            "(the default allocator fragments at long lengths and can fail below the predicted peak)"
+        )
+    if res.emitted:
+        lines.append(emitted_line(res))
     if res.ignored:
         lines.append("ignored (not read by seqpar): " + ", ".join(res.ignored))
     return lines
 
 
+def emitted_line(res: ConfigCheck) -> str:
+    """Whether the prediction is the one --emit recorded in the files' seqpar: block (within 0.1%)."""
+    p, e = res.prediction, res.emitted
+    was = (e.get("predicted_peak_memory_gib"), e.get("predicted_tokens_per_s"))
+    now = (p.peak_memory_gib, p.tokens_per_s)
+    same = all(a is not None and abs(a - b) <= 1e-3 * max(abs(b), 1e-9) for a, b in zip(was, now))
+    said = f"peak {was[0]} GiB, {was[1]:,.0f} tokens/s" if None not in was else "an incomplete record"
+    if same:
+        return f"as --emit predicted ({said}, recorded in the files' seqpar: block)"
+    return f"--emit predicted {said} (the files' seqpar: block); the files or the flags have changed it since"
+
+
 def config_json(res: ConfigCheck) -> dict:
-    w = res.plan.workload
+    w, cl = res.plan.workload, res.plan.cluster
     terms = sorted(res.prediction.memory_breakdown_gib.items(), key=lambda kv: -kv[1])[:4]
     return {
         "fits": res.fits,
@@ -240,13 +276,17 @@ def config_json(res: ConfigCheck) -> dict:
             "micro_batch_size": w.micro_batch_size,
             "dtype": w.dtype,
             "optimizer": w.optimizer,
+            **({"lora": w.lora.model_dump()} if w.lora is not None else {}),
         },
+        "cluster": {k: getattr(cl, k) for k in ("accelerator", "nodes", "gpus_per_node", "host_ram_gib", "pinned_host_gib")}
+        | {"gpu": cl.gpu.name},
         "strategy": res.plan.strategy.model_dump(),
         "prediction": res.prediction.model_dump(),
         "not_understood": res.not_understood,
         "defaults": res.defaults,
+        "emitted": res.emitted,
         "ignored": res.ignored,
     }
 
 
-__all__ = ["check_configs", "config_diff", "config_json", "config_lines"]
+__all__ = ["check_configs", "config_diff", "config_json", "config_lines", "emitted_line"]

@@ -8,7 +8,8 @@ Fields (trl 1.16.0 ``SFTConfig`` over transformers' ``TrainingArguments``; ``Scr
 ``gradient_checkpointing_kwargs`` are deprecated aliases, removed in v6, and TRL's default ``gradient_checkpointing:
 true`` warns unless ``activation_checkpointing`` is set; the kwargs hold ``selective: true``, TRL >= 1.15's selective
 checkpointing that keeps attention, or ``offload: true``, transformers >= 5.17's checkpointed inputs in pinned host
-memory), ``pad_to_multiple_of`` (the multiple the mode splits), ``bf16``, ``optim``, ``dtype`` (ModelConfig,
+memory), ``pad_to_multiple_of`` (the multiple the mode splits), ``average_tokens_across_devices: false`` (the loss
+averaged over data-parallel ranks as seqpar launch averages it), ``bf16``, ``optim``, ``dtype`` (ModelConfig,
 default float32: fp32 weights under bf16 autocast, i.e. seqpar's adamw with an fp32 master; bfloat16 weights make
 AdamW's moments bf16, seqpar's adamw-bf16), ``attn_implementation``, ``model_name_or_path``. ``parallelism_config``
 cannot come from a YAML (HfArgumentParser keeps a dict a dict): accelerate's YAML carries it, and SFTTrainer reads it off
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seqpar.emit import accelerate
+from seqpar.emit import accelerate, lora
 from seqpar.emit.capabilities import TABLE
 from seqpar.emit.common import Reading, count, dump_json, model_ref, read_ds, trainer_ds, yaml_text
 from seqpar.emit.nearest import attn_implementation
@@ -51,6 +52,9 @@ def sft_args(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
         "warmup_steps": t.warmup_steps,
         "weight_decay": t.weight_decay,
         "max_grad_norm": t.grad_clip,
+        # seqpar's loss is each data-parallel rank's token mean, averaged over the ranks (runtime/train/engine.py);
+        # transformers' default divides every rank's token sum by the tokens of all ranks, another gradient
+        "average_tokens_across_devices": False,
         "seed": t.seed,
         "bf16": w.dtype == "bf16",
         "fp16": w.dtype == "fp16",
@@ -67,6 +71,9 @@ def sft_args(plan: LaunchPlan, s: Strategy, output_dir: str) -> dict:
     mult = split_multiple(s.mode, s.sp_degree, s.ulysses_degree)
     if mult > 1:
         args["pad_to_multiple_of"] = mult
+    if w.lora is not None:  # the frozen base loads in bf16 (peft keeps its adapters in fp32): seqpar.emit.lora
+        args["dtype"] = "float32" if w.dtype == "fp32" else "bfloat16"
+        args |= lora.trl_keys(w.lora)
     if axis == "sp_size":  # accelerate >= 1.16 evaluates whole sequences on every rank unless told (env only)
         args["env"] = {"PARALLELISM_CONFIG_SP_DISABLE_IN_EVAL": "false"}
     return args
@@ -107,13 +114,13 @@ NEUTRAL = {
     "output_dir", "max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
     "weight_decay", "max_grad_norm", "seed", "data_seed", "report_to", "run_name", "logging_steps", "logging_dir",
     "logging_strategy", "save_steps", "save_strategy", "save_total_limit", "eval_strategy", "eval_steps",
-    "per_device_eval_batch_size", "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split",
+    "per_device_eval_batch_size", "average_tokens_across_devices", "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split",
     "dataset_text_field", "attn_implementation", "packing", "packing_strategy", "padding_free", "pad_to_multiple_of",
     "loss_type", "completion_only_loss", "assistant_only_loss", "push_to_hub", "hub_model_id", "resume_from_checkpoint",
     "dataloader_num_workers", "remove_unused_columns", "trust_remote_code", "eos_token", "pad_token", "chat_template_path",
     "model_revision", "env", "adam_beta1", "adam_beta2", "adam_epsilon", "ddp_timeout", "disable_tqdm", "log_level",
 }  # fmt: skip
-MEMORY = ("use_peft", "lora_", "load_in_4bit", "load_in_8bit", "activation_offloading", "torch_compile", "model_init_kwargs")
+MEMORY = ("activation_offloading", "torch_compile", "model_init_kwargs")  # LoRA's keys: seqpar.emit.lora
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 
 
@@ -124,7 +131,7 @@ def read(data: dict, path: Path) -> Reading:
     for k in data:
         if k.startswith(MEMORY) and data[k] not in (False, None):
             r.not_understood.append(f"{k} {data[k]!r}")
-        elif k not in MAPPED and k not in NEUTRAL and not k.startswith(MEMORY):
+        elif k not in MAPPED and k not in NEUTRAL and k not in lora.TRL_KEYS and not k.startswith(MEMORY):
             r.ignored.append(k)
     if data.get("model_name_or_path"):
         r.put("model", str(data["model_name_or_path"]), f"model_name_or_path {data['model_name_or_path']}")
@@ -146,6 +153,8 @@ def read(data: dict, path: Path) -> Reading:
     r.put("fused_ops", "liger" if liger else "none", f"use_liger_kernel {liger}")
     r.put("tiled_mlp", False, "no TiledMLP in TRL")
     cpu = bool(data.get("use_cpu"))
+    if cpu:  # CPU ranks, judged as seqpar advise --cluster cpu:N judges them
+        r.put("accelerator", "cpu", "use_cpu true")
     dtype = "fp16" if data.get("fp16") else "fp32" if data.get("bf16") is False or cpu else "bf16"
     r.put("dtype", dtype, f"bf16 {data.get('bf16', 'default')}")
     r.put(
@@ -153,6 +162,11 @@ def read(data: dict, path: Path) -> Reading:
         "adamw-bf16" if str(data.get("dtype", "float32")) in ("bfloat16", "auto") else "adamw",
         f"dtype {data.get('dtype', 'float32')}",
     )
+    adapters = lora.read_trl(data, r)
+    if adapters is not None:  # dtype is the frozen base's; peft keeps the adapters in fp32, SFTTrainer a 4-bit base's in bf16
+        bf16_adapters = adapters.base_dtype == "nf4"
+        r.values["optimizer"] = "adamw-bf16" if bf16_adapters else "adamw"
+        r.used.append("adapters in bf16 (SFTTrainer casts a 4-bit base's)" if bf16_adapters else "adapters in fp32 (peft)")
     optim = str(data.get("optim", "adamw_torch"))
     if optim not in ADAMW:
         r.not_understood.append(f"optim {optim} (predicted as AdamW)")

@@ -24,6 +24,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "deepspeed": ("deepspeed", "zero2/zero3/zero3_offload sharding on GPUs"),
     "liger_kernel": ("liger", "fused_ops liger"),
     "flash_attn": ("flash", "flash-attn kernels"),
+    "peft": ("lora", "LoRA adapters (workload.lora)"),
+    "bitsandbytes": ("qlora", "a 4-bit QLoRA base (workload.lora.base_dtype nf4)"),
     "tensorboard": ("track", "--report-to tensorboard"),
     "wandb": ("track", "--report-to wandb"),
 }

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+from seqpar.plan.lora import adapter_params
+
 # Read by their fields only: specs.DocMix calls square_fraction, so this module stands below seqpar.plan.specs.
 ModelSpec = Any  # a seqpar.plan.specs.ModelSpec
 DocMix = Any  # a seqpar.plan.specs.DocMix
@@ -68,10 +70,16 @@ def attention_fwd_flops(m: ModelSpec, seq_len: int, doc_lens: Optional[DocMix] =
     return dense if doc_lens is None else dense * square_fraction(doc_lens.histogram, seq_len)
 
 
-def model_flops_per_sequence(m: ModelSpec, seq_len: int, doc_lens: Optional[DocMix] = None) -> float:
+def model_flops_per_sequence(m: ModelSpec, seq_len: int, doc_lens: Optional[DocMix] = None, lora: Any = None) -> float:
     """Forward + backward model FLOPs of one sequence of seq_len tokens: 6 * N_mm * S + 3.5 * attention forward
-    (of its packed documents when ``doc_lens`` is given)."""
-    return 6.0 * matmul_params(m) * seq_len + 3.5 * attention_fwd_flops(m, seq_len, doc_lens)
+    (of its packed documents when ``doc_lens`` is given). With ``lora`` (a seqpar.plan.specs.LoraSpec) the base is
+    frozen, so its backward computes only the inputs' gradients: 4 * N_mm * S, plus 6 FLOPs per token and adapter
+    parameter (seqpar.plan.lora)."""
+    if lora is not None:
+        linear = 4.0 * matmul_params(m) + 6.0 * adapter_params(m, lora)
+    else:
+        linear = 6.0 * matmul_params(m)
+    return linear * seq_len + 3.5 * attention_fwd_flops(m, seq_len, doc_lens)
 
 
 __all__ = [

@@ -188,6 +188,13 @@ class TrainOptions:
         panel=CHECKPOINTS,
         help="No checkpoint or export after the last step (benchmarks).",
     )
+    merge_lora: bool = option(
+        False,
+        "--merge-lora",
+        panel=CHECKPOINTS,
+        help="LoRA plans: the final export holds the merged model (model/, for AutoModelForCausalLM) beside the adapter "
+        "(adapter/, for peft's PeftModel.from_pretrained).",
+    )
     skip_nonfinite: bool = option(
         False, "--skip-nonfinite", help="Skip the update of a step with a non-finite loss or gradient norm instead of stopping."
     )

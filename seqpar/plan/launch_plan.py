@@ -27,7 +27,9 @@ class Prediction(Frozen):
     reserved_memory_gib: float = Field(
         ge=0, description="Predicted peak reserved (allocated + allocator slack) plus CUDA context and NCCL buffers, GiB."
     )
-    capacity_gib: float = Field(ge=0, description="Device memory of the target GPU, GiB.")
+    capacity_gib: float = Field(
+        ge=0, description="What one process can allocate on the target GPU in all (NVML's total less the driver's reserve), GiB."
+    )
     memory_breakdown_gib: dict[str, float] = Field(description="Terms at the peak phase, GiB; they sum to peak_memory_gib.")
     peak_phase: str = Field(
         default="", description="The phase of the step where the peak occurs (forward, loss, backward, optimizer)."
@@ -45,7 +47,15 @@ class Prediction(Frozen):
     )
     step_time_breakdown_s: dict[str, float] = Field(description="compute / exposed communication / offload / optimizer, s.")
     mfu: float = Field(ge=0, description="Model FLOPs utilisation against the datasheet bf16 peak (no recompute counted).")
-    oom_risk: bool = Field(description="True when reserved memory plus headroom exceeds capacity (or host RAM is exceeded).")
+    memory_margin_gib: float = Field(
+        default=0.0,
+        ge=0,
+        description="The OOM gate's margin over the peak: the worst measured under-prediction on runs like this plan, GiB.",
+    )
+    memory_margin_basis: str = Field(default="", description="Where the margin comes from (the measured runs it was taken from).")
+    oom_risk: bool = Field(
+        description="True when reserved memory plus the margin exceeds what a process can allocate (or host RAM is exceeded)."
+    )
     coefficients_version: str = Field(default="", description="Version of the fitted coefficients used.")
 
 

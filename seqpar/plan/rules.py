@@ -86,6 +86,27 @@ def option_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy
             f"tiled_mlp with sharding {s.sharding}: ZeRO-3 gathers parameters through module hooks that the tiles' "
             "recomputation in backward bypasses; use sharding fsdp or ddp, or tiled_mlp false"
         )
+    return out + lora_problems(workload, strategy)
+
+
+def lora_problems(workload: Workload, strategy: Strategy) -> list[str]:
+    """Why the strategy cannot train the workload's LoRA adapters (seqpar.runtime.hf.lora): a 4-bit base is kept whole
+    on every rank, and tiled MLPs recompute their tiles, which would draw new adapter dropout masks."""
+    lora, s, out = workload.lora, strategy, []
+    if lora is None:
+        return out
+    if lora.base_dtype == "nf4" and s.sharding != "ddp":
+        out.append(
+            f"lora base_dtype nf4 keeps the 4-bit base whole on every rank (bitsandbytes' packed weights are not "
+            f"sharded by FSDP2 or DeepSpeed here), so sharding {s.sharding} has nothing to shard but the adapters; use "
+            "sharding ddp, or base_dtype bf16"
+        )
+    mlp = [m for m in lora.target_modules if m in ("gate_proj", "up_proj", "down_proj")]
+    if s.tiled_mlp and lora.dropout > 0 and mlp:
+        out.append(
+            f"tiled_mlp with lora dropout {lora.dropout:g} on {' '.join(mlp)}: the tiles' recomputation in backward "
+            "would draw new dropout masks; set lora dropout 0, target no MLP layer, or tiled_mlp false"
+        )
     return out
 
 

@@ -4,7 +4,7 @@ mix) and the strategy. Each validates where it is built, and its messages carry 
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -24,14 +24,24 @@ from seqpar.plan.base import (
 )
 from seqpar.plan.display import Shown
 from seqpar.plan.flops import square_fraction
+from seqpar.plan.lora import adapter_params as lora_adapter_params
 from seqpar.plan.modes import check_heads, check_split, hybrid_names, splits_sequence, takes_ulysses_degree, ulysses_arg
 from seqpar.plan.options import PINNED_FRACTION
+
+# The linear layers of a Llama / Qwen / Mistral decoder block, by the names peft targets (its "all-linear").
+LORA_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class GpuSpec(Frozen):
     name: str = Field(description="Canonical profile name, e.g. 'h100-sxm'.")
     display_name: str = Field(description="The name the vendor and NVML use, e.g. 'NVIDIA H100 80GB HBM3'.")
     memory_gib: float = Field(gt=0, description="Device memory in GiB as NVML reports it (total, before the CUDA context).")
+    driver_reserved_gib: Optional[float] = Field(
+        default=None,
+        ge=0,
+        description="Of memory_gib, what the driver keeps and no process can allocate (NVML v2 'reserved'; torch's "
+        "total is memory_gib minus this). None = not measured: the cost model's default.",
+    )
     bf16_tflops: float = Field(gt=0, description="Datasheet dense bf16 tensor-core peak, TFLOP/s (no sparsity).")
     hbm_bandwidth_gb_s: float = Field(gt=0, description="Datasheet device-memory bandwidth, GB/s.")
     compute_capability: Optional[str] = Field(default=None, description="CUDA compute capability, e.g. '9.0'; None for CPU.")
@@ -196,6 +206,40 @@ class DocMix(Frozen):
         return self.model_copy(update={"sum_sq_fraction": square_fraction(self.histogram, seq_len)})
 
 
+class LoraSpec(Frozen):
+    """A LoRA (or QLoRA) adapter: the base model is frozen, only the adapters train (peft's LoraConfig)."""
+
+    rank: int = Field(default=32, ge=1, le=4096, description="LoRA rank r (peft's r).")
+    alpha: float = Field(default=32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_ALL_LINEAR),
+        min_length=1,
+        description="Linear layers that get an adapter, by their name in the decoder block "
+        "(q_proj k_proj v_proj o_proj gate_proj up_proj down_proj = all linear layers).",
+    )
+    base_dtype: Literal["bf16", "nf4"] = Field(
+        default="bf16",
+        description="bf16: the frozen base in bf16 (LoRA); nf4: the base quantized to 4 bits by bitsandbytes (QLoRA).",
+    )
+
+    @model_validator(mode="after")
+    def _known_modules(self):
+        unknown = [m for m in self.target_modules if m not in LORA_ALL_LINEAR]
+        if unknown:
+            raise ValueError(
+                f"target module {unknown[0]!r} is not a linear layer of a decoder block; use some of {' '.join(LORA_ALL_LINEAR)}"
+            )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError("target_modules lists a module twice; list each once")
+        return self
+
+    def adapter_params(self, model: ModelSpec) -> int:
+        """Parameters of the adapters on ``model``: rank x (in + out features) per targeted linear layer per decoder
+        layer (peft's lora_A is (rank, in), lora_B (out, rank))."""
+        return lora_adapter_params(model, self)  # the one count (seqpar.plan.lora, checked against peft's)
+
+
 class Workload(Frozen):
     model: ModelSpec = Field(description="The model being trained.")
     seq_len: int = Field(ge=1, description="Tokens per sequence (one sample).")
@@ -209,6 +253,10 @@ class Workload(Frozen):
     optimizer: Optimizer = Field(
         default="adamw",
         description="adamw: mixed precision (fp32 master + two fp32 moments); adamw-bf16: two moments in the parameter dtype; none: forward+backward only.",
+    )
+    lora: Optional[LoraSpec] = Field(
+        default=None,
+        description="LoRA / QLoRA: train adapters on a frozen base; None = full fine-tuning of every parameter.",
     )
     doc_lens: Optional[DocMix] = Field(
         default=None,

@@ -32,7 +32,16 @@ class NVMLDouble:
     NVMLError = pynvml.NVMLError
 
     def __init__(
-        self, name, n, mem_mib, cc, nvlinks=0, pcie=(5, 16), level=lambda a, b: pynvml.NVML_TOPOLOGY_SINGLE, present=True
+        self,
+        name,
+        n,
+        mem_mib,
+        cc,
+        nvlinks=0,
+        pcie=(5, 16),
+        level=lambda a, b: pynvml.NVML_TOPOLOGY_SINGLE,
+        present=True,
+        reserved_mib=None,
     ):
         self.name, self.n, self.mem_mib, self.cc, self.nvlinks, self.pcie, self.level, self.present = (
             name,
@@ -45,6 +54,9 @@ class NVMLDouble:
             present,
         )
         self.calls = []
+        self.reserved_mib = reserved_mib
+        if reserved_mib is not None:  # a driver with the memory info's version 2, which reports the driver's reserve
+            self.nvmlMemory_v2 = pynvml.nvmlMemory_v2
         for k in dir(pynvml):  # the real constants, so the probe reads the same numbers it would from pynvml
             if k.startswith("NVML_"):
                 setattr(self, k, getattr(pynvml, k))
@@ -67,8 +79,14 @@ class NVMLDouble:
     def nvmlDeviceGetName(self, h):
         return self.name
 
-    def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(total=self.mem_mib * MIB, free=(self.mem_mib - 600) * MIB, used=600 * MIB)
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):
+        if version is None:
+            return SimpleNamespace(total=self.mem_mib * MIB, free=(self.mem_mib - 600) * MIB, used=600 * MIB)
+        assert version == pynvml.nvmlMemory_v2 and self.reserved_mib is not None
+        used = 600 - self.reserved_mib
+        return SimpleNamespace(
+            total=self.mem_mib * MIB, reserved=self.reserved_mib * MIB, free=(self.mem_mib - 600) * MIB, used=used * MIB
+        )
 
     def nvmlDeviceGetCudaComputeCapability(self, h):
         return self.cc
@@ -148,6 +166,22 @@ def test_probe_machines(label, make, profile, link, nvlinks):
     assert (c.source, c.nodes, c.gpus_per_node, c.gpu.name, c.intra_node_link.kind) == ("probed", 1, nv.n, profile, link)
     assert c.gpu.memory_gib == nv.mem_mib / 1024  # NVML's figure, not the datasheet's
     assert c.inter_node_link is None
+
+
+def test_probe_reads_the_drivers_reserve_and_the_capacity_follows():
+    """NVML v2's 'reserved' is memory no process can allocate: the probed GPU carries it, and the capacity the cost model
+    gates against is NVML's total less it (what torch.cuda.mem_get_info reports as the total)."""
+    from seqpar.advisor.cost.coefficients import load_coefficients
+    from seqpar.advisor.cost.memory import capacity_bytes
+
+    c = probe(nvml=NVMLDouble("NVIDIA H100 80GB HBM3", 2, 81559, (9, 0), reserved_mib=455), env={}).to_cluster()
+    assert c.gpu.driver_reserved_gib == 455 / 1024
+    assert capacity_bytes(c, load_coefficients()) == (81559 - 455) * MIB
+    # a driver without version 2: the profile's measured reserve stays
+    old = probe(nvml=NVMLDouble("NVIDIA H100 80GB HBM3", 1, 81559, (9, 0)), env={}).to_cluster()
+    from seqpar.profiles import get_gpu
+
+    assert old.gpu.driver_reserved_gib == get_gpu("h100-sxm").driver_reserved_gib
 
 
 def test_probe_h200_matches_profile_memory():

@@ -115,7 +115,7 @@ def test_check_fits_and_fix():
     bad = check(
         AdviseRequest(
             model=M7,
-            seq_len=196608,
+            seq_len=212992,
             cluster=cluster_from_flags("h200", 1),
             mode="data_parallel",
             checkpointing="full",

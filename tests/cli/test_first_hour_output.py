@@ -68,6 +68,7 @@ def test_advise_help_groups_its_options_in_panels():
     assert titles == [
         "Options",
         "Workload",
+        "LoRA (default: full fine-tuning)",
         "Cluster",
         "Pins (default: the advisor chooses)",
         "Training (default: the plan's defaults)",

@@ -100,6 +100,13 @@ def test_readme_shell_commands_run_as_written(tmp_path):
     assert f"exported model (`{model}`" in README  # the quick start names the folder the launch prints
     assert any(r.startswith("seqpar calibrate") for r in ran) and any(r.startswith("seqpar explain") for r in ran)
     assert len(ran) >= 7
+    # "LoRA and QLoRA": its launch names the adapter, and its Python (load_lora.py) loads the adapter with peft and the
+    # merged model with transformers where the launch ran
+    lora = next(c for c in ran if c.startswith("seqpar launch lora.json"))
+    assert "LoRA adapter exported to runs/lora/checkpoints/step-000005/adapter" in stderr[lora]
+    (load,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "load_lora.py" in b]
+    p = subprocess.run([sys.executable, "-c", load], cwd=ran[lora], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, f"README load_lora.py:\n{p.stderr[-3000:]}"
 
 
 def test_readme_ci_example_checks_a_plan(tmp_path):

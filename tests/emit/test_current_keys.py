@@ -108,16 +108,15 @@ def test_trl_trainer_starts_from_the_emitted_config_without_deprecation_warnings
 
 
 def _arctic_lrs(cfg: dict, steps: int) -> list[float]:
-    """The learning rate at each step as ArcticTraining 0.8.0's HFSchedulerFactory builds the schedule (sp 1)."""
+    """The learning rate at each step as ArcticTraining 0.8.0's HFSchedulerFactory builds the schedule: warmup and
+    horizon both times sequence_parallel_size, stepped once per optimizer step (run in tests/emit/test_tool_runs.py)."""
     import torch
     from transformers import get_scheduler
 
-    sched = cfg.get("scheduler", {})
+    sched, sp, iters = cfg.get("scheduler", {}), cfg.get("sequence_parallel_size", 1), cfg["train_iters"]
     name, ratio = sched.get("name", "linear"), sched.get("warmup_ratio", 0.1)  # HFSchedulerConfig's defaults
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg["optimizer"]["learning_rate"])
-    s = get_scheduler(
-        name, optimizer=opt, num_warmup_steps=int(ratio * cfg["train_iters"]), num_training_steps=cfg["train_iters"]
-    )
+    s = get_scheduler(name, optimizer=opt, num_warmup_steps=int(ratio * iters) * sp, num_training_steps=iters * sp)
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
@@ -142,14 +141,16 @@ def _seqpar_lrs(plan_file, steps: int) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "schedule, warmup, steps",
-    [("constant", 0, 40), ("constant", 7, 300), ("cosine", 3, 40)],
-    ids=["constant", "warmup", "cosine"],
+    "schedule, warmup, steps, sp",
+    [("constant", 0, 40, 4), ("constant", 8, 300, 4), ("constant", 7, 300, 1), ("cosine", 3, 40, 1)],
+    ids=["constant", "warmup-sp4", "warmup", "cosine"],
 )
-def test_arctic_schedule_is_the_plans(tmp_path, schedule, warmup, steps):
-    flags = ["-s", "64k", "--mode", "ulysses_attn", "--sp-degree", "4", "--sharding", "zero3"]
+def test_arctic_schedule_is_the_plans(tmp_path, schedule, warmup, steps, sp):
+    mode = ["--mode", "ulysses_attn", "--sp-degree", str(sp)] if sp > 1 else ["--mode", "data_parallel"]
+    flags = ["-s", "64k", *mode, "--sharding", "zero3"]
     flags += ["--lr-schedule", schedule, "--warmup-steps", str(warmup), "--steps", str(steps)]
-    _advise(tmp_path, "p", flags, "arctic")
+    _, err = _advise(tmp_path, "p", flags, "arctic")
+    assert "ArcticTraining warms up in multiples" not in err and "ArcticTraining decays a cosine" not in err
     cfg = yaml.safe_load((tmp_path / "p.arctic.yaml").read_text())
     assert set(cfg["scheduler"]) <= {"type", "name", "warmup_ratio", "scheduler_specific_kwargs"}  # extra="forbid"
     assert cfg["scheduler"]["type"] == "huggingface" and 0 <= cfg["scheduler"]["warmup_ratio"] <= 1
@@ -157,6 +158,15 @@ def test_arctic_schedule_is_the_plans(tmp_path, schedule, warmup, steps):
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
     del cfg["scheduler"]  # what the config said before: ArcticTraining's default, another schedule
     assert _arctic_lrs(cfg, steps) != pytest.approx(want, rel=1e-6)
+
+
+def test_arctic_says_where_its_schedule_is_not_the_plans(tmp_path):
+    """At sequence_parallel_size 4 ArcticTraining warms up in multiples of 4 steps and decays over 4x the steps."""
+    flags = ["-s", "64k", "--mode", "ulysses_attn", "--sp-degree", "4", "--sharding", "zero3", "--steps", "40"]
+    _, err = _advise(tmp_path, "w", [*flags, "--warmup-steps", "7"], "arctic")
+    assert "ArcticTraining warms up in multiples of sequence_parallel_size 4: 4 steps for the plan's 7" in err
+    _, err = _advise(tmp_path, "c", [*flags, "--lr-schedule", "cosine"], "arctic")
+    assert "ArcticTraining decays a cosine schedule over sequence_parallel_size x train_iters" in err
 
 
 AXOLOTL_FLASH = ("flash_attention_2", "flash_attention_3")  # its flash-library implementations (ATTN_IMPLS_USING_FLASH_LIB)
@@ -188,16 +198,19 @@ def test_axolotl_ring_configs_pass_its_context_parallel_rule(tmp_path, cluster, 
 
 
 def test_cpu_ranks_say_what_the_tool_cannot_run(tmp_path):
-    """accelerate launch starts one process on CPU ranks: --emit trl and check of its files say so (check exits 1);
-    DeepSpeed's and ArcticTraining's configs run there as emitted, and say fits."""
+    """Ulysses through TRL on CPU ranks: DeepSpeed's sequence-parallel data loader all-gathers rows of unequal lengths,
+    which gloo refuses: --emit trl and check of its files say so (check exits 1); DeepSpeed's and ArcticTraining's
+    configs run there as emitted, and say fits."""
     cpu = ["--cluster", "cpu:2", "--model", "tiny"]
     flags = ["-s", "4k", "--mode", "ulysses_attn", "--sp-degree", "2", "--sharding", "zero2"]
     _, err = _advise(tmp_path, "t", flags, "trl", *cpu)
-    assert "trl: CANNOT RUN on this cluster" in err and "the job's 2 ranks would train as one" in err
+    assert "trl: CANNOT RUN on this cluster" in err and "gloo refuses rows of unequal lengths" in err
     r = CliRunner().invoke(app, ["check", str(tmp_path / "t.sft.yaml"), str(tmp_path / "t.accelerate.yaml"), *cpu, "--json"])
     got = json.loads(r.stdout)
     assert r.exit_code == 1 and got["fits"] and got["exit_code"] == 1
-    assert got["cannot_run"] and got["cannot_run"][0].startswith("trl cannot run this on CPU ranks: accelerate launch starts")
+    assert got["cannot_run"] and got["cannot_run"][0].startswith(
+        "trl cannot run this on CPU ranks: DeepSpeed's UlyssesSPDataLoaderAdapter"
+    )
     for tool, name in (("deepspeed", "deepspeed.json"), ("arctic", "arctic.yaml")):
         _, err = _advise(tmp_path, tool, flags, tool, *cpu)
         assert f"{tool}: fits" in err, err

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from seqpar.advisor.cost.predict import predict
 from seqpar.cli import app
 
 H100x8 = ["--gpu", "h100", "--gpus", "8"]
@@ -104,16 +105,19 @@ def test_trl_ring_attention_on_fsdp(runner, tmp_path):
     )
     cfg = load_config_from_file(str(tmp_path / "plan.accelerate.yaml"))
     assert cfg.distributed_type == "FSDP" and cfg.fsdp_config["fsdp_version"] == 2
-    assert cfg.parallelism_config["parallelism_config_cp_size"] == plan["strategy"]["sp_degree"]
+    got = check(runner, [tmp_path / "plan.sft.yaml", tmp_path / "plan.accelerate.yaml"])  # the seqpar: block: no flags
+    s = got["strategy"]  # the cost model re-picks the degree among what TRL runs
+    assert cfg.parallelism_config["parallelism_config_cp_size"] == s["sp_degree"]
     _, sft, model, _ = make_parser().parse_args_and_config(
         ["--config", str(tmp_path / "plan.sft.yaml"), "--dataset_name", "x", "--use_cpu", "true"]
     )
-    assert model.attn_implementation == "sdpa" and sft.pad_to_multiple_of == 2 * plan["strategy"]["sp_degree"]
+    assert model.attn_implementation == "sdpa" and sft.pad_to_multiple_of == 2 * s["sp_degree"]
     assert not sft.gradient_checkpointing  # under FSDP accelerate checkpoints (TRL's docs: not both)
-    assert cfg.fsdp_config["fsdp_activation_checkpointing"] == (plan["strategy"]["checkpointing"] != "none")
-    got = check(runner, [tmp_path / "plan.sft.yaml", tmp_path / "plan.accelerate.yaml"], "--gpu", "h100")
-    assert (got["strategy"]["mode"], got["strategy"]["sharding"]) == ("zigzag_ring_attn", "fsdp")
-    assert got["prediction"]["peak_memory_gib"] == pytest.approx(predicted(err, "trl")[0], abs=0.051)
+    assert cfg.fsdp_config["fsdp_activation_checkpointing"] == (s["checkpointing"] != "none")
+    assert (s["mode"], s["sharding"]) == ("zigzag_ring_attn", "fsdp")
+    assert (got["prediction"]["peak_memory_gib"], got["prediction"]["tokens_per_s"]) == pytest.approx(
+        predicted(err, "trl"), rel=1e-3
+    )
 
 
 # Keys and values of axolotl 0.19.0's AxolotlInputConfig (utils/schemas/config.py, training.py, model.py, fsdp.py,
@@ -207,8 +211,12 @@ def test_a_tool_that_cannot_split_the_model_is_refused(runner, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"vocab_size": 256}))
     args = ["--seq-len", "64k", "--model", str(tmp_path), *H100x8, "--mode", "zigzag_ring_attn", "--sp-degree", "8"]
     r = runner.invoke(app, ["advise", *args, "-o", str(tmp_path / "p.json"), "--emit", "arctic"])
-    assert r.exit_code == 2 and "arctic runs none of its modes" in r.stderr and r.stderr.count("\n") <= 3
-    assert not (tmp_path / "p.json").exists()
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.exit_code == 1 and last.startswith("error: --emit arctic: arctic runs none of its modes here: ulysses_attn")
+    assert "3 query heads" in last and last.endswith(
+        f"wrote {tmp_path / 'p.json'} only, no arctic files (seqpar launch {tmp_path / 'p.json'} runs the plan)"
+    )
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "config.json", tmp_path / "p.json"]  # the plan, whatever the outcome
 
 
 def test_emission_predicted_to_oom_writes_nothing(runner, tmp_path):
@@ -229,7 +237,10 @@ def test_emission_predicted_to_oom_writes_nothing(runner, tmp_path):
     (tmp_path / "p.json").unlink()
     r = runner.invoke(app, ["advise", *args, "--emit", "trl"])
     assert r.exit_code == 1 and "TRL, transformers and accelerate have no TiledMLP" in r.stderr and "RISKS OOM" in r.stderr
-    assert list(tmp_path.iterdir()) == []
+    last = r.stderr.strip().splitlines()[-1]  # the binding constraint, and only files that were written
+    assert last.startswith("error: --emit trl: nothing trl expresses fits: the smallest footprint, zigzag_ring_attn sp=8")
+    assert "GiB margin > 79.2 GiB a process can allocate on h100-sxm" in last
+    assert list(tmp_path.iterdir()) == [tmp_path / "p.json"]
 
 
 def test_emit_needs_an_output(runner):
@@ -319,9 +330,26 @@ def test_a_layer_split_is_emitted_as_the_whole_model_policy_and_said(runner, tmp
 
 @pytest.mark.parametrize("flag", [["--recompute-layers", "20"], ["--kept-saves", "matmuls"], ["--kept-host-layers", "2"]])
 def test_check_refuses_seqpar_only_split_flags_on_a_tool_config(runner, tmp_path, flag):
-    """A DeepSpeed config cannot say a per-layer split or what kept layers save: the flag is refused (exit 2), not
-    silently priced."""
-    plan, _ = advise(runner, tmp_path, ULYSSES, "deepspeed")
-    r = runner.invoke(app, ["check", str(tmp_path / "plan.deepspeed.json"), "--seq-len", "256k", "--gpu", "h100", *flag])
+    """accelerate's config (and its script's plain checkpointing) cannot say a per-layer split or what kept layers save:
+    the flag is refused (exit 2), not silently priced."""
+    plan, _ = advise(runner, tmp_path, ULYSSES, "accelerate")
+    r = runner.invoke(app, ["check", str(tmp_path / "plan.accelerate.yaml"), *flag])
     assert r.exit_code == 2, r.output
-    assert f"{flag[0]} {flag[1]}: plan.deepspeed.json cannot split checkpointing by layer" in r.output
+    assert f"{flag[0]} {flag[1]}: plan.accelerate.yaml cannot split checkpointing by layer" in r.output
+
+
+def test_a_deepspeed_script_splits_the_checkpointing_as_the_flags_say(runner, tmp_path):
+    """DeepSpeed's script checkpoints with seqpar.apply, which splits by layer: the split flags are priced (the same
+    prediction as the strategy with that split), and a split the runtime refuses is refused with its rule."""
+    from seqpar.advisor.cluster import cluster_from_flags
+    from seqpar.plan.specs import Strategy, Workload
+    from seqpar.profiles import get_model
+
+    advise(runner, tmp_path, ULYSSES, "deepspeed")
+    got = check(runner, [tmp_path / "plan.deepspeed.json"], "--recompute-layers", "20")
+    s = Strategy.model_validate({**got["strategy"], "checkpoint_layers": 20})
+    w = Workload(model=get_model("llama-3-8b"), seq_len=262144)
+    assert got["strategy"]["checkpoint_layers"] == 20
+    assert got["prediction"] == predict(w, cluster_from_flags("h100", 8, host_ram_gib=1280.0), s).model_dump()
+    r = runner.invoke(app, ["check", str(tmp_path / "plan.deepspeed.json"), "--kept-host-layers", "2"])
+    assert r.exit_code == 2 and "kept_host_layers 2 sends kept matmul outputs to host memory, but kept_saves is all" in r.stderr

@@ -62,14 +62,12 @@ def test_arctic_human_int(text, n):
 
 
 def test_axolotl_oom_with_the_fix_in_its_keys(runner, tmp_path):
-    cfg = AXOLOTL | {"adapter": "lora", "some_unknown_key": 3}
+    cfg = AXOLOTL | {"fp8": True, "some_unknown_key": 3}  # fp8: a memory key the cost model does not describe
     r = run(runner, write(tmp_path, "ax.yml", cfg), *H100x8, "--json")
     assert r.exit_code == 1, r.output
     got = json.loads(r.stdout)
     assert got["strategy"]["mode"] == "data_parallel" and got["strategy"]["sharding"] == "zero3"
-    assert (
-        got["partial"] and got["not_understood"] == ["ax.yml: adapter 'lora'"] and got["ignored"] == ["ax.yml: some_unknown_key"]
-    )
+    assert got["partial"] and got["not_understood"] == ["ax.yml: fp8 True"] and got["ignored"] == ["ax.yml: some_unknown_key"]
     # the reference: the cost model on the same strategy, built by hand
     s = Strategy.over("data_parallel", 1, 8, checkpointing="full", sharding="zero3", loss_impl="hf")
     w = Workload(model=get_model("llama-3-8b"), seq_len=262144)
@@ -80,7 +78,7 @@ def test_axolotl_oom_with_the_fix_in_its_keys(runner, tmp_path):
     fixed = Strategy.model_validate(got["fix_strategy"])
     assert not predict(w, cluster_from_flags("h100", 8), fixed).oom_risk
     text = run(runner, tmp_path / "ax.yml", *H100x8)
-    assert "PARTIAL verdict: the cost model does not describe ax.yml: adapter 'lora'" in text.stderr
+    assert "PARTIAL verdict: the cost model does not describe ax.yml: fp8 True" in text.stderr
     assert "in axolotl's keys: axolotl.yaml: context_parallel_size: 8" in text.stderr
 
 

@@ -3,7 +3,8 @@ transformers': what the hf, memory and eval tests share.
 
 ``make_model(family)`` builds a seeded random-weight causal LM of Llama (MHA), Mistral (GQA), Qwen2 (GQA, qkv bias) or
 Qwen3 (q/k norm); ``group_grads`` sums a model's gradients over the sequence-parallel group; ``compare_loss_and_grads``
-appends an assert_close message per mismatch, so a rank reports every failing case at once.
+appends an assert_close message per mismatch, so a rank reports every failing case at once. ``packed_batch`` packs
+documents of known lengths into rows and ``per_document_reference`` runs each document alone (the packed tests' reference).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 B, S = 2, 32  # batch > 1; S divisible by 2W for W = 4 and by 2*R*U for usp
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -95,6 +97,43 @@ def compare_loss_and_grads(failures: list, case: str, loss, ref_loss, grads: dic
         except AssertionError as e:
             failures.append(f"{case} grad {name}: {e}")
             return
+
+
+# packed rows: documents of these lengths fill the S tokens of a row (OTHER: a row with other boundaries)
+LENGTHS, OTHER = (7, 1, 12, 3, 9), (20, 4, 8)
+
+
+def _bounds(lengths) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def packed_batch(rows=(LENGTHS, LENGTHS)):
+    """(ids, labels, position ids) of B rows, each packing documents of the given lengths."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 101, (len(rows), S), generator=g)  # (B, S)
+    labels = ids.clone()
+    labels[:, 8:11] = -100  # a masked prompt inside the third document
+    pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])  # (B, S)
+    return ids, labels, pos
+
+
+def per_document_reference(base, ids, labels, rows):
+    """Token-weighted mean cross-entropy of every document run alone through plain transformers, and its gradients."""
+    base.zero_grad(set_to_none=True)
+    total, count = 0.0, 0
+    for b, lengths in enumerate(rows):
+        bounds = _bounds(lengths)
+        for a, e in zip(bounds, bounds[1:]):
+            logits = base(input_ids=ids[b : b + 1, a:e]).logits[0, :-1]  # (l-1, V)
+            target = labels[b, a + 1 : e]
+            total = total + F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
+            count += int((target != -100).sum())
+    loss = total / count
+    loss.backward()
+    return loss.detach(), param_grads(base)
 
 
 def char_model(folder: Path) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 
 from seqpar.advisor.cluster import cpu_cluster
 from seqpar.plan.launch_plan import LaunchPlan, Rationale, TrainingSpec
-from seqpar.plan.specs import Strategy, Workload
+from seqpar.plan.specs import LoraSpec, Strategy, Workload
 from seqpar.profiles import get_model
 
 SEQ = 64  # divisible by 2 * 4 (zigzag and usp on 4 ranks)
@@ -37,8 +37,10 @@ def make_plan(
     checkpoint_every: int = 0,
     lr: float = 1e-2,
     tiled_mlp: bool = False,
+    lora: LoraSpec | None = None,
 ) -> LaunchPlan:
-    """A pinned plan for the tiny model on ``world`` gloo CPU ranks (fp32, AdamW, warmup then constant LR)."""
+    """A pinned plan for the tiny model on ``world`` gloo CPU ranks (fp32, AdamW, warmup then constant LR); ``lora``:
+    train adapters on the frozen model (workload.lora)."""
     strategy = Strategy(
         mode=mode,
         sp_degree=sp,
@@ -52,7 +54,7 @@ def make_plan(
         ring_degree=sp // ulysses if mode == "usp_attn" else 1,
     )
     return LaunchPlan(
-        workload=Workload(model=get_model("tiny"), seq_len=seq_len, micro_batch_size=mbs, dtype="fp32"),
+        workload=Workload(model=get_model("tiny"), seq_len=seq_len, micro_batch_size=mbs, dtype="fp32", lora=lora),
         cluster=cpu_cluster(world),
         strategy=strategy,
         rationale=Rationale(policy="pinned"),
@@ -72,8 +74,11 @@ def learnable_tokens(path: Path, n: int = 40_000) -> str:
     return str(path)
 
 
-def train_cases(rank: int, world: int, cases: list[tuple[str, LaunchPlan]], tmp: str, data: str = "synthetic") -> dict:
-    """Rank body: run the trainer in-process once per case (one spawn, many runs); rank 0 returns each run's metrics."""
+def train_cases(
+    rank: int, world: int, cases: list[tuple[str, LaunchPlan]], tmp: str, data: str = "synthetic", extra: tuple = ()
+) -> dict:
+    """Rank body: run the trainer in-process once per case (one spawn, many runs); rank 0 returns each run's metrics.
+    ``extra``: more trainer flags for every run."""
     import torch.distributed as dist
 
     from seqpar.runtime.train.loop import parser, run
@@ -85,7 +90,7 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, LaunchPlan]], tmp:
             plan.write(plan_file)
         dist.barrier()
         try:
-            run(parser().parse_args(["--plan", str(plan_file), "--output", str(Path(tmp) / name), "--data", data]))
+            run(parser().parse_args(["--plan", str(plan_file), "--output", str(Path(tmp) / name), "--data", data, *extra]))
         except Exception as e:  # many runs share one spawn: the failure names the run that broke
             raise RuntimeError(f"case {name!r} failed on rank {rank}") from e
         dist.barrier()

@@ -50,7 +50,8 @@ class Coefficients:
     allocator_reserve_gib: float = 0.5
     cuda_context_gib: float = 0.55
     nccl_buffer_gib_per_group: float = 0.25
-    headroom_gib: float = 1.0
+    driver_reserve_gib: float = 0.6  # NVML's total less what CUDA can reach, for a GPU without a measured or probed figure
+    memory_margin_floor: float = 0.01  # the least margin over the predicted peak (seqpar.advisor.cost.margin)
     loss_chunk_tokens: int = 4096
     host_ram_usable_fraction: float = 0.9
     host_process_gib: float = 14.5  # host RSS of one CUDA training process before any offload (libraries, CUDA's host state)
@@ -82,7 +83,8 @@ class Coefficients:
         "allocator_reserve_gib",
         "cuda_context_gib",
         "nccl_buffer_gib_per_group",
-        "headroom_gib",
+        "driver_reserve_gib",
+        "memory_margin_floor",
         "loss_chunk_tokens",
         "host_ram_usable_fraction",
         "host_process_gib",
@@ -155,7 +157,8 @@ PLAUSIBLE = {
     "allocator_reserve_gib": (0.0, 1024.0),
     "cuda_context_gib": (0.0, 64.0),
     "nccl_buffer_gib_per_group": (0.0, 64.0),
-    "headroom_gib": (0.0, 1024.0),
+    "driver_reserve_gib": (0.0, 64.0),
+    "memory_margin_floor": (0.0, 1.0),
     "loss_chunk_tokens": (1, 1 << 30),
     "host_ram_usable_fraction": (0.01, 1.0),
     "host_process_gib": (0.0, 1024.0),
@@ -187,7 +190,9 @@ def _table(where: str, v, origin: str) -> dict:
 
 def coefficients_from_dict(data: dict, origin: str = "'seqpar/profiles/coefficients.json'") -> Coefficients:
     """Coefficients from a coefficients file's JSON, every number checked against PLAUSIBLE (``origin`` names the file)."""
-    vals = _table("values", data.get("values", {}), origin)
+    vals = dict(_table("values", data.get("values", {}), origin))
+    # a file calibrated before the margin came from measured errors: its flat headroom has no use any more
+    vals.pop("headroom_gib", None)
     known = set(Coefficients._VALUE_FIELDS)
     unknown = set(vals) - known
     if unknown:

@@ -23,12 +23,23 @@ config seqpar writes (seqpar.plan.jobspec.deepspeed_config: DeepSpeed's defaults
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from seqpar.plan.specs import ModelSpec
 
 REDUCE_BUCKET = 5e8  # zero_optimization.reduce_bucket_size (DeepSpeed's default; seqpar's config does not set it)
 MAX_REUSE = 1e9  # zero_optimization.stage3_max_reuse_distance (default)
 SUB_GROUP = 1e9  # zero_optimization.sub_group_size (default)
+# Sizes seqpar's configs also leave at DeepSpeed's defaults (deepspeed/runtime/zero/config.py), held by no term above:
+ALLGATHER_BUCKET = 5e8  # allgather_bucket_size: ZeRO-2 gathers the updated partitions into the existing flat buffer
+PREFETCH_BUCKET = 5e7  # stage3_prefetch_bucket_size: elements gathered ahead of use (below one decoder layer of a 7B)
+PERSISTENCE_THRESHOLD = 1e5  # stage3_param_persistence_threshold: smaller parameters (norms) stay gathered
+MAX_LIVE = 1e9  # stage3_max_live_parameters: gathered elements allowed at once (above a layer and its prefetch)
+# Host bytes one parameter costs in ZeRO's offloaded optimizer step: DeepSpeed's CPU Adam kernel loads fp32 param, grad,
+# exp_avg, exp_avg_sq and stores param, exp_avg, exp_avg_sq (csrc/includes/cpu_adam.h, Step_AVX: 28), the step scales the
+# fp32 gradient in place (stage3.py unscale_and_clip_grads: 8) and copies the fp32 partition into the 16-bit one
+# (_reassign_or_swap_out_partitioned_parameters: 4 read + 2 written), and the gradient arrives from the GPU (4 written).
+CPU_ADAM_HOST_BYTES = 28 + 8 + 6 + 4
 
 
 @dataclass(frozen=True)
@@ -43,12 +54,22 @@ class DeepSpeedTerms:
 NONE = DeepSpeedTerms(False, 0.0, 0.0, 0.0, False)
 
 
-def terms(m: ModelSpec, sharding: str, optimizer: str, p: float, world: int) -> DeepSpeedTerms:
+def terms(
+    m: ModelSpec,
+    sharding: str,
+    optimizer: str,
+    p: float,
+    world: int,
+    trainable: Optional[float] = None,
+    layer_bytes: Optional[float] = None,
+) -> DeepSpeedTerms:
     """DeepSpeed's extra GPU bytes for a zero* plan (NONE for ddp/fsdp); ``p``: bytes per element of the parameters and
-    gradients DeepSpeed keeps in the model dtype."""
+    gradients DeepSpeed keeps in the model dtype. ``trainable``: the parameters its optimizer holds (default all; LoRA:
+    the adapters, the frozen base has no gradient partition nor optimizer piece); ``layer_bytes``: bytes of one
+    gathered decoder layer (default layer_params * p)."""
     if not sharding.startswith("zero"):
         return NONE
-    psi = m.num_params
+    psi = m.num_params if trainable is None else trainable
     offload = sharding == "zero3_offload"
     step = 0.0
     if optimizer == "adamw" and not offload:
@@ -60,5 +81,6 @@ def terms(m: ModelSpec, sharding: str, optimizer: str, p: float, world: int) -> 
     kept = 0.0
     if offload or world > 1:
         top = max(0, min(m.num_layers, int((MAX_REUSE - head) // (2 * m.layer_params)))) if head < MAX_REUSE else 0
-        kept = (head + top * m.layer_params) * p if head < MAX_REUSE else 0.0
+        layer = m.layer_params * p if layer_bytes is None else layer_bytes
+        kept = head * p + top * layer if head < MAX_REUSE else 0.0
     return DeepSpeedTerms(not offload, REDUCE_BUCKET * p, kept, step, False)

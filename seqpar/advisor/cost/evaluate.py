@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
-from seqpar.advisor.cost.memory import mode_buffers, ring_ranks, ulysses_ranks
+from seqpar.advisor.cost.memory import capacity_bytes, mode_buffers, ring_ranks, ulysses_ranks
 from seqpar.advisor.cost.throughput import (
     _bw,
     _hidden,
@@ -116,12 +116,17 @@ def estimate_eval_memory(m: ModelSpec, seq_len: int, cluster: ClusterSpec, s: St
     peak = totals[phase]
     groups = 0 if s.world_size == 1 else 1 + (s.sp_degree > 1) + takes_ulysses_degree(s.mode)
     reserved = peak + c.allocator_slack(peak) + (c.cuda_context_gib + c.nccl_buffer_gib_per_group * groups) * GIB
-    capacity = cluster.gpu.memory_gib * GIB
+    capacity = capacity_bytes(cluster, c)
+    # no measured evaluation runs among the margin's rows (seqpar.advisor.cost.margin): the floor
+    kept = c.memory_margin_floor * peak
+    # as the training gate (seqpar.advisor.cost.memory): the allocator gives back its cache before it fails
+    required = peak + (c.allocator_reserve_gib + c.cuda_context_gib + c.nccl_buffer_gib_per_group * groups) * GIB
     reason = ""
-    if reserved + c.headroom_gib * GIB > capacity:
+    if required + kept > capacity:
         reason = (
-            f"predicted {reserved / GIB:.1f} GiB reserved (peak allocated {peak / GIB:.1f} GiB in the {phase}) + "
-            f"{c.headroom_gib:g} GiB headroom > {capacity / GIB:.1f} GiB on {cluster.gpu.name}"
+            f"predicted peak {peak / GIB:.1f} GiB allocated in the {phase} + {(required - peak) / GIB:.1f} GiB CUDA "
+            f"context and allocator + {kept / GIB:.1f} GiB margin > {capacity / GIB:.1f} GiB a process can allocate "
+            f"on {cluster.gpu.name}"
         )
     breakdown = {k: v for k, v in phases[phase].items() if v > 0}
     return dict(

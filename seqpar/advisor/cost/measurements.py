@@ -43,6 +43,9 @@ class Measurement:
     tokens_per_s: Optional[float]
     peak_memory_gib: Optional[float]
     oom: bool
+    # an out-of-memory run: what it had allocated plus the block it could not get (its error message), a lower bound
+    # of the peak it needed; the OOM gate's margin takes the model's error on it (seqpar.advisor.cost.margin)
+    oom_needed_gib: Optional[float] = None
 
 
 # The columns of a measurement CSV: the configuration (required unless defaulted), then what was measured.
@@ -196,7 +199,8 @@ def row_from_report(report: dict, source: str) -> Measurement:
         + "".join(f" {t}" for t in tags(s, "label"))
         + (f" {s.sharding}" if s.sharding != "ddp" else "")
     )
-    return _plausible(Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom), where)
+    needed = _measured(meas.get("oom_needed_gib"), "oom_needed_gib", where) if oom else None
+    return _plausible(Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom, needed), where)
 
 
 def load_measurements(paths: Optional[Iterable[str | Path]] = None) -> list[Measurement]:

@@ -3,8 +3,12 @@
 What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tokens; p = bytes of the model dtype):
 
 * Model states (Rajbhandari et al. 2020, "ZeRO", sec. 3 and 5: mixed-precision Adam holds 2 + 2 + 12 bytes per parameter,
-  ZeRO-2 keeps 2Psi + 14Psi/N, ZeRO-3 16Psi/N). Sharding runs over all N = world ranks (sequence-parallel ranks also hold
-  replicas, as in EasyContext's DeepSpeed set-up). ``gradient_as_bucket_view`` DDP: no second copy of the gradients.
+  ZeRO-2 keeps 2Psi + 14Psi/N, ZeRO-3 16Psi/N). Sharding runs over all N = world ranks in every engine seqpar launches or
+  emits: seqpar's own sequence parallelism leaves DeepSpeed's data-parallel group whole (EasyContext's set-up), DeepSpeed's
+  Ulysses / ALST partitions over its sequence-data-parallel group (sp x dp = world; accelerate's sp_size hands DeepSpeed
+  that group and builds no mesh of its own), and FSDP2 shards over accelerate's dp_shard_cp mesh dimension (dp_shard x
+  cp = world) or seqpar's whole-world mesh (tests/advisor/cost/test_engine_semantics.py reads each from the tool's source).
+  ``gradient_as_bucket_view`` DDP: no second copy of the gradients.
 * Activations saved for backward by a Hugging Face Llama decoder layer (transformers 5, eager modules, torch SDPA with the
   cuDNN / flash kernel, GQA through ``enable_gqa``: K/V are not repeated), per token and layer:
     RMSNorm x2: fp32 copy of the input (4h) + normalised bf16 (ph) + output (ph)       -> 2 (4 + 2p) h
@@ -37,10 +41,15 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   weights, gradients and the residual stream (hence the checkpointed layer inputs) are fp32 and a bf16 copy of every matmul
   weight is cached while the forward runs; FSDP2 keeps an fp32 sharded master and computes in bf16; ZeRO follows the paper;
   adamw-bf16 keeps everything in the model dtype.
+* LoRA / QLoRA (``workload.lora``): a frozen base, the adapters' states, 4-bit weights, their dequantization buffer and
+  what the adapters keep for backward: seqpar.advisor.cost.lora, called where a term differs.
 * The loss: ``hf`` = transformers' ForCausalLMLoss: forward holds the bf16 logits (t, V), ``logits.float()`` and the
   log_softmax output (10 bytes per token and vocabulary entry); backward the saved output, its incoming gradient and the
   result (12). seqpar's LossModule returns only the loss, so no logits outlive it.
   ``chunked`` = seqpar's runtime: logits one chunk at a time, recomputed in backward; the fp32 gradient of the final hidden.
+  TRL's SFTTrainer (estimate_memory's ``loss_path="trl"``) runs its fused LM head for every plan: a compacted copy of the
+  hidden states, one (4096, 32768) tile, fp32 gradients of the hidden and the head; its logged entropy and token accuracy
+  are per-token vectors, so no logits stay alive for them.
 * Mode buffers: ring (zigzag, usp's ring part): K,V blocks double-buffered, fp32 out and lse accumulators, in backward
   dq / dk / dv fp32 accumulators plus dk, dv in flight; Ulysses: the all-to-all send/receive copies of q, k, v, o at full
   length and 1/P heads (KV heads replicated up to P); dist flash: the Q, K, V block it computes for a peer and the O / lse
@@ -57,7 +66,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from seqpar.advisor.cost import deepspeed_memory
+from seqpar.advisor.cost import deepspeed_memory, lora
 from seqpar.advisor.cost.coefficients import Coefficients
 from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import matmul_params
@@ -83,6 +92,11 @@ class MemoryEstimate:
     fits: bool
     reason: str  # empty when it fits
     phase_terms: dict[str, dict[str, float]] = field(default_factory=dict)  # every phase's terms (explain's stacked bars)
+    required_bytes: float = 0.0  # what the gate asks to fit, margin aside: peak + CUDA context + NCCL + the allocator's floor
+    margin_bytes: float = (
+        0.0  # the gate's margin over the peak: the measured error on runs like this (seqpar.advisor.cost.margin)
+    )
+    margin_basis: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,7 +115,11 @@ class Precision:
 def precision(w: Workload, s: Strategy, accelerator: str = "cuda") -> Precision:
     """fp32 on CPU; adamw-bf16: everything in the model dtype; fsdp: fp32 sharded master, FSDP2 computes in bf16;
     ZeRO: DeepSpeed's bf16 params + fp32 master (ZeRO paper); otherwise (DDP): fp32 parameters under autocast, so the
-    residual stream (embedding output + fp32 adds) and the checkpointed layer inputs are fp32 while matmuls run in bf16."""
+    residual stream (embedding output + fp32 adds) and the checkpointed layer inputs are fp32 while matmuls run in bf16.
+    LoRA: the frozen base stays in the model dtype, and so does the residual stream (lora.regime: the adapters')."""
+    lo = lora.regime(w, s, accelerator)
+    if lo is not None:
+        return Precision(lo.base, lo.grad, lo.optim, lo.compute, lo.compute, False, lo.text)
     p = DTYPE_BYTES[w.dtype]
     adam = 8 if w.optimizer == "adamw" else 2 * p if w.optimizer == "adamw-bf16" else 0
     if accelerator != "cuda" or w.dtype == "fp32":
@@ -158,13 +176,21 @@ def mlp_tile_tokens(t: float, h: int) -> float:
 
 
 def saved_bytes_per_token(
-    m: ModelSpec, dtype: str, residual: int | None = None, fused_ops: str = "none", tiled_mlp: bool = False
+    m: ModelSpec,
+    dtype: str,
+    residual: int | None = None,
+    fused_ops: str = "none",
+    tiled_mlp: bool = False,
+    adapters: lora.Lora | None = None,
 ) -> float:
     """Tensors one decoder layer saves for backward, bytes per token (see the module docstring).
 
     ``residual``: bytes of the residual stream (4 under autocast with fp32 parameters: the unfused norms then also save the
     bf16 cast autocast makes for the next matmul). ``fused_ops`` liger: Liger's RMSNorm and SwiGLU save less;
-    ``tiled_mlp``: the MLP saves nothing (its tiles are recomputed in backward)."""
+    ``tiled_mlp``: the MLP saves nothing (its tiles are recomputed in backward). ``adapters``: a frozen base's block
+    with LoRA adapters (lora.saved_bytes_per_token)."""
+    if adapters is not None:
+        return lora.saved_bytes_per_token(m, adapters, residual, fused_ops, tiled_mlp)
     h, d, a, kv, i = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size
     p = DTYPE_BYTES[dtype]
     r = residual or p
@@ -188,7 +214,12 @@ def matmul_bytes_per_token(m: ModelSpec, dtype: str) -> float:
 
 
 def kept_bytes_per_token(
-    m: ModelSpec, dtype: str, strategy: Strategy, residual: int | None = None, policy: str | None = None
+    m: ModelSpec,
+    dtype: str,
+    strategy: Strategy,
+    residual: int | None = None,
+    policy: str | None = None,
+    adapters: lora.Lora | None = None,
 ) -> float:
     """What one layer under ``policy`` (default: the plan's checkpointing) keeps between its forward and its backward,
     per token, on the GPU.
@@ -200,7 +231,7 @@ def kept_bytes_per_token(
     ck = policy or strategy.checkpointing
     if ck == "none":
         extra = r * m.hidden_size if strategy.fused_ops == "liger" else 0
-        return saved_bytes_per_token(m, dtype, residual, strategy.fused_ops, strategy.tiled_mlp) + extra
+        return saved_bytes_per_token(m, dtype, residual, strategy.fused_ops, strategy.tiled_mlp, adapters) + extra
     if ck == "offload":
         return 0.0
     if ck == "selective":
@@ -215,7 +246,7 @@ def split(m: ModelSpec, s: Strategy) -> LayerSplit:
     return layers_of(s, m.num_layers)
 
 
-def kept_by_layer(m: ModelSpec, dtype: str, s: Strategy, r: int) -> list[float]:
+def kept_by_layer(m: ModelSpec, dtype: str, s: Strategy, r: int, adapters: lora.Lora | None = None) -> list[float]:
     """Bytes per token each decoder layer keeps on the GPU until its backward, first layer first: the offloaded layers
     nothing, the GPU-checkpointed ones their input (selective: + attention's out and lse), the last ``kept`` layers
     everything they save; under kept_saves matmuls their input, attention's out + lse and (on the GPU) their matmul
@@ -227,7 +258,7 @@ def kept_by_layer(m: ModelSpec, dtype: str, s: Strategy, r: int) -> list[float]:
         on_host = set(sp.host_kept)
         kept = [around + (0 if j in on_host else matmul_bytes_per_token(m, dtype)) for j in range(sp.checkpointed, m.num_layers)]
     else:
-        kept = [kept_bytes_per_token(m, dtype, s, r, "none")] * sp.kept
+        kept = [kept_bytes_per_token(m, dtype, s, r, "none", adapters)] * sp.kept
     return [0.0] * sp.host + [kept_bytes_per_token(m, dtype, s, r, ck)] * sp.gpu + kept
 
 
@@ -270,17 +301,36 @@ def mode_buffers(m: ModelSpec, dtype: str, strategy: Strategy, t: float) -> tupl
     return fwd, bwd
 
 
-def _loss_bytes(m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coefficients, r: int) -> dict:
+# TRL's fused LM head (trl 1.16 trl/kernels/chunked_logprob.py): TOKEN_CHUNK_SIZE tokens x the chunk_size the trainer passes
+# (trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE) vocabulary entries per projected tile
+TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768
+
+
+def _loss_bytes(
+    m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coefficients, r: int, path: str = "seqpar", wb: float = 0.0
+) -> dict:
     """Terms at the loss's peak. hf: forward holds bf16 logits + fp32 copy + log_softmax output (10 B/token/vocab), its
     backward the saved output + incoming grad + result (12); seqpar's LossModule returns only the loss, so nothing of the
     logits outlives the loss. chunked: one (chunk, V) block in both dtypes and its fp32 grads, the fp32 grad of the hidden,
     and the fp32 (V, h) accumulator of the head's weight gradient (seqpar.runtime.parallel.loss sums the chunks' products in
-    fp32)."""
+    fp32). ``path`` "trl": TRL's SFTTrainer (its fused LM head, what a chunked plan runs there; ``wb``: bytes per element
+    of the head's weight): it saves a compacted copy of the labelled positions' hidden states, projects one (4096, 32768)
+    tile at a time in the compute dtype, and its metrics (entropy, token accuracy) are fp32 / bool per-token vectors, no
+    logits; its backward accumulates the hidden's and the head's gradients in fp32 and casts both to their dtypes on
+    return (no copy for an fp32 head)."""
     p, v, h = DTYPE_BYTES[dtype], m.vocab_size, m.hidden_size
     if strategy.fused_ops == "liger":  # Liger's RMSNorm: its input (the last layer's output), fp32 rstd, its output
         final_norm = t * (r * h + 4 + p * h)
     else:
         final_norm = t * (4 + 2 * r + (p if r != p else 0)) * h
+    if path == "trl":
+        return {
+            "final_norm": final_norm,
+            "loss_hidden_copy": t * h * p,
+            "hidden_grad_fp32": t * h * (4 + p),
+            "head_grad_fp32": v * h * (4 + (wb if wb != 4 else 0)),
+            "loss_chunk": min(t, TRL_TOKEN_CHUNK) * min(v, TRL_VOCAB_CHUNK) * p + 8 * t,  # tile + saved log_z, entropy
+        }
     if strategy.loss_impl == "hf":
         return {"final_norm": final_norm, "loss_fp32_logits": t * v * 12}
     chunk = min(t, c.loss_chunk_tokens)
@@ -300,7 +350,53 @@ def _nccl_groups(strategy: Strategy, world: int) -> int:
     return 1 + (strategy.sp_degree > 1) + takes_ulysses_degree(strategy.mode)  # a hybrid mode: ring and Ulysses groups
 
 
-def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> MemoryEstimate:
+def attention_backward_workspace(m: ModelSpec, t: float, cluster: ClusterSpec, c: Coefficients, heads_split: int = 1) -> float:
+    """Bytes the attention kernel's backward allocates for itself while it runs, for t query tokens of one call (the
+    local tokens in every mode: a ring step's KV block and a Ulysses call's whole sequence at 1/P heads come to the
+    same), beside dq, dk, dv.
+
+    cuDNN (Hopper and newer; torch's run_cudnn_SDP_bprop allocates the graph's workspace through the caching
+    allocator as one block): the softmax sum dO.O, fp32 per query head and token; with GQA, dK and dV at the query
+    heads' width before they are summed onto the KV heads (NVIDIA/cudnn-frontend,
+    include/cudnn_frontend/node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: softmax_sum,
+    dK_fullhead, dV_fullhead), 8 bytes per element together: Llama-3.1-8B at 172032 tokens on an H100 asked for
+    5.27 GiB = 172032 x 32 x (128 x 8 + 4) bytes, its out-of-memory message.
+    flash (FlashAttention-2, PyTorch's and flash-attn's): not counted. Its source allocates an fp32 dq accumulator and,
+    with GQA, dk, dv at the query heads' width (flash_api.cpp, mha_bwd: dq_accum, dk_expanded, dv_expanded), but the
+    published ALST runs on FlashAttention-2 (seqpar/profiles/published_runs.json, 14M and 15M tokens at sp 32) used
+    74.5 and 78.5 GiB of device memory in all, where the dq accumulator alone would add 6.7 GiB to a prediction that
+    already meets them within 2%: without a measurement of our own the term stays out, and the margin carries it.
+    ``heads_split``: Ulysses' degree u; a call then sees a / u query heads and kv / u KV heads (at least one: the KV
+    heads are replicated when u > kv), so GQA, and its full-head workspace, is gone once a call holds as many KV heads
+    as query heads (u >= a, e.g. Llama-3.1-8B's 32 heads at sp 32)."""
+    if cluster.accelerator != "cuda":
+        return 0.0
+    a, kv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
+    q_local, kv_local = a / heads_split, max(kv / heads_split, 1.0)
+    gqa = kv_local < q_local
+    if c.attention_backend(cluster) != "cudnn":
+        return 0.0
+    return t * a * (4 + (8 * d if gqa else 0))
+
+
+def capacity_bytes(cluster: ClusterSpec, c: Coefficients) -> float:
+    """What one process can allocate on the GPU in all: NVML's total less the driver's own reserve (torch.cuda.mem_get_info's
+    total; measured per profile or probed through NVML, else the coefficients' default). The CUDA context, the allocator's
+    slack and NCCL's buffers come out of it too, as part of the reserved memory."""
+    g = cluster.gpu
+    if cluster.accelerator != "cuda":
+        return g.memory_gib * GIB
+    reserve = g.driver_reserved_gib if g.driver_reserved_gib is not None else c.driver_reserve_gib
+    return (g.memory_gib - reserve) * GIB
+
+
+def estimate_memory(
+    w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, margin: bool = True, loss_path: str = "seqpar"
+) -> MemoryEstimate:
+    """Peak allocated bytes per GPU over a step's phases, what the allocator and CUDA reserve beyond it, and whether it
+    fits with the gate's margin (``margin=False``: with none, as the margin's own rows are predicted). ``loss_path``: whose
+    loss runs, seqpar's own (``seqpar``) or TRL's SFTTrainer (``trl``: its fused LM head whatever the plan's loss_impl,
+    _loss_bytes)."""
     m, dtype = w.model, w.dtype
     prec = precision(w, s, cluster.accelerator)
     p, r = prec.compute, prec.residual
@@ -310,14 +406,17 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     t = w.micro_batch_size * w.seq_len / s.sp_degree
     h, i = m.hidden_size, m.intermediate_size
     accum = s.gradient_accumulation_steps
-    states = model_states(m, s.sharding, w.optimizer, dtype, world, prec)
+    lo = lora.regime(w, s, cluster.accelerator)  # None for a full fine-tuning
+    states = lora.model_states(m, lo, s.sharding, world) if lo else model_states(m, s.sharding, w.optimizer, dtype, world, prec)
     grads_full = states["gradients"]
-    ds = deepspeed_memory.terms(m, s.sharding, w.optimizer, prec.grad, world)  # DeepSpeed's own buffers (zero* only)
+    ds = _deepspeed_terms(w, s, prec, world, lo)  # DeepSpeed's own buffers (zero* only)
     opt = {"weights": states["weights"], "optimizer_states": states["optimizer_states"], "deepspeed_bucket": ds.bucket}
+    if lo is not None:
+        opt["adapter_weights"] = states["adapter_weights"]
     gathered = states.get("gathered_params", 0.0)
     layers = split(m, s)
     kept_cum = [0.0]  # kept_cum[j]: bytes kept on the GPU by layers 0..j-1
-    for b in kept_by_layer(m, dtype, s, r):
+    for b in kept_by_layer(m, dtype, s, r, lo):
         kept_cum.append(kept_cum[-1] + b * t)
     # two offloaded layer inputs in flight on the GPU while the offloaded layers run (forward: going out; backward: coming
     # back); the GPU-kept layers above them move nothing, so with a split the top of the step has none in flight
@@ -330,6 +429,9 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         top_inflight += mm
     # autocast caches a bf16 copy of every fp32 matmul weight until the forward's autocast region exits (before backward)
     cache = 2 * matmul_params(m) if prec.autocast_cache else 0.0
+    # LoRA: the frozen base is in the model dtype already; fp32 adapters under autocast are cast (lora.regime)
+    cache += lora_adapter_cache(m, lo)
+    dequant = lora.dequant_buffer_bytes(m, lo) if lo else 0.0  # QLoRA: one layer's weight dequantized at a time
     fwd_buf, bwd_buf = mode_buffers(m, dtype, s, t)
     # gradient accumulation keeps them between micro-batches; DeepSpeed allocates the partition's buffer once
     carried_grads = grads_full if accum > 1 or ds.grads_preallocated else 0.0
@@ -351,13 +453,17 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
         "gathered_params": gathered,
         "autocast_weight_cache": cache,
         "checkpointed_activations": max(kept_cum[L] + top_inflight, kept_cum[layers.host] + offload_inflight),
-        "layer_working_set": work_fwd,
+        "layer_working_set": work_fwd + (lora.forward_transient_bytes(m, lo, s.tiled_mlp) * t if lo else 0.0),
         "mode_buffers": fwd_buf,
+        "dequantized_weight": dequant,
     }
     # the loss's backward: logits and their fp32 copies; the head's gradient appears
-    loss_terms = _loss_bytes(m, dtype, s, t, c, r)
+    loss_terms = _loss_bytes(m, dtype, s, t, c, r, loss_path, prec.weight)
     share = grads_full / max(m.num_params, 1)  # gradient bytes per parameter on this GPU
     head_grad = 0.0 if m.tie_word_embeddings else m.vocab_size * h * share
+    if lo is not None:  # the LM head is frozen: no gradient, and the chunked loss accumulates none for it
+        loss_terms.pop("head_grad_fp32", None)
+        share, head_grad = grads_full / max(lora.adapter_params(m, lo.spec), 1), 0.0
     # the loss's forward runs inside the autocast region (weight cache live, 10 of the 12 bytes), its backward after it
     base_loss = {
         **opt,
@@ -371,22 +477,32 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     loss = max(loss_fwd, loss_bwd, key=lambda d: sum(d.values()))
     # backward of layer j, recomputing it when it is checkpointed: linear in j within each block of the split, so its
     # maximum is at the top layer (j = L-1), the top checkpointed layer or the bottom one (j = 0)
-    recompute = saved_bytes_per_token(m, dtype, r, s.fused_ops, s.tiled_mlp) * t
+    recompute = saved_bytes_per_token(m, dtype, r, s.fused_ops, s.tiled_mlp, lo) * t
     # the layer's backward peaks either in the MLP's backward (two intermediates' gradients) or in attention's (dq, dk,
     # dv beside the saved q, k, v, out); untiled the MLP moment is larger, tiled it is attention's
     attn_grads = t * p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+    attn_grads += attention_backward_workspace(m, t, cluster, c, head_degree(s.mode, s.sp_degree, s.ulysses_degree))
     if s.tiled_mlp:
         grad_flow = t * 2 * r * h + max(tile * 2 * p * i, attn_grads)  # hidden grads in and out + the larger moment
         # one tile's recomputed intermediates (unfused: gate, silu, up, product; liger: gate, up, product) and the fp32
-        # weight-gradient accumulators of one MLP (gate, up, down: 3 h x I)
-        tiled_buffers = tile * (3 if s.fused_ops == "liger" else 4) * p * i + 3 * h * i * 4
+        # weight-gradient accumulators of one MLP (gate, up, down: 3 h x I; LoRA: of its adapters, what trains)
+        accumulators = 4 * lora.mlp_adapter_params_per_layer(m, lo.spec) if lo else 3 * h * i * 4
+        tiled_buffers = tile * (3 if s.fused_ops == "liger" else 4) * p * i + accumulators
     else:
         # Liger's SwiGLU backward writes the gate and up gradients into its saved inputs (in place): only the
         # product's gradient is new there
         mlp_grads = (1 if s.fused_ops == "liger" else 2) * p * i
-        grad_flow = t * (2 * r * h + max(mlp_grads, p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim))
+        # attention's backward runs after the MLP's, whose saved tensors (gate, up, product; unfused silu too) are
+        # freed by then: that moment has them less
+        mlp_saved = (3 if s.fused_ops == "liger" else 4) * p * i
+        grad_flow = t * 2 * r * h + max(t * mlp_grads, attn_grads - t * mlp_saved)
         tiled_buffers = 0.0
     per_layer_grad = m.layer_params * share
+    gathered_grad = m.layer_params * p if gathered else 0.0  # the gathered layer's gradient before its reduce-scatter
+    if lo is not None:  # the adapters' gradients only; their input gradients meet the frozen base's (lora.grad_moment_bytes)
+        grad_flow = max(grad_flow, t * (2 * r * h + lora.grad_moment_bytes(m, lo, s.tiled_mlp)))
+        per_layer_grad = lora.adapter_params_per_layer(m, lo.spec) * share
+        gathered_grad = lora.adapter_params_per_layer(m, lo.spec) * p if gathered else 0.0
     ck, on_host = layers.checkpointed, set(layers.host_kept)
 
     # a kept_saves matmuls layer's recomputation makes what the layer saves but its kept matmul outputs (v, gate, up)
@@ -410,7 +526,7 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     # each host-kept layer and the layer above it (which fetches it): the GPU holds one or two layers' outputs more there
     points |= {j + d for j in on_host for d in (0, 1) if j + d < L}
     for j in sorted(points, reverse=True):
-        g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + (m.layer_params * p if gathered else 0.0))
+        g = max(carried_grads, head_grad + (L - 1 - j) * per_layer_grad + gathered_grad)
         cand = {
             **opt,
             "gradients": g,
@@ -420,11 +536,14 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
             "gradient_flow": grad_flow,
             "tiled_mlp_buffers": tiled_buffers,
             "mode_buffers": bwd_buf,
+            "dequantized_weight": dequant,
         }
         if sum(cand.values()) > sum(backward.values()):
             backward = cand
     # optimizer step: the states plus one fp32 temporary of the largest local tensor (per-tensor update)
-    largest = max(m.vocab_size * h, h * i) * (1.0 if s.sharding in ("ddp",) else 1.0 / world)
+    largest = (lora.largest_adapter(m, lo.spec) if lo else max(m.vocab_size * h, h * i)) * (
+        1.0 if s.sharding in ("ddp",) else 1.0 / world
+    )
     optimizer = {
         **opt,
         "gradients": grads_full,
@@ -441,20 +560,48 @@ def estimate_memory(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficie
     peak_phase = max(totals, key=totals.get)
     breakdown = {k: v for k, v in phases[peak_phase].items() if v > 0}
     peak = totals[peak_phase]
-    reserved = peak + c.allocator_slack(peak) + (c.cuda_context_gib + c.nccl_buffer_gib_per_group * _nccl_groups(s, world)) * GIB
-    capacity = cluster.gpu.memory_gib * GIB
+    fixed = (c.cuda_context_gib + c.nccl_buffer_gib_per_group * _nccl_groups(s, world)) * GIB
+    reserved = peak + c.allocator_slack(peak) + fixed
+    # what must fit: the caching allocator hands back its cached blocks and retries before it raises out-of-memory
+    # (torch c10/cuda/CUDACachingAllocator.cpp, malloc: release_available_cached_blocks, then release_cached_blocks),
+    # so of its slack only the part it cannot give back counts (allocator_reserve_gib), not the share of the peak it
+    # keeps cached while memory is plentiful
+    required = peak + c.allocator_reserve_gib * GIB + fixed
+    capacity = capacity_bytes(cluster, c)
     host = host_bytes(w, cluster, s, c)
     host_cap = cluster.host_ram_gib * GIB * c.host_ram_usable_fraction
+    kept, basis = 0.0, ""
+    if margin and cluster.accelerator == "cuda":
+        from seqpar.advisor.cost.margin import memory_margin  # it predicts measured runs with this module
+
+        got = memory_margin(w, s, c)
+        kept, basis = got.fraction * peak, got.basis
+    elif margin:  # CPU ranks: no measured runs to take an error from
+        kept, basis = c.memory_margin_floor * peak, f"CPU ranks: the floor of {c.memory_margin_floor:.0%}"
     reason = ""
-    if reserved + c.headroom_gib * GIB > capacity:
+    if required + kept > capacity:
         reason = (
-            f"predicted {reserved / GIB:.1f} GiB reserved (peak allocated {peak / GIB:.1f} GiB in {peak_phase}) + "
-            f"{c.headroom_gib:g} GiB headroom > {capacity / GIB:.1f} GiB on {cluster.gpu.name}"
+            f"predicted peak {peak / GIB:.1f} GiB allocated in {peak_phase} + {(required - peak) / GIB:.1f} GiB CUDA "
+            f"context and allocator + {kept / GIB:.1f} GiB margin > {capacity / GIB:.1f} GiB a process can allocate on "
+            f"{cluster.gpu.name}"
         )
     elif host > host_cap:
         reason = f"host RAM: {host / GIB:.0f} GiB per node needed > {host_cap / GIB:.0f} GiB usable"
     return MemoryEstimate(
-        peak, peak_phase, breakdown, totals, reserved, capacity, host, host_cap, not reason, reason, phase_terms=phases
+        peak,
+        peak_phase,
+        breakdown,
+        totals,
+        reserved,
+        capacity,
+        host,
+        host_cap,
+        not reason,
+        reason,
+        phase_terms=phases,
+        required_bytes=required,
+        margin_bytes=kept,
+        margin_basis=basis,
     )
 
 
@@ -467,7 +614,9 @@ def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) 
     if cluster.accelerator == "cuda":
         out += cluster.gpus_per_node * c.host_process_gib * GIB
     if s.sharding == "zero3_offload":
-        out += m.num_params * (p + 4 + optimizer_bytes_per_param(w.optimizer, w.dtype)) / cluster.nodes
+        lo = lora.regime(w, s, cluster.accelerator)
+        states = lora.host_state_bytes(m, lo) if lo else m.num_params * (p + 4 + optimizer_bytes_per_param(w.optimizer, w.dtype))
+        out += states / cluster.nodes
     layers = split(m, s)
     t = w.micro_batch_size * w.seq_len / s.sp_degree
     if layers.host:
@@ -502,3 +651,23 @@ def offloaded_inputs(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[in
     layer = precision(w, s, cluster.accelerator).residual * w.model.hidden_size * w.micro_batch_size * w.seq_len / s.sp_degree
     budget = cluster.pinned_gib_per_rank * GIB
     return host, layer, min(host, int(budget // pinned_block(layer)))
+
+
+# --------------------------------------------------------------------------------------------- LoRA's own terms
+
+
+def lora_adapter_cache(m: ModelSpec, lo: lora.Lora | None) -> float:
+    """Autocast's copies of fp32 adapters in the compute dtype while the forward runs (lora.regime's copies); 0 else."""
+    return lora.adapter_params(m, lo.spec) * lo.compute if lo is not None and lo.copies else 0.0
+
+
+def _deepspeed_terms(w: Workload, s: Strategy, prec: Precision, world: int, lo: lora.Lora | None):
+    """DeepSpeed's own buffers (deepspeed_memory.terms); with LoRA its optimizer holds the adapters only and a gathered
+    layer is the frozen base's block (4-bit under nf4) with its adapters."""
+    if lo is None:
+        return deepspeed_memory.terms(w.model, s.sharding, w.optimizer, prec.grad, world)
+    m = w.model
+    layer = lora.base_layer_bytes(m, lo) + lora.adapter_params_per_layer(m, lo.spec) * lo.compute
+    return deepspeed_memory.terms(
+        m, s.sharding, w.optimizer, prec.grad, world, trainable=lora.adapter_params(m, lo.spec), layer_bytes=layer
+    )

@@ -18,10 +18,17 @@ from seqpar.plan.specs import ClusterSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 
 
-def predict(workload: Workload, cluster: ClusterSpec, strategy: Strategy, coeffs: Optional[Coefficients] = None) -> Prediction:
-    """Peak memory, OOM verdict and throughput of one configuration on one cluster."""
+def predict(
+    workload: Workload,
+    cluster: ClusterSpec,
+    strategy: Strategy,
+    coeffs: Optional[Coefficients] = None,
+    loss_path: str = "seqpar",
+) -> Prediction:
+    """Peak memory, OOM verdict and throughput of one configuration on one cluster; ``loss_path`` "trl": the loss TRL's
+    SFTTrainer runs (memory.estimate_memory)."""
     c = coeffs or load_coefficients()
-    mem = estimate_memory(workload, cluster, strategy, c)
+    mem = estimate_memory(workload, cluster, strategy, c, loss_path=loss_path)
     tim = estimate_time(workload, cluster, strategy, c)
     return Prediction(
         peak_memory_gib=round(mem.peak_bytes / GIB, 3),
@@ -35,6 +42,8 @@ def predict(workload: Workload, cluster: ClusterSpec, strategy: Strategy, coeffs
         first_step_s=round(tim.step_time_s + first_step_extra_s(workload, cluster, strategy, c), 4),
         step_time_breakdown_s={k: round(v, 4) for k, v in tim.breakdown_s.items()},
         mfu=round(tim.mfu, 4),
+        memory_margin_gib=round(mem.margin_bytes / GIB, 3),
+        memory_margin_basis=mem.margin_basis,
         oom_risk=not mem.fits,
         coefficients_version=f"{c.version} ({c.factors_note(cluster)})",
     )

@@ -28,17 +28,26 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
   d / (d + d0), normalised to the 128-wide heads of kernel_tflops; past 64K-token calls it stays flat. h0, d0, n0 and
   the elementwise efficiency: coefficients.json (each with its source); what each term fixed: BENCHMARKS.md, "Cost
   model accuracy".
-* Communication (bytes per GPU, bandwidth = link datasheet x NCCL efficiency): ring: P-1 K,V blocks per layer and pass
-  (plus fp32 dK,dV in backward), each against 1/P of the pass's attention compute, hidden up to ``ring_overlap``; Ulysses:
-  four all-to-alls per layer and pass, each moving (u-1)/u of a q/k/v/o tensor, not hidden; dist flash: P/2 helper steps
-  carrying Q,K,V out and O,lse back; all-gather of K,V: the other ranks' K,V gathered in forward and again in backward,
-  their gradients reduce-scattered, not hidden (which of these a mode has is its description's ``comm``); gradients:
-  ring all-reduce 2(N-1)/N*2Psi (DDP), reduce-scatter + all-gather (ZeRO-2),
-  per-layer all-gathers in forward and backward + reduce-scatter (ZeRO-3 / FSDP), hidden up to ``grad_comm_overlap``
-  under backward; ZeRO-3 offload adds PCIe copies of the parameter shards and fp32 gradients and the CPU Adam step.
+* Communication (bytes per GPU; bandwidth = NCCL's bus bandwidth for the operation and its per-call message size on the
+  link, from published nccl-tests rows: collectives.py): ring: P-1 K,V blocks per layer and pass (plus fp32 dK,dV one
+  step behind in backward), each step exposing max(0, transfer - its 1/P of the pass's attention) and backward's last
+  dK,dV hop exposed whole (``ring_exposed_s``: the send/recv of step i+1 runs during step i's compute, as
+  zigzag_ring_attn and ring-flash-attention lay it out); Ulysses: four all-to-alls per layer and pass, each moving (u-1)/u
+  of a q/k/v/o tensor, not hidden; dist flash: P/2 helper steps carrying Q,K,V out and O,lse back, hidden up to
+  ``ring_overlap``; all-gather of K,V: the other ranks' K,V gathered in forward and again in backward, their gradients
+  reduce-scattered, not hidden (which of these a mode has is its description's ``comm``); gradients: ring all-reduce
+  2(N-1)/N*2Psi in DDP's 25 MiB buckets (DDP), reduce-scatter in DeepSpeed's reduce buckets + all-gather of the updated
+  partitions (ZeRO-2), per-layer all-gathers in forward and backward + reduce-scatter (ZeRO-3 / FSDP), hidden up to
+  ``grad_comm_overlap`` under backward; ZeRO-3 offload adds PCIe copies of the parameter shards and fp32 gradients and
+  the CPU Adam step (its host bytes per parameter: deepspeed_memory.CPU_ADAM_HOST_BYTES).
 * Checkpoint offload (the plan's offloaded layers): pinned copies mostly hidden under compute, pageable ones beyond the
   pinned budget exposed (``offload_copy_time``, rates: coefficients.json); the first step adds its one-off costs
   (``first_step_extra_s``: the prediction's first_step_s, which the bill counts once).
+* LoRA / QLoRA (``workload.lora``; seqpar.advisor.cost.lora): the frozen linears' backward computes their inputs'
+  gradients only (4 N_lin per token instead of 6), the adapters add 6 FLOPs per parameter and their elementwise
+  traffic; QLoRA dequantizes every 4-bit weight once per forward, recompute and backward (HBM-bound, at the elementwise
+  efficiency: ``dequantize``); the model-state traffic moves the adapters' gradients and the frozen base's gathers
+  (``lora_state_time``).
 * MFU: seqpar.plan.flops' model FLOPs (no recompute) over the datasheet bf16 peak of every GPU, the count measured MFU
   (seqpar.runtime.train.report) uses too.
 """
@@ -47,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from seqpar.advisor.cost import packed
+from seqpar.advisor.cost import collectives, deepspeed_memory, lora, packed
 from seqpar.advisor.cost.coefficients import Coefficients
 from seqpar.advisor.cost.memory import (
     kept_host_matmuls,
@@ -68,6 +77,7 @@ from seqpar.plan.units import GIB
 REF_CALL_TOKENS = 65536  # kernel_tflops rows are measured at long calls (16K-128K); eff(n) is normalised to 1 here
 REF_WIDTH = 8192  # the matmul rate of kernel_tflops is an 8192^3 GEMM; the width efficiency is normalised to 1 there
 REF_HEAD_DIM = 128  # the attention rates of kernel_tflops are measured with 128-wide heads (Llama-2-7B's)
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DistributedDataParallel's bucket_cap_mb default: 25 MiB per all-reduce call
 
 
 @dataclass(frozen=True)
@@ -210,11 +220,37 @@ def width_efficiency(hidden: int, h0: float) -> float:
     return (hidden / (hidden + h0)) / (REF_WIDTH / (REF_WIDTH + h0))
 
 
-def _bw(cluster: ClusterSpec, group: int, c: Coefficients, contiguous_inner: int = 1) -> float:
-    """Bytes/s per GPU for a group of ``group`` ranks laid out ``contiguous_inner`` apart: NVLink inside a node, else the NIC."""
+def _bw(
+    cluster: ClusterSpec,
+    group: int,
+    c: Coefficients,
+    contiguous_inner: int = 1,
+    op: str | None = None,
+    message_bytes: float = 0.0,
+) -> float:
+    """Bytes/s per GPU for a group of ``group`` ranks laid out ``contiguous_inner`` apart: NVLink inside a node, else the
+    NIC. With ``op``: NCCL's bus bandwidth for that operation at ``message_bytes`` per call (collectives.py: published
+    nccl-tests rows per link); without: the link x comm_bandwidth_efficiency."""
     spans = group * contiguous_inner > cluster.gpus_per_node
     link = cluster.inter_node_link if spans and cluster.inter_node_link else cluster.intra_node_link
-    return link.bandwidth_gb_s * 1e9 * c.comm_bandwidth_efficiency
+    if op is None:
+        return link.bandwidth_gb_s * 1e9 * c.comm_bandwidth_efficiency
+    return collectives.bus_bandwidth(link.kind, link.bandwidth_gb_s, op, message_bytes, c.comm_bandwidth_efficiency)
+
+
+def ring_exposed_s(kv_s: float, dkv_s: float, step_compute_s: float, ranks: int) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of one layer's ring (zigzag_ring_attn; ring-flash-attention's
+    zigzag_ring_flash_attn.py is laid out the same): each step posts the next K,V block's send/recv before its own
+    attention and waits for it after, so a step exposes max(0, transfer - compute). Forward: P-1 steps carry K,V, the last
+    none. Backward: dK,dV travel one step behind K,V on a second ring, so step 0 carries K,V only, steps 1..P-2 both, step
+    P-1 the previous dK,dV only, and the last hop of dK,dV (home to its owner) is waited for after the loop, with no
+    compute left to hide it."""
+    if ranks <= 1:
+        return 0.0, 0.0
+    fwd = (ranks - 1) * max(0.0, kv_s - step_compute_s)
+    bwd = max(0.0, kv_s - step_compute_s) + max(0.0, dkv_s - step_compute_s) + dkv_s
+    bwd += (ranks - 2) * max(0.0, kv_s + dkv_s - step_compute_s)
+    return fwd, bwd
 
 
 def _hidden(comm: float, compute: float, overlap: float) -> float:
@@ -230,11 +266,15 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     accum = s.gradient_accumulation_steps
 
     # ---- compute of one micro-batch
-    lin_ideal = (
-        t
-        * linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp, recomputed_matmul_layers(w, cluster, s))
-        / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
-    )
+    lo = lora.regime(w, s, cluster.accelerator)  # None for a full fine-tuning
+    recomputed = recomputed_matmul_layers(w, cluster, s)
+    if lo is not None:
+        lin_flops = lora.linear_flops_per_token(
+            m, lo, s.loss_impl, s.tiled_mlp, recomputed, matmul_params(m), layer_matmul_params(m)
+        )
+    else:
+        lin_flops = linear_flops_per_token(m, s.checkpointing, s.loss_impl, s.tiled_mlp, recomputed)
+    lin_ideal = t * lin_flops / (c.kernel_rate_tflops(cluster, "matmul") * 1e12)
     lin_ideal /= width_efficiency(m.hidden_size, c.matmul_width_h0)
     n = call_tokens(s, S)
     eff = call_efficiency(n, c)
@@ -261,20 +301,20 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     kv_eff = kv if (u == 1 or kv % u == 0) else u
     if u > 1:
         a2a_bytes = (u - 1) / u * t * p * (2 * a * d + 2 * kv_eff * d) * L  # q, k, v in and o out, one pass
-        sp_comm += passes * a2a_bytes / _bw(cluster, u, c)
+        call = t * p * (2 * a * d + 2 * kv_eff * d) / 4  # one of the four all-to-alls of a layer (q, k, v, o), on average
+        sp_comm += passes * a2a_bytes / _bw(cluster, u, c, op="alltoall", message_bytes=call)
     if r > 1:
-        bw = _bw(cluster, r, c, contiguous_inner=u)
         kv_block = 2 * p * t * kv_eff * d  # K and V of t tokens (usp: t*u tokens at kv_eff/u heads)
-        ring_passes = [(kv_block, attn_fwd_t), (kv_block + 8 * t * kv_eff * d, 2.5 * attn_fwd_t)]  # fwd; bwd adds fp32 dK,dV
-        for pass_bytes, pass_compute in ring_passes:
-            step_comm, step_compute = pass_bytes / bw, pass_compute / L / r
-            sp_comm += L * (r - 1) * transfers * _hidden(step_comm, step_compute, c.ring_overlap)
+        dkv_block = 8 * t * kv_eff * d  # their fp32 gradients, one step behind (backward)
+        kv_s = kv_block / _bw(cluster, r, c, contiguous_inner=u, op="sendrecv", message_bytes=kv_block)
+        dkv_s = dkv_block / _bw(cluster, r, c, contiguous_inner=u, op="sendrecv", message_bytes=dkv_block)
+        fwd_x, _ = ring_exposed_s(kv_s, dkv_s, attn_fwd_t / L / r, r)
+        _, bwd_x = ring_exposed_s(kv_s, dkv_s, 2.5 * attn_fwd_t / L / r, r)
         # the recomputed layers' forward K,V pass, once more for each layer whose recomputation runs attention
-        step_comm, step_compute = kv_block / bw, attn_fwd_t / L / r
-        sp_comm += recompute_share * L * (r - 1) * transfers * _hidden(step_comm, step_compute, c.ring_overlap)
+        sp_comm += L * transfers * (fwd_x * (1 + recompute_share) + bwd_x)
     comm = describe(s.mode).comm
     if "peer_blocks" in comm and P > 1:
-        bw = _bw(cluster, P, c)
+        bw = _bw(cluster, P, c, op="sendrecv", message_bytes=t * p * (a * d + 2 * kv * d))
         steps = P / 2
         fwd_bytes = t * (p * (a * d + 2 * kv * d) + 4 * a * d + 4 * a)
         bwd_bytes = t * (p * (3 * a * d + 2 * kv * d) + 4 * (a * d + 2 * kv * d))
@@ -286,21 +326,25 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     if "all_gather_kv" in comm and P > 1:
         gathered = (P - 1) * t * 2 * p * kv * d  # the other ranks' K and V of one layer
         # forward gathers; backward gathers again and reduce-scatters dK, dV (as many bytes); a recomputed layer gathers again
-        sp_comm += (3 + recompute_share) * L * gathered / _bw(cluster, P, c)
+        ag = _bw(cluster, P, c, op="all_gather", message_bytes=P / (P - 1) * gathered)
+        sp_comm += (3 + recompute_share) * L * gathered / ag
 
     # ---- model-state traffic
     psi = m.num_params
     bwd_compute = (lin_t + attn_t) * 0.6  # backward (with its recompute) is ~2/3 of the FLOPs; keep some slack
     grad_exposed = offload = opt_t = 0.0
     if world > 1:
-        bw = _bw(cluster, world, c)
         frac = (world - 1) / world
         if s.sharding == "ddp":  # DDP all-reduces the gradients in their dtype: fp32 under autocast (memory.precision)
             gb = precision(w, s, cluster.accelerator).grad
+            bw = _bw(cluster, world, c, op="all_reduce", message_bytes=DDP_BUCKET_BYTES)
             grad_exposed = _hidden(2 * frac * psi * gb / bw, bwd_compute * accum, c.grad_comm_overlap)
-        elif s.sharding == "zero2":
-            grad_exposed = _hidden(frac * psi * p / bw, bwd_compute * accum, c.grad_comm_overlap) + frac * psi * p / bw
-        else:  # zero3 / fsdp / zero3_offload: gathers in forward and backward + reduce-scatter, every micro-batch
+        elif s.sharding == "zero2":  # reduce-scatter in reduce_bucket_size buckets, then the updated partitions gathered
+            rs = _bw(cluster, world, c, op="reduce_scatter", message_bytes=deepspeed_memory.REDUCE_BUCKET * p)
+            ag = _bw(cluster, world, c, op="all_gather", message_bytes=psi * p)
+            grad_exposed = _hidden(frac * psi * p / rs, bwd_compute * accum, c.grad_comm_overlap) + frac * psi * p / ag
+        else:  # zero3 / fsdp / zero3_offload: gathers in forward and backward + reduce-scatter, every micro-batch, a layer a call
+            bw = _bw(cluster, world, c, op="all_gather", message_bytes=m.layer_params * p)
             grad_exposed = accum * _hidden(3 * frac * psi * p / bw, lin_t + attn_t, c.grad_comm_overlap)
     if s.sharding == "zero3_offload":
         pcie = c.offload_bandwidth_gb_s * 1e9
@@ -309,14 +353,21 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     elif w.optimizer != "none":
         local = psi if s.sharding == "ddp" else psi / world
         opt_t = local * (2 * optimizer_bytes_per_param(w.optimizer, w.dtype) + 3 * p) / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
+    if lo is not None:  # the adapters' gradients and states, the frozen base's gathers
+        grad_exposed, offload, opt_t = lora_state_time(w, cluster, s, c, lo, bwd_compute, lin_t + attn_t)
     offload += accum * offload_copy_time(w, cluster, s, c, lin_t + attn_t)
 
     compute = accum * (lin_t + attn_t)
     elementwise = accum * elementwise_time(m, cluster, s, t, c.elementwise_efficiency)
+    dequantize = 0.0
+    if lo is not None:
+        elementwise += accum * lora_elementwise_time(m, cluster, s, lo, t, c.elementwise_efficiency)
+        dequantize = accum * dequantize_time(m, cluster, s, lo, c.elementwise_efficiency)
     exposed = accum * sp_comm + grad_exposed
-    step = compute + elementwise + exposed + offload + opt_t
+    step = compute + elementwise + exposed + offload + opt_t + dequantize
     tokens = S * b * s.dp_degree * accum
-    model_flops = b * s.dp_degree * accum * model_flops_per_sequence(m, S, mix)  # seqpar.plan.flops: measured MFU counts the same
+    # seqpar.plan.flops: measured MFU counts the same
+    model_flops = b * s.dp_degree * accum * model_flops_per_sequence(m, S, mix, w.lora)
     mfu = model_flops / step / (world * cluster.gpu.bf16_tflops * 1e12)
     parts = {
         "linear_ideal": accum * lin_ideal,
@@ -327,10 +378,56 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     parts["rest"] = (
         step - compute - parts["cpu_adam"]
     )  # fixed, unscaled by the fit: elementwise + communication + offload + GPU Adam
-    return TimeEstimate(
-        step,
-        tokens / step,
-        {"compute": compute, "elementwise": elementwise, "exposed_comm": exposed, "offload": offload, "optimizer": opt_t},
-        mfu,
-        parts,
-    )
+    breakdown = {"compute": compute, "elementwise": elementwise, "exposed_comm": exposed, "offload": offload, "optimizer": opt_t}
+    if dequantize:
+        breakdown["dequantize"] = dequantize
+    return TimeEstimate(step, tokens / step, breakdown, mfu, parts)
+
+
+# --------------------------------------------------------------------------------------------- LoRA's own terms
+
+
+def lora_elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, lo: lora.Lora, tokens: float, eff: float) -> float:
+    """Seconds of the adapters' elementwise traffic (lora.elementwise_bytes_per_token) for ``tokens`` local tokens, over
+    the same passes as the block's own (elementwise_time: forward, recompute, backward's two)."""
+    layers = split(m, s)
+    passes = 3 * m.num_layers + layers.checkpointed + (layers.kept if layers.matmuls else 0)
+    return tokens * lora.elementwise_bytes_per_token(m, lo) * passes / (cluster.gpu.hbm_bandwidth_gb_s * 1e9 * eff)
+
+
+def dequantize_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, lo: lora.Lora, eff: float) -> float:
+    """QLoRA: seconds of one micro-batch's dequantization, every 4-bit weight read and written in the compute dtype once
+    per forward, per recompute (the checkpointed layers) and per backward (its inputs' gradients); 0 without nf4."""
+    passes = 2 * m.num_layers + split(m, s).checkpointed
+    return lora.dequant_bytes_per_layer(m, lo) * passes / (cluster.gpu.hbm_bandwidth_gb_s * 1e9 * eff)
+
+
+def lora_state_time(
+    w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, lo: lora.Lora, bwd_compute: float, compute: float
+) -> tuple[float, float, float]:
+    """(exposed gradient communication, ZeRO-3 offload copies, optimizer step) seconds of one step with LoRA: DDP and
+    ZeRO-2 reduce the adapters' gradients only; ZeRO-3 / FSDP gather every layer (the frozen base with its adapters) in
+    forward and backward and reduce-scatter the adapters' gradients; ZeRO-3 offload copies the base's shards in both
+    passes and the adapters' fp32 gradients back, and steps the adapters on the CPU; otherwise the adapters' AdamW on
+    the GPU (the frozen base has no update)."""
+    m, p = w.model, DTYPE_BYTES[w.dtype]
+    world, accum = s.world_size, s.gradient_accumulation_steps
+    a, base = lora.adapter_params(m, lo.spec), lora.base_bytes(m, lo)
+    grad_exposed = offload = opt_t = 0.0
+    if world > 1:
+        bw = _bw(cluster, world, c)
+        frac = (world - 1) / world
+        if s.sharding == "ddp":
+            grad_exposed = _hidden(2 * frac * a * lo.grad / bw, bwd_compute * accum, c.grad_comm_overlap)
+        elif s.sharding == "zero2":
+            grad_exposed = _hidden(frac * a * p / bw, bwd_compute * accum, c.grad_comm_overlap) + frac * a * p / bw
+        else:
+            moved = frac * (2 * (base + a * p) + a * p)
+            grad_exposed = accum * _hidden(moved / bw, compute, c.grad_comm_overlap)
+    if s.sharding == "zero3_offload":
+        offload = accum * (2 * (base + a * p) / world + a * 4 / world) / (c.offload_bandwidth_gb_s * 1e9)
+        opt_t = a / cluster.nodes / (c.cpu_adam_gparams_per_s * 1e9) if w.optimizer != "none" else 0.0
+    elif w.optimizer != "none":
+        local = a if s.sharding == "ddp" else a / world
+        opt_t = local * (2 * lo.optim + 3 * p) / (cluster.gpu.hbm_bandwidth_gb_s * 1e9)
+    return grad_exposed, offload, opt_t

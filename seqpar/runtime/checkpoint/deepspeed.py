@@ -53,7 +53,8 @@ def full_weights(wrapped) -> dict:
 def save(wrapped, folder) -> None:
     """Collective: DeepSpeed's sharded checkpoint (every rank writes its partition) under ``folder``, pickle-free."""
     install(wrapped)
-    wrapped.save_checkpoint(str(folder), tag="state", save_latest=False)
+    # LoRA: the frozen base stays out (DeepSpeed's own option); the run rebuilds it from its model or seed
+    wrapped.save_checkpoint(str(folder), tag="state", save_latest=False, exclude_frozen_parameters=_frozen(wrapped))
     if wrapped.global_rank == 0:  # it copied them during its own save; they cannot read this format
         for name in _RECOVERY_SCRIPTS:
             Path(folder, name).unlink(missing_ok=True)
@@ -63,11 +64,32 @@ def load(wrapped, folder) -> None:
     """Collective: model, fp32 master partitions, optimizer moments and DeepSpeed's step counters from ``save``'s folder
     (the LR scheduler is the trainer's and comes from its own file)."""
     install(wrapped)
-    path, _ = wrapped.load_checkpoint(str(folder), tag="state", load_lr_scheduler_states=False)
+    path, _ = wrapped.load_checkpoint(
+        str(folder), tag="state", load_lr_scheduler_states=False, load_module_strict=not _frozen(wrapped)
+    )
     if path is None:
         from seqpar.plan.errors import SeqparError
 
         raise SeqparError(f"checkpoint {str(folder)!r} holds no DeepSpeed state; resume with the plan that wrote it")
+
+
+def _frozen(wrapped) -> bool:
+    return any(not p.requires_grad for p in wrapped.module.parameters())
+
+
+def trainable_fp32(wrapped) -> dict:
+    """Collective: the trainable parameters' fp32 values (DeepSpeed's master copies, whole: ``safe_get_full_fp32_param``)
+    by name relative to the loss module, on rank 0; {} elsewhere. What a LoRA run's adapter is written from."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, p in wrapped.module.named_parameters():
+        if p.requires_grad:
+            full = safe_get_full_fp32_param(p)  # every rank: ZeRO-3 gathers the partitions
+            if dist.get_rank() == 0:
+                out[name] = full.detach().cpu()
+    return out
 
 
 def install(wrapped) -> None:
@@ -262,4 +284,15 @@ def _decode(x, tensors: dict, depth: int):
     raise ValueError(f"unknown tag {str(tag)[:40]!r}")
 
 
-__all__ = ["check", "consolidated_fp32", "full_weights", "install", "is_engine", "load", "read", "save", "write"]
+__all__ = [
+    "check",
+    "consolidated_fp32",
+    "full_weights",
+    "install",
+    "is_engine",
+    "load",
+    "read",
+    "save",
+    "trainable_fp32",
+    "write",
+]

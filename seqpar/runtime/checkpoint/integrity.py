@@ -36,13 +36,15 @@ FOREIGN_FLAG = "--accept-foreign-run"
 STATE = "trainer_state.json"  # the manifest: signed, so not listed in itself
 _KEY_BYTES = 32
 _KEYS: dict[str, bytes] = {}  # per key path: read once per process
-# What a checkpoint folder may hold: the shards, DeepSpeed's states, the RNG states and the export; every other name is
+# What a checkpoint folder may hold: the shards, DeepSpeed's states, the RNG states and the export (a LoRA run's adapter
+# in peft's layout: adapter_config.json, adapter_model.safetensors, its README.md and the tokenizer); every other name is
 # not one seqpar writes (a planted .metadata pickle, a .pth, a script) and is refused before anything is read.
 _NAMES = re.compile(
     r"state/shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors"
     r"|deepspeed/state/[A-Za-z0-9_]{1,200}\.pt"
     r"|rng-\d{1,7}\.json"
     r"|model/[A-Za-z0-9_.-]{1,200}"
+    r"|adapter/[A-Za-z0-9_.-]{1,200}"
 )
 
 

@@ -10,7 +10,10 @@ groups of facts go into trainer_state.json:
   and how it is packed into windows, seq_len, the windows per optimizer step (micro_batch_size x
   gradient_accumulation_steps x dp_degree: the windows of step k are the k-th block of that many, data.py's order),
   the model's shape, the RoPE base, the dtype, the optimizer, the checkpoint format (DeepSpeed's or torch's; for
-  DeepSpeed's, the world size too), and every parameter's shape.
+  DeepSpeed's, the world size too), and every parameter's shape. Under LoRA also the adapters' settings and, since
+  its checkpoints hold the adapters alone and the frozen base is read again from where the run read it, that base: a
+  digest of its weight files' sizes and of samples of their bytes (the header and three 64 KiB reads per file: cheap
+  at any size, and any other checkpoint of the same shape differs in them), or the seed for random weights.
 * ``layout``: how it is split (world size, degrees, mode, micro-batch, accumulation, sharding). Any change is applied
   (the checkpoint is resharded on load) and reported: with the same windows per step a step reads the same windows and
   computes the same loss, up to the order of floating-point sums.
@@ -20,6 +23,7 @@ groups of facts go into trainer_state.json:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -54,14 +58,46 @@ def windows_per_step(plan: LaunchPlan) -> int:
 
 
 DATA_DIGEST = "data sha256"  # the run fact of the data's content
+LORA_BASE = "lora base weights"  # the run fact of a LoRA run's frozen base (base_fact)
+_SAMPLE = 64 << 10  # bytes of each sample base_fact reads
+
+
+def base_fact(path: str | None) -> str:
+    """What a LoRA run's frozen base is: 'random weights (training.seed)', or a SHA-256 over the sizes, names and
+    sampled bytes (start, middle, end) of the safetensors files of the folder its weights came from."""
+    if not path:
+        return "random weights (training.seed)"
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return printable(str(path), 200)
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            for offset in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+                fh.seek(offset)
+                h.update(fh.read(_SAMPLE))
+    return "sampled sha256 " + h.hexdigest()
 
 
 def run_facts(
-    plan: LaunchPlan, *, data: str, data_windows: int, parameters: dict, fmt: str, packing: str = "", data_sha256: str = ""
+    plan: LaunchPlan,
+    *,
+    data: str,
+    data_windows: int,
+    parameters: dict,
+    fmt: str,
+    packing: str = "",
+    data_sha256: str = "",
+    base: str | None = None,
 ) -> dict:
     """The ``run`` group: ``parameters`` maps each parameter name to its global shape; ``fmt`` is 'dcp' or 'deepspeed';
-    ``packing``: how the data becomes windows (seqpar.runtime.data.windows.packing_fact)."""
+    ``packing``: how the data becomes windows (seqpar.runtime.data.windows.packing_fact); ``base``: under LoRA, the
+    folder the frozen base's weights came from (None: random weights)."""
     w, t = plan.workload, plan.training
+    lora = json.dumps(w.lora.model_dump(mode="json"), sort_keys=True) if w.lora is not None else None
     return {
         "training.seed": t.seed,
         "--data": data,
@@ -74,6 +110,8 @@ def run_facts(
         "rope theta": t.rope_theta if t.rope_theta is not None else w.model.rope_theta,
         "workload.dtype": w.dtype,
         "workload.optimizer": w.optimizer,
+        "workload.lora": lora,  # null for full fine-tuning (and in checkpoints from before LoRA: the same)
+        **({LORA_BASE: base_fact(base)} if lora is not None else {}),
         "checkpoint format": fmt,
         "parameters": parameters,
         # DeepSpeed's ZeRO checkpoint holds one partition per rank and is not resharded here
@@ -112,9 +150,19 @@ def training_facts(plan: LaunchPlan, steps: int) -> dict:
 
 
 def facts(
-    plan: LaunchPlan, steps: int, *, data: str, data_windows: int, packing: str, model, deepspeed: bool, data_sha256: str = ""
+    plan: LaunchPlan,
+    steps: int,
+    *,
+    data: str,
+    data_windows: int,
+    packing: str,
+    model,
+    deepspeed: bool,
+    data_sha256: str = "",
+    base: str | None = None,
 ) -> dict:
-    """The three groups for trainer_state.json; ``model`` is the transformers model (meta-device ones too: shapes only)."""
+    """The three groups for trainer_state.json; ``model`` is the transformers model (meta-device ones too: shapes only);
+    ``base``: the folder its weights came from (--init-from or --model-path; None: random)."""
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
     return {
         "run": run_facts(
@@ -125,6 +173,7 @@ def facts(
             data_sha256=data_sha256,
             parameters=shapes,
             fmt="deepspeed" if deepspeed else "dcp",
+            base=base,
         ),
         "layout": layout_facts(plan),
         "training": training_facts(plan, steps),
@@ -139,6 +188,12 @@ def compare(saved: dict, now: dict, folder: Path) -> list[str]:
         got = saved["run"].get(key, _packing_before(saved["run"]) if key == "data packing" else None)
         if key == "parameters":
             _compare_parameters(got or {}, want, folder)
+        elif key == LORA_BASE and got != want:
+            raise SeqparError(
+                f"checkpoint {str(folder)!r} holds LoRA adapters trained on another base model ({printable(got, 80)}; "
+                f"this run's is {printable(want, 80)}), and its checkpoints hold the adapters alone; resume with the "
+                "--model-path (or --init-from) that wrote it, or start a new --output"
+            )
         elif got != want:
             raise SeqparError(
                 f"checkpoint {str(folder)!r} was written with {key} = {printable(repr(got))}, this run has "
@@ -175,8 +230,8 @@ def launch_check(
         raise SeqparError(problem)
     fmt = "deepspeed" if uses_deepspeed(plan) else "dcp"
     run = run_facts(plan, data=data, data_windows=0, packing=packing, parameters={}, fmt=fmt)
-    for key in ("parameters", "data windows"):
-        del run[key]
+    for key in ("parameters", "data windows", LORA_BASE):  # the base: the ranks know where it is read from
+        run.pop(key, None)
     now = {"run": run, "layout": layout_facts(plan), "training": training_facts(plan, steps or plan.training.steps)}
     return compare(saved, now, folder)
 

@@ -35,7 +35,7 @@ class Saver:
 
     def __init__(self, r, *, every: int | None, keep_last: int, final: bool, async_mode: str):
         self.r, self.rank, self.every, self.keep_last, self.final = r, r.topo.rank, every, keep_last, final
-        self.root, self.sizes = r.root, storage.sizes(r.plan)
+        self.root, self.sizes = r.root, storage.sizes(r.plan, r.merge_lora)
         self.async_save = async_mode == "on" or (async_mode == "auto" and r.topo.device.type == "cuda")
         self.async_save = self.async_save and r.backward is None  # DeepSpeed writes its own checkpoint
         self.group = dist.new_group(backend="gloo") if self.async_save else None  # collective: every rank creates it
@@ -72,7 +72,16 @@ class Saver:
             ckpt.write(tmp, wrapped=r.wrapped, optimizer=r.optimizer, rank=self.rank)
             if final:
                 dtype = EXPORT_DTYPES[r.plan.workload.dtype]
-                ckpt.export(tmp, wrapped=r.wrapped, hf_model=r.model, dtype=dtype, rank=self.rank, **r.tokenizer)
+                ckpt.export(
+                    tmp,
+                    wrapped=r.wrapped,
+                    hf_model=r.model,
+                    dtype=dtype,
+                    rank=self.rank,
+                    adapter=r.adapter,
+                    merge=r.merge_lora,
+                    **r.tokenizer,
+                )
             ckpt.fault("checkpoint", step, self.rank)
             ckpt.fault("checkpoint-pause", step, self.rank, tmp)
         except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException

@@ -11,6 +11,10 @@ Layout under ``<output>/checkpoints/``::
                                     (seqpar.runtime.checkpoint.rng)
     step-000010/model/              the final checkpoint only: save_pretrained export in the plan's dtype (bf16 on bf16
                                     plans), what transformers, --init-from and the next stage load
+    step-000010/adapter/            LoRA plans, final checkpoint only: the adapter in peft's layout (model/ then holds
+                                    the merged model, with --merge-lora: seqpar.runtime.checkpoint.adapter); their
+                                    state/ holds the adapters and their optimizer state alone (the frozen base is read
+                                    again from where the run read it)
     step-000010/trainer_state.json  written last: step, data position, the facts of seqpar.runtime.checkpoint.resume, every
                                     other file with its size and SHA-256, and an HMAC of all that under the user's key
                                     (seqpar.runtime.checkpoint.integrity)
@@ -39,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -80,11 +85,29 @@ def export(
     rank: int,
     tokenizer: str | None = None,
     trust_remote_code: bool = False,
+    adapter=None,
+    merge: bool = False,
 ) -> None:
     """Collective: the weights gathered one tensor at a time and saved by rank 0 with save_pretrained, in ``dtype``
     (rank 0 holds one copy of the model in that dtype; the others one tensor at a time), and beside them the tokenizer
     the run trained with (``tokenizer``: the data's --tokenizer or --model-path; its chat template too), so the folder
-    loads with AutoTokenizer and AutoModelForCausalLM as it is."""
+    loads with AutoTokenizer and AutoModelForCausalLM as it is. ``adapter``: a LoRA run's PeftModel around ``hf_model``;
+    its export is the adapter, and with ``merge`` the merged model (seqpar.runtime.checkpoint.adapter)."""
+    if adapter is not None:
+        from seqpar.runtime.checkpoint.adapter import export_lora
+
+        export_lora(
+            tmp,
+            wrapped=wrapped,
+            hf_model=hf_model,
+            adapter=adapter,
+            dtype=dtype,
+            rank=rank,
+            merge=merge,
+            tokenizer=tokenizer,
+            trust_remote_code=trust_remote_code,
+        )
+        return
     ds = _deepspeed(wrapped)
     sd = ds.full_weights(wrapped) if ds is not None else get_model_state_dict(wrapped)  # keys relative to LossModule
     weights = {}
@@ -93,12 +116,17 @@ def export(
         if rank == 0:
             weights[name.removeprefix("model.")] = full.detach().to(device="cpu", dtype=dtype)
     if rank == 0:
-        hf_model.save_pretrained(tmp / "model", state_dict=weights)
-        cfg = tmp / "model" / "config.json"  # save_pretrained records the live parameters' dtype (fp32 masters)
-        data = json.loads(cfg.read_text())
-        data["dtype"] = str(dtype).removeprefix("torch.")
-        write_atomic(cfg, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        save_model(tmp / "model", hf_model, weights, dtype)
         save_tokenizer(tmp / "model", tokenizer, trust_remote_code)
+
+
+def save_model(folder: Path, hf_model, weights: dict, dtype: torch.dtype) -> None:
+    """``hf_model.save_pretrained`` of ``weights`` into ``folder``, its config.json stating ``dtype``."""
+    hf_model.save_pretrained(folder, state_dict=weights)
+    cfg = folder / "config.json"  # save_pretrained records the live parameters' dtype (fp32 masters)
+    data = json.loads(cfg.read_text())
+    data["dtype"] = str(dtype).removeprefix("torch.")
+    write_atomic(cfg, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def save_tokenizer(folder: Path, path: str | None, trust_remote_code: bool = False) -> bool:
@@ -176,7 +204,8 @@ def init_weights(init: str | None, *, foreign: bool = False) -> str | None:
         last = latest(Path(init) / "checkpoints")
         if last is None or not (last / "model" / "config.json").is_file():
             raise SeqparError(
-                f"--init-from {init!r} holds no final checkpoint with an export (model/); run that stage to its end"
+                f"--init-from {init!r} holds no final checkpoint with an export (model/); run that stage to its end "
+                "(a LoRA run exports its merged model there with --merge-lora)"
             )
         state = read_state(last, foreign=foreign)
         export = sorted(r for r in state["files"] if r.startswith("model/"))
@@ -210,7 +239,8 @@ def load(folder: Path, state: dict, *, wrapped, optimizer, scheduler, rank: int,
                 f"checkpoint {str(folder)!r} cannot be read ({why}); resume from another checkpoint (edit `latest`), "
                 f"or start a new --output"
             ) from None
-        set_model_state_dict(wrapped, sd["model"])
+        # the frozen parameters are not in a checkpoint (tensors); DCP's load above checked every saved one was found
+        set_model_state_dict(wrapped, sd["model"], options=StateDictOptions(strict=not frozen(wrapped)))
         if optimizer is not None:
             # Hyperparameters (lr, weight decay, betas) stay this run's: the checkpoint gives only the state tensors.
             groups = get_optimizer_state_dict(wrapped, optimizer)["param_groups"]
@@ -268,11 +298,29 @@ def set_schedule(scheduler, optimizer, step: int) -> None:
 
 
 def tensors(wrapped, optimizer) -> dict:
-    """What DCP saves and loads: tensors only (the optimizer's param_groups come from the plan)."""
-    sd = {"model": get_model_state_dict(wrapped)}
+    """What DCP saves and loads: tensors only (the optimizer's param_groups come from the plan). A model with frozen
+    parameters (LoRA's base) saves only its trainable ones: the frozen ones are rebuilt from where the run read them
+    (its model, --init-from, or its seed), and a 4-bit base's quantization statistics are no parameters at all."""
+    if frozen(wrapped):  # torch's own option, then bitsandbytes' statistics (buffers of no parameter) left out too
+        keep = trainable_names(wrapped)
+        sd = get_model_state_dict(wrapped, options=StateDictOptions(ignore_frozen_params=True))
+        model = {k: v for k, v in sd.items() if k in keep}
+    else:
+        model = get_model_state_dict(wrapped)
+    sd = {"model": model}
     if optimizer is not None:
         sd["optim"] = get_optimizer_state_dict(wrapped, optimizer)["state"]
     return sd
+
+
+def frozen(wrapped) -> bool:
+    """Whether some parameter of ``wrapped`` is frozen (LoRA's base): its checkpoints then hold the trainable ones."""
+    return any(not p.requires_grad for p in wrapped.parameters())
+
+
+def trainable_names(wrapped) -> set[str]:
+    """The names torch.distributed.checkpoint's state dicts give the trainable parameters (DDP's prefix removed)."""
+    return {n.removeprefix("module.") for n, p in wrapped.named_parameters() if p.requires_grad}
 
 
 def _deepspeed(wrapped):

@@ -10,6 +10,10 @@ Torch-free (the launcher imports it before any process starts). Sizes in bytes, 
   the run computes in. Headers, RNG states and trainer_state.json add kilobytes.
 * the export (``model/``, save_pretrained, final checkpoint only) holds the weights in the plan's dtype: 2 bytes
   (bf16/fp16) or 4 (fp32) per parameter.
+* LoRA (``workload.lora``, A = LoraSpec.adapter_params): a checkpoint holds the adapters and their moments alone, all
+  fp32 (peft keeps adapters in fp32), 12 bytes per adapter parameter (4 with optimizer none; DeepSpeed's 16-bit copy
+  adds 2 on GPUs); the export is the adapter, 4 per adapter parameter, plus the merged model (N x 2 or 4) with
+  --merge-lora.
 
 A Llama-2-7B DDP AdamW plan: 6.74e9 x 12 = 81 GB per checkpoint and 13.5 GB for the bf16 export; the 64 GiB disk of
 a GPU machine holds neither a checkpoint and the export nor two checkpoints, which is what the check says before step 1.
@@ -39,12 +43,19 @@ class Sizes:
     why: str  # the per-parameter terms, for messages
 
 
-def sizes(plan: LaunchPlan) -> Sizes:
-    """The bytes of one checkpoint and of the export of ``plan`` (the terms are in the module docstring)."""
+def sizes(plan: LaunchPlan, merge: bool = False) -> Sizes:
+    """The bytes of one checkpoint and of the export of ``plan`` (the terms are in the module docstring); ``merge``:
+    --merge-lora."""
     w = plan.workload
     n = w.model.num_params
     low = 4 if w.dtype == "fp32" else 2
     cpu = plan.cluster.accelerator == "cpu"
+    if w.lora is not None:
+        a = w.lora.adapter_params(w.model)
+        per = 4 if w.optimizer == "none" else 12
+        extra = 2 if (plan.strategy.sharding.startswith("zero") and not cpu and w.optimizer != "none") else 0
+        what = f"{a / 1e6:.3g}M adapter parameters x {per + extra} B: fp32 adapters" + (" + AdamW moments" if per == 12 else "")
+        return Sizes(a * (per + extra), a * 4 + (n * low if merge else 0), what)
     if w.optimizer == "none":
         weights, moments, what = (4 if cpu else low), 0, "weights only (optimizer none)"
     elif cpu or w.optimizer == "adamw":
@@ -104,10 +115,11 @@ def space_problem(
     final: bool,
     existing: int,
     reserved: int = 0,
+    merge: bool = False,
 ) -> tuple[str | None, int]:
     """(one line when the run's checkpoints cannot fit at ``output``: both sizes, the free space, the fixes; else None,
     the bytes this run needs). ``reserved``: bytes earlier stages of the same launch will have written there."""
-    sz = sizes(plan)
+    sz = sizes(plan, merge)
     free = free_bytes(output) - reserved
     writes = saves(start, steps, every, final)
     need = needed(sz, writes=writes, keep_last=keep_last, existing=existing, final=final)
@@ -160,6 +172,7 @@ def launch_problem(plan: LaunchPlan, output: Path, opts, reserved: int = 0) -> t
         final=opts.final_checkpoint,
         existing=len(done),
         reserved=reserved,
+        merge=opts.merge_lora,
     )
 
 

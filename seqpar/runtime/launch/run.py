@@ -159,6 +159,10 @@ def require_dependencies(plan: LaunchPlan) -> None:
         needs += [("accelerate", why), ("deepspeed", why)]
     if plan.strategy.fused_ops == "liger":
         needs.append(("liger_kernel", "fused_ops liger"))
+    if plan.workload.lora is not None:
+        needs.append(("peft", "workload.lora (LoRA adapters)"))
+        if plan.workload.lora.base_dtype == "nf4":
+            needs.append(("bitsandbytes", "workload.lora.base_dtype nf4 (a 4-bit QLoRA base)"))
     for module, why in needs:
         require(module, why)
 

@@ -32,7 +32,7 @@ def prepare(module, plan: LaunchPlan, total_steps: int):
 
     from seqpar.plan.jobspec import deepspeed_config
     from seqpar.runtime.checkpoint.deepspeed import install as install_checkpoint_engine
-    from seqpar.runtime.train.engine import make_scheduler
+    from seqpar.runtime.train.engine import make_scheduler, trainable
 
     _torchrun_env()
     # One process may build several engines (verify's two runs, the tests' cases): accelerate keeps one shared state and
@@ -43,7 +43,9 @@ def prepare(module, plan: LaunchPlan, total_steps: int):
     # torch's AdamW for every stage: with optimizer offload accelerate swaps it for DeepSpeedCPUAdam(adamw_mode=True), the
     # AdamW DeepSpeed runs on CPU (it maps only torch.optim.AdamW to adamw_mode; a DeepSpeedCPUAdam handed in would come
     # back as Adam with L2 decay).
-    optimizer = torch.optim.AdamW(module.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay, foreach=False)
+    # Under LoRA only the adapters train: DeepSpeed partitions gradients and optimizer states of these alone and keeps
+    # the frozen base out of its checkpoint (seqpar.runtime.checkpoint.deepspeed.save).
+    optimizer = torch.optim.AdamW(trainable(module), lr=t.learning_rate, weight_decay=t.weight_decay, foreach=False)
     plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(plan))
     accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=plan.strategy.gradient_accumulation_steps)
     engine, optimizer = accelerator.prepare(module, optimizer)

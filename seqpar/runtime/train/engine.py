@@ -158,7 +158,9 @@ def wrap(module: LossModule, plan: LaunchPlan, topo: Topology, *, cpu_offload: b
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mesh = init_device_mesh(topo.device.type, (topo.world_size,))
-        mixed = plan.workload.dtype == "bf16" and plan.workload.optimizer == "adamw" and topo.device.type == "cuda"
+        # LoRA: a 16-bit frozen base beside fp32 adapters; FSDP2 all-gathers one dtype, so both compute in bf16
+        lora = plan.workload.lora is not None
+        mixed = plan.workload.dtype == "bf16" and (plan.workload.optimizer == "adamw" or lora) and topo.device.type == "cuda"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
         off = CPUOffloadPolicy() if cpu_offload and topo.device.type == "cuda" else OffloadPolicy()
         for layer in module.model.base_model.layers:  # one all-gather per decoder layer
@@ -189,9 +191,14 @@ def make_optimizer(module: nn.Module, plan: LaunchPlan):
         return None
     t = plan.training
     # foreach=False keeps the update order identical for sharded and whole parameters (bit-stable comparisons).
-    optimizer = torch.optim.AdamW(module.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay, foreach=False)
+    optimizer = torch.optim.AdamW(trainable(module), lr=t.learning_rate, weight_decay=t.weight_decay, foreach=False)
     allocate_states(optimizer)
     return optimizer
+
+
+def trainable(module: nn.Module) -> list:
+    """The parameters the optimizer updates: all of them, or under LoRA the adapters alone (peft froze the base)."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def allocate_states(optimizer: torch.optim.Optimizer) -> None:
@@ -238,6 +245,10 @@ def compute_dtype(plan: LaunchPlan, device: torch.device) -> tuple[torch.dtype, 
         return low, None, f"{want} parameters and moments, no fp32 master (optimizer adamw-bf16)"
     if plan.workload.optimizer == "none":  # forward+backward only: no update, so no master copy to keep
         return low, None, f"{want} parameters and gradients (optimizer none: nothing to keep in fp32)"
+    if plan.workload.lora is not None:  # the frozen base needs no fp32 master; peft keeps the adapters in fp32
+        if plan.strategy.sharding == "fsdp":
+            return low, None, f"{want} frozen base, fp32 adapters, FSDP2 computes in {want}"
+        return low, low, f"{want} frozen base, fp32 adapters, autocast to {want}"
     if plan.strategy.sharding == "fsdp":
         return torch.float32, None, f"fp32 master parameters, FSDP2 computes in {want}"
     return torch.float32, low, f"fp32 master parameters, autocast to {want}"

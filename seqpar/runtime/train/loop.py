@@ -85,6 +85,8 @@ class Run:
     notes: dict  # engine, attention backend and dtype reason: for the log line and the run report
     skip_nonfinite: bool = False
     tokenizer: dict = field(default_factory=dict)  # the export's tokenizer: shards.export's tokenizer, trust_remote_code
+    adapter: Any = None  # workload.lora: peft's PeftModel around ``model`` (what writes the adapter), else None
+    merge_lora: bool = False  # --merge-lora: the final export holds the merged model too
 
     @property
     def root(self) -> Path:
@@ -155,19 +157,28 @@ def setup(args: TrainOptions) -> Run:
     # ----- model: rank 0 builds it with its weights, the others on the meta device (seqpar.runtime.hf.model)
     init = ckpt.init_weights(args.init_from, foreign=args.accept_foreign_run)
     param_dtype, autocast_dtype, dtype_reason = engine.compute_dtype(plan, topo.device)
-    meta = topo.rank != 0 and not deepspeed  # DeepSpeed builds and partitions its own way
+    # DeepSpeed builds and partitions its own way; a 4-bit base is quantized by every rank from the same weights
+    nf4 = w.lora is not None and w.lora.base_dtype == "nf4"
+    meta = topo.rank != 0 and not deepspeed and not nf4
     model = models.build_model(
         w.model,
         model_path=args.model_path,
         seed=t.seed,
         rope_theta=t.rope_theta,
-        init_from=init if resume_from is None else None,
+        # a resumed checkpoint holds every trained weight; under LoRA that is the adapters only, the base comes from here
+        init_from=init if resume_from is None or w.lora is not None else None,
         device=topo.device,
         dtype=param_dtype,
         meta=meta,
         trust_remote_code=data_opts.trust_remote_code,
         match_plan=True,  # the plan's figures and layout are for its model's shape
     )
+    adapter = None
+    if w.lora is not None:  # before anything wraps the model: every later feature sees the adapters (seqpar.runtime.hf.lora)
+        from seqpar.runtime.hf.lora import apply_lora
+
+        adapter = apply_lora(model, w.lora, seed=t.seed, device=topo.device, compute_dtype=autocast_dtype or param_dtype)
+        dtype_reason += f"; {lora_text(model, w.lora)}"
     facts = resume.facts(
         plan,
         steps,
@@ -177,6 +188,7 @@ def setup(args: TrainOptions) -> Run:
         data_sha256=datasrc.digest_fact(data),
         model=model,
         deepspeed=deepspeed,
+        base=init or args.model_path,
     )
     changes = resume.compare(saved, facts, resume_from) if saved else []
     apply(
@@ -195,23 +207,26 @@ def setup(args: TrainOptions) -> Run:
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
     tiled_line = f"tiled MLP: {tile_mlp(model)} MLPs, ~hidden_size tokens per tile" if s.tiled_mlp else "tiled MLP: off"
     model.train()
-    if not meta:
-        model.to(device=topo.device, dtype=param_dtype)
+    if not meta:  # under LoRA the dtypes are set (a 16-bit or 4-bit base, fp32 adapters): only the device moves
+        model.to(device=topo.device) if adapter is not None else model.to(device=topo.device, dtype=param_dtype)
     module = engine.LossModule(model, s.loss_impl, topo.sp_group)
     if deepspeed:
         from seqpar.runtime.train.deepspeed import prepare
 
         wrapped, optimizer, scheduler, backward = prepare(module, plan, steps)
     else:
-        sharded = s.sharding != "ddp"  # FSDP2 (engine.wrap) shards the meta parameters
-        wrapped = models.wrap_from_rank0(
-            module,
-            lambda m: engine.wrap(m, plan, topo, cpu_offload=args.fsdp_cpu_offload),
-            rank=topo.rank,
-            device=topo.device,
-            sharded=sharded,
-            offload=sharded and args.fsdp_cpu_offload and topo.device.type == "cuda",  # shards kept in host memory
-        )
+        if nf4:  # every rank built and quantized the same base and drew the same adapters: nothing to share
+            wrapped = engine.wrap(module, plan, topo)
+        else:
+            sharded = s.sharding != "ddp"  # FSDP2 (engine.wrap) shards the meta parameters
+            wrapped = models.wrap_from_rank0(
+                module,
+                lambda m: engine.wrap(m, plan, topo, cpu_offload=args.fsdp_cpu_offload),
+                rank=topo.rank,
+                device=topo.device,
+                sharded=sharded,
+                offload=sharded and args.fsdp_cpu_offload and topo.device.type == "cuda",  # shards kept in host memory
+            )
         optimizer = engine.make_optimizer(wrapped, plan)
         scheduler = engine.make_scheduler(optimizer, plan, steps)
         backward = None
@@ -272,7 +287,18 @@ def setup(args: TrainOptions) -> Run:
         notes={"engine": engine_name, "backend": backend, "dtype_reason": dtype_reason},
         skip_nonfinite=args.skip_nonfinite,
         tokenizer={"tokenizer": data_opts.tokenizer or args.model_path, "trust_remote_code": data_opts.trust_remote_code},
+        adapter=adapter,
+        merge_lora=args.merge_lora,
     )
+
+
+def lora_text(model, spec) -> str:
+    """The plan's adapters and how many parameters the model trains (peft's count, against the plan's):
+    'LoRA r=8 on q_proj v_proj (bf16 base, alpha 16): 12,288 adapter parameters train, the base is frozen'."""
+    from seqpar.plan.lora import lora_text as described
+
+    train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{described(spec)}: {train:,} adapter parameters train, the base is frozen"
 
 
 def model_inputs(r: Run, got, guard=None) -> dict:

@@ -11,6 +11,10 @@ trace's device activity (kernels and memory copies, each with its stream) and th
 - ``gaps``: the longest stretches with no kernel, with the kernels either side and the copies running meanwhile;
 - ``runtime_calls``: the CUDA runtime / driver calls that took the most host time (synchronizations, allocations,
   host registrations show up here);
+- ``memory_peak`` (CUDA): what was live at the step's allocated peak, from the caching allocator's own history of the
+  step: the bytes live before the step began (weights, gradients, optimizer states, kept buffers), and the step's live
+  allocations grouped by the line of seqpar / transformers / kernel code that made them, largest first, with the
+  allocation that reached the peak. This is what names a transient the cost model misses;
 - ``allocator``: the step's change in the caching allocator's counters (``num_alloc_retries``: allocations that freed
   the cache and retried, each one a synchronization of every stream; ``num_device_alloc`` / ``num_device_free``:
   cudaMalloc / cudaFree calls), from torch.cuda.memory_stats.
@@ -29,10 +33,15 @@ from pathlib import Path
 
 import torch
 
+from seqpar.plan.safe import printable
 from seqpar.runtime.train.run_files import check_file, check_folder, write_file
 
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
 GAPS = 5  # the longest kernel-free stretches listed
+PEAK_GROUPS = 12  # the largest groups of live allocations listed at the memory peak
+HISTORY_ENTRIES = 1_000_000  # allocator events kept for one step (a 32-layer step makes a few hundred thousand)
+# Frames from these packages name an allocation; torch's own frames (autograd, nn.Module plumbing) do not.
+_OWN_CODE = ("/seqpar/", "/transformers/", "/liger_kernel/", "/deepspeed/", "/peft/", "/flash_attn/")
 CALLS = 8  # the runtime calls listed
 
 
@@ -136,6 +145,68 @@ def _events(prof, cuda: bool) -> tuple[list[tuple[str, int, float, float]], list
     return device, host
 
 
+def _where(frames: list[dict]) -> str:
+    """The innermost frame of seqpar / transformers / kernel code that made an allocation, as 'file.py:line in func'."""
+    for f in frames or []:
+        name = str(f.get("filename", ""))
+        if any(part in name for part in _OWN_CODE):
+            return f"{name.rsplit('/', 1)[-1]}:{f.get('line', '?')} in {f.get('name', '?')}"
+    return "torch internals"
+
+
+def memory_peak(events: list[dict], before_bytes: int, top: int = PEAK_GROUPS) -> dict:
+    """Replay one step's allocator history (torch.cuda.memory._snapshot()'s device trace: ``alloc`` and
+    ``free_completed`` events with addr, size and frames; a block counts until its free completes, as
+    torch.cuda.max_memory_allocated counts it) from ``before_bytes`` live at its start, and say what was live at the
+    highest point: the total, how much of it was allocated before the step, the allocation that reached it, and the
+    step's live allocations grouped by where they were made, largest first."""
+    live: dict[int, tuple[int, str]] = {}
+    older = now = best = before_bytes  # older: bytes from before the step still live
+    at_peak: dict[int, tuple[int, str]] = {}
+    older_at_peak, reached = older, ("", 0)
+    for ev in events:
+        action, size = ev.get("action"), int(ev.get("size") or 0)
+        if action == "alloc":
+            where = _where(ev.get("frames") or [])
+            live[ev["addr"]] = (size, where)
+            now += size
+            if now > best:
+                best, at_peak, older_at_peak, reached = now, dict(live), older, (where, size)
+        elif action == "free_completed":
+            now -= size
+            if live.pop(ev.get("addr"), None) is None:
+                older -= size  # a tensor of an earlier step (last step's gradients, a kept buffer) let go
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        g = groups.setdefault(where, [0, 0])
+        g[0] += size
+        g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    gib = 2**30
+    return {
+        "peak_allocated_gib": round(best / gib, 4),
+        "before_step_gib": round(older_at_peak / gib, 4),
+        "reached_by": {"where": reached[0], "gib": round(reached[1] / gib, 4)},
+        "live": [{"where": w, "gib": round(b / gib, 4), "allocations": n} for w, (b, n) in ranked],
+    }
+
+
+def _record_history(device: torch.device, on: bool) -> None:
+    if device.type != "cuda":
+        return
+    if on:
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python", device=device)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None, device=device)
+
+
+def _peak_of_step(device: torch.device, before_bytes: int) -> dict:
+    snap = torch.cuda.memory._snapshot(device)
+    traces = snap.get("device_traces") or []
+    events = traces[device.index or 0] if len(traces) > (device.index or 0) else []
+    return memory_peak(events, before_bytes)
+
+
 def _counters(device: torch.device) -> dict[str, int]:
     if device.type != "cuda":
         return {}
@@ -150,10 +221,16 @@ def profiled_step(out: Path, rank: int, step: int, device: torch.device, log):
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     before = _counters(device)
-    with profile(activities=activities) as prof:
-        yield
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    before_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    _record_history(device, True)
+    try:
+        with profile(activities=activities) as prof:
+            yield
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        peak = _peak_of_step(device, before_bytes) if device.type == "cuda" else None
+    finally:
+        _record_history(device, False)
     after = _counters(device)
     folder = out / "profile"
     check_folder(folder, "profile folder")  # a link there (or in it) would aim the trace anywhere
@@ -171,6 +248,8 @@ def profiled_step(out: Path, rank: int, step: int, device: torch.device, log):
     summary = {"step": step, "rank": rank, "trace": trace.name, **summarize(*_events(prof, device.type == "cuda"))}
     if after:
         summary["allocator"] = {k: after[k] - before.get(k, 0) for k in after}
+    if peak:
+        summary["memory_peak"] = peak
     write_file(folder / f"rank{rank}_step{step}.json", json.dumps(summary, indent=2) + "\n", "profiler summary")
     if "kernel_busy_s" in summary:
         log.info(
@@ -187,3 +266,13 @@ def profiled_step(out: Path, rank: int, step: int, device: torch.device, log):
         )
     else:
         log.info("step %d profiled: %s", step, folder / f"rank{rank}_step{step}.json")
+    if peak:
+        log.info(
+            "step %d memory peak %.2f GiB allocated (%.2f before the step), reached by %.2f GiB at %s; largest live: %s",
+            step,
+            peak["peak_allocated_gib"],
+            peak["before_step_gib"],
+            peak["reached_by"]["gib"],
+            printable(peak["reached_by"]["where"]),
+            "; ".join(f"{g['gib']:.2f} GiB {printable(g['where'])}" for g in peak["live"][:4]),
+        )

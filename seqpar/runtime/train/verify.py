@@ -106,7 +106,8 @@ def _step(plan: LaunchPlan, groups: int, sp_of_groups: int, folder: Path, opts: 
     yield float(total) / topo.world_size, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[computed]
     full = _full_grad_fn(r)
     for name, p in r.model.named_parameters():
-        yield name, full(p)
+        if p.requires_grad:  # under LoRA the frozen base has no gradient to compare
+            yield name, full(p)
     if hasattr(r.wrapped, "destroy"):
         r.wrapped.destroy()  # DeepSpeed's hooks and buffers, before the next engine is built
 

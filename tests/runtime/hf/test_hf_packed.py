@@ -16,47 +16,21 @@ import copy
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from seqpar.plan.modes import names
 
 from seqpar_testing import run_ranks
-from seqpar_testing.hf import compare_loss_and_grads, families, group_grads, make_model, param_grads
-
-S, LENGTHS, OTHER = 32, (7, 1, 12, 3, 9), (20, 4, 8)
-
-
-def _bounds(lengths) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-def packed_batch(rows=(LENGTHS, LENGTHS)):
-    """(ids, labels, position ids) of B rows, each packing documents of the given lengths."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 101, (len(rows), S), generator=g)  # (B, S)
-    labels = ids.clone()
-    labels[:, 8:11] = -100  # a masked prompt inside the third document
-    pos = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])  # (B, S)
-    return ids, labels, pos
-
-
-def per_document_reference(base, ids, labels, rows):
-    """Token-weighted mean cross-entropy of every document run alone through plain transformers, and its gradients."""
-    base.zero_grad(set_to_none=True)
-    total, count = 0.0, 0
-    for b, lengths in enumerate(rows):
-        bounds = _bounds(lengths)
-        for a, e in zip(bounds, bounds[1:]):
-            logits = base(input_ids=ids[b : b + 1, a:e]).logits[0, :-1]  # (l-1, V)
-            target = labels[b, a + 1 : e]
-            total = total + F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
-            count += int((target != -100).sum())
-    loss = total / count
-    loss.backward()
-    return loss.detach(), param_grads(base)
+from seqpar_testing.hf import (
+    LENGTHS,
+    OTHER,
+    S,
+    compare_loss_and_grads,
+    families,
+    group_grads,
+    make_model,
+    packed_batch,
+    per_document_reference,
+)
 
 
 def _case(rank, W, base, ref, mode, variant, rows, failures, counts):

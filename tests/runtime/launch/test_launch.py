@@ -301,6 +301,7 @@ def test_every_option_seqpar_launch_offers_reaches_the_trainer_typed(tmp_path):
     params = typer.main.get_command(app).commands["launch"].params
     offered = {opt for p in params for opt in p.opts}
     special = {"--data": None, "--model-path": str(tmp_path / "model"), "--output": str(tmp_path / "o"), "--report-to": None}
+    special["--merge-lora"] = None  # LoRA plans only (refused here): tests/runtime/train/test_lora_train.py carries it
     if importlib.util.find_spec("tensorboard") is not None:
         special["--report-to"] = "tensorboard"
     argv, expected = [], {}

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from seqpar.cli import app
-from seqpar.runtime.train.profiling import copy_direction, summarize
+from seqpar.runtime.train.profiling import copy_direction, memory_peak, summarize
 
 from seqpar_testing import run_ranks
 from seqpar_testing.train import make_plan, read_metrics
@@ -50,6 +50,66 @@ def test_summary_of_a_timeline_with_a_copy_half_under_kernels():
     assert (gap["after"], gap["before"], gap["copies_running"]) == ("k0", "k1", ["DtoH"])
     assert s["runtime_calls"][0] == {"name": "cudaStreamSynchronize", "seconds": pytest.approx(40e-6), "calls": 1}
     assert s["runtime_calls"][1] == {"name": "cudaLaunchKernel", "seconds": pytest.approx(5e-6), "calls": 2}
+
+
+def _frame(file: str, line: int, func: str) -> dict:
+    return {"filename": file, "line": line, "name": func}
+
+
+def test_memory_peak_of_a_hand_made_allocator_history():
+    # 10 bytes live before the step; the step frees 4 of them (last step's gradient), makes a 6-byte activation in
+    # transformers and a 20-byte logits chunk in seqpar (the peak: 10 - 4 + 6 + 20 = 32), frees both, then a 5-byte one
+    mlp = [
+        _frame("/x/torch/nn/functional.py", 1, "linear"),
+        _frame("/x/transformers/models/llama/modeling_llama.py", 9, "forward"),
+    ]
+    loss = [_frame("/x/seqpar/runtime/parallel/loss.py", 42, "chunked_ce")]
+    events = [
+        {"action": "alloc", "addr": 100, "size": 6, "frames": mlp},
+        {"action": "free_requested", "addr": 7, "size": 4},
+        {"action": "free_completed", "addr": 7, "size": 4},  # a block from before the step
+        {"action": "alloc", "addr": 200, "size": 20, "frames": loss},
+        {"action": "segment_alloc", "addr": 0, "size": 1 << 20},  # the cache growing is not allocated memory
+        {"action": "free_requested", "addr": 200, "size": 20},
+        {"action": "free_completed", "addr": 200, "size": 20},
+        {"action": "free_completed", "addr": 100, "size": 6},
+        {"action": "alloc", "addr": 300, "size": 5, "frames": []},
+    ]
+    peak = memory_peak(events, before_bytes=10)
+    gib = 2**30
+    assert peak["peak_allocated_gib"] == round(32 / gib, 4)
+    assert peak["before_step_gib"] == round(6 / gib, 4)
+    assert peak["reached_by"]["where"] == "loss.py:42 in chunked_ce"
+    assert [g["where"] for g in peak["live"]] == ["loss.py:42 in chunked_ce", "modeling_llama.py:9 in forward"]
+    assert [g["allocations"] for g in peak["live"]] == [1, 1]
+
+
+def test_memory_peak_agrees_with_the_allocator_on_a_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the allocator's history is recorded there only")
+    from seqpar.runtime.train.profiling import _peak_of_step, _record_history
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    kept = torch.ones(1 << 20, device=dev)  # 4 MiB live before the step
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    _record_history(dev, True)
+    try:
+        a = torch.ones(1 << 22, device=dev)  # 16 MiB
+        b = a * 2  # 16 MiB more: the peak
+        del a, b
+        c = torch.ones(1 << 20, device=dev)
+        torch.cuda.synchronize(dev)
+        peak = _peak_of_step(dev, before)
+    finally:
+        _record_history(dev, False)
+    assert peak["peak_allocated_gib"] == pytest.approx(torch.cuda.max_memory_allocated(dev) / 2**30, abs=1e-4)
+    assert peak["before_step_gib"] == pytest.approx(kept.numel() * 4 / 2**30, abs=1e-4)
+    # a test's own lines are no package's code: its two 16 MiB tensors make one group
+    assert peak["live"][0] == {"where": "torch internals", "gib": round(32 / 1024, 4), "allocations": 2}
+    del c
 
 
 def test_a_summary_without_device_activity_lists_only_host_calls():
