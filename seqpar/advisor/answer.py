@@ -172,7 +172,7 @@ def why_lost(plan: LaunchPlan, a: Alternative) -> str:
     if text.startswith("slower:"):
         return "slower"
     if p is not None and p.oom_risk:
-        return f"risks OOM ({p.reserved_memory_gib:.1f} GiB reserved + {p.memory_margin_gib:.1f} margin > {p.capacity_gib:.1f})"
+        return f"risks OOM ({p.required_memory_gib:.1f} GiB needed + {p.memory_margin_gib:.1f} margin > {p.capacity_gib:.1f})"
     return _FASTER.sub("", text).removeprefix("but ")
 
 

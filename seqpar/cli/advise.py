@@ -175,8 +175,9 @@ def _does_not_fit(plan: LaunchPlan) -> str | None:
             why = next((r.removeprefix("nothing fits: ") for r in plan.rationale.reasons if r.startswith("nothing fits")), None)
             why = None if where else why
             return why or (
-                f"{where}predicted {p.reserved_memory_gib:.1f} GiB reserved (peak allocated {p.peak_memory_gib:.1f} GiB) "
-                f"+ {p.memory_margin_gib:.1f} GiB margin exceeds the {p.capacity_gib:.1f} GiB a process can allocate per GPU, or host RAM is short; see seqpar advise --max-seq-len"
+                f"{where}predicted {p.required_memory_gib:.1f} GiB needed (peak allocated {p.peak_memory_gib:.1f} GiB, the "
+                f"CUDA context and the allocator's floor) + {p.memory_margin_gib:.1f} GiB margin exceeds the "
+                f"{p.capacity_gib:.1f} GiB a process can allocate per GPU, or host RAM is short; see seqpar advise --max-seq-len"
             )
     return None
 

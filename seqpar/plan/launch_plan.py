@@ -47,6 +47,12 @@ class Prediction(Frozen):
     )
     step_time_breakdown_s: dict[str, float] = Field(description="compute / exposed communication / offload / optimizer, s.")
     mfu: float = Field(ge=0, description="Model FLOPs utilisation against the datasheet bf16 peak (no recompute counted).")
+    required_memory_gib: float = Field(
+        default=0.0,
+        ge=0,
+        description="What the OOM gate asks to fit besides the margin: the peak plus the CUDA context, NCCL's buffers and "
+        "the allocator's floor (not the cache it gives back before failing), GiB.",
+    )
     memory_margin_gib: float = Field(
         default=0.0,
         ge=0,

@@ -7,7 +7,8 @@ the peak it would have reached lies above that. A plan's margin is the worst
 under-prediction (measured peak above the predicted one, as a share of the prediction) among the rows that keep memory
 the way the plan does, by the features that decide which terms dominate (sharding, checkpointing, tiled MLP, optimizer
 states), widened one feature at a time until at least MIN_ROWS rows match; never below the coefficients'
-``memory_margin_floor``. The gate then asks ``reserved + margin * peak <= capacity``.
+``memory_margin_floor``. The gate then asks ``required + margin * peak <= capacity`` (seqpar.advisor.cost.memory:
+required is the peak plus the CUDA context, NCCL's buffers and the allocator's floor).
 
 Pure Python; the rows are read and predicted once per set of coefficients.
 """

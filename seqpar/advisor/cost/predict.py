@@ -42,6 +42,7 @@ def predict(
         first_step_s=round(tim.step_time_s + first_step_extra_s(workload, cluster, strategy, c), 4),
         step_time_breakdown_s={k: round(v, 4) for k, v in tim.breakdown_s.items()},
         mfu=round(tim.mfu, 4),
+        required_memory_gib=round(mem.required_bytes / GIB, 3),
         memory_margin_gib=round(mem.margin_bytes / GIB, 3),
         memory_margin_basis=mem.margin_basis,
         oom_risk=not mem.fits,

@@ -48,9 +48,20 @@ def lora_config(spec: LoraSpec):
     )
 
 
-def apply_lora(model: nn.Module, spec: LoraSpec, *, seed: int, device=None, compute_dtype: torch.dtype | None = None):
+def apply_lora(
+    model: nn.Module,
+    spec: LoraSpec,
+    *,
+    seed: int,
+    device=None,
+    compute_dtype: torch.dtype | None = None,
+    adapter_dtype: torch.dtype | None = None,
+):
     """Put ``spec``'s adapters into ``model`` (in place; a 4-bit base first when ``spec.base_dtype`` is nf4, quantized on
-    ``device`` with ``compute_dtype`` its matmul dtype); returns peft's PeftModel around ``model``."""
+    ``device`` with ``compute_dtype`` its matmul dtype); returns peft's PeftModel around ``model``. peft keeps the
+    adapters in fp32; ``adapter_dtype`` casts them (a plan without fp32 states or autocast, optimizer adamw-bf16 or
+    none: fp32 adapters there would each cast and save an fp32 copy of their input, which the cost model does not
+    count for those plans, seqpar.advisor.cost.lora.regime)."""
     require("peft", "workload.lora (LoRA adapters)")
     _quiet_bitsandbytes()
     if spec.base_dtype == "nf4":
@@ -65,7 +76,12 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, seed: int, device=None, comp
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return peft_model(model, lora_config(spec))
+        wrapped = peft_model(model, lora_config(spec))
+    if adapter_dtype is not None:
+        for prm in wrapped.parameters():
+            if prm.requires_grad and prm.dtype != adapter_dtype:
+                prm.data = prm.data.to(adapter_dtype)
+    return wrapped
 
 
 def peft_model(model: nn.Module, config):

@@ -105,6 +105,7 @@ def _ulysses_degree(plan: LaunchPlan) -> int | None:
 def setup(args: TrainOptions) -> Run:
     """Plan, data, process groups, model (attention mode, checkpointing, fused ops, tiled MLP), engine, optimizer, and
     the state of a resumed run. Collective over the job."""
+    import torch
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
@@ -177,7 +178,16 @@ def setup(args: TrainOptions) -> Run:
     if w.lora is not None:  # before anything wraps the model: every later feature sees the adapters (seqpar.runtime.hf.lora)
         from seqpar.runtime.hf.lora import apply_lora
 
-        adapter = apply_lora(model, w.lora, seed=t.seed, device=topo.device, compute_dtype=autocast_dtype or param_dtype)
+        # no fp32 states and no autocast (adamw-bf16, none): the adapters in the parameters' dtype, as the plan prices them
+        low = w.optimizer in ("adamw-bf16", "none") and autocast_dtype is None and param_dtype != torch.float32
+        adapter = apply_lora(
+            model,
+            w.lora,
+            seed=t.seed,
+            device=topo.device,
+            compute_dtype=autocast_dtype or param_dtype,
+            adapter_dtype=param_dtype if low else None,
+        )
         dtype_reason += f"; {lora_text(model, w.lora)}"
     facts = resume.facts(
         plan,

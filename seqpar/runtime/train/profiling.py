@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
+import importlib.util
 import json
 import os
 import tempfile
@@ -38,11 +40,26 @@ from seqpar.runtime.train.run_files import check_file, check_folder, write_file
 
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
 GAPS = 5  # the longest kernel-free stretches listed
+CALLS = 8  # the runtime calls listed
 PEAK_GROUPS = 12  # the largest groups of live allocations listed at the memory peak
 HISTORY_ENTRIES = 1_000_000  # allocator events kept for one step (a 32-layer step makes a few hundred thousand)
-# Frames from these packages name an allocation; torch's own frames (autograd, nn.Module plumbing) do not.
-_OWN_CODE = ("/seqpar/", "/transformers/", "/liger_kernel/", "/deepspeed/", "/peft/", "/flash_attn/")
-CALLS = 8  # the runtime calls listed
+# Frames from these packages name an allocation; torch's own frames (autograd, nn.Module plumbing) do not. Matched by
+# the packages' install folders (found without importing them), so a script that happens to sit under a folder named
+# like one of them is not taken for its code.
+_OWN_PACKAGES = ("seqpar", "transformers", "liger_kernel", "deepspeed", "peft", "flash_attn")
+
+
+@functools.cache
+def _own_roots() -> tuple[str, ...]:
+    roots = []
+    for name in _OWN_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            roots.append(str(Path(loc).resolve()) + os.sep)
+    return tuple(roots)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -145,36 +162,43 @@ def _events(prof, cuda: bool) -> tuple[list[tuple[str, int, float, float]], list
     return device, host
 
 
-def _where(frames: list[dict]) -> str:
+def _where(frames: list[dict], roots: tuple[str, ...] | None = None) -> str:
     """The innermost frame of seqpar / transformers / kernel code that made an allocation, as 'file.py:line in func'."""
+    roots = _own_roots() if roots is None else roots
     for f in frames or []:
         name = str(f.get("filename", ""))
-        if any(part in name for part in _OWN_CODE):
+        if name.startswith(roots):
             return f"{name.rsplit('/', 1)[-1]}:{f.get('line', '?')} in {f.get('name', '?')}"
     return "torch internals"
 
 
-def memory_peak(events: list[dict], before_bytes: int, top: int = PEAK_GROUPS) -> dict:
-    """Replay one step's allocator history (torch.cuda.memory._snapshot()'s device trace: ``alloc`` and
-    ``free_completed`` events with addr, size and frames; a block counts until its free completes, as
-    torch.cuda.max_memory_allocated counts it) from ``before_bytes`` live at its start, and say what was live at the
-    highest point: the total, how much of it was allocated before the step, the allocation that reached it, and the
-    step's live allocations grouped by where they were made, largest first."""
+def memory_peak(events: list[dict], before_bytes: int, top: int = PEAK_GROUPS, roots: tuple[str, ...] | None = None) -> dict:
+    """Replay one step's allocator history (torch.cuda.memory._snapshot()'s device trace: ``alloc``, ``free_requested``
+    and ``free_completed`` events with addr, size and frames) from ``before_bytes`` live at its start, and say what was
+    live at the highest point: the total, how much of it was allocated before the step, the allocation that reached
+    it, and the step's live allocations grouped by where they were made, largest first. A block stops counting when
+    its free is requested, as torch.cuda.max_memory_allocated counts it (a block used on another stream is handed back
+    to the cache later, ``free_completed``, but is no longer allocated). ``truncated``: the history held as many events
+    as it keeps (HISTORY_ENTRIES), so its oldest were dropped and the replay may start from the wrong base."""
     live: dict[int, tuple[int, str]] = {}
+    freed: set[int] = set()
     older = now = best = before_bytes  # older: bytes from before the step still live
     at_peak: dict[int, tuple[int, str]] = {}
     older_at_peak, reached = older, ("", 0)
     for ev in events:
-        action, size = ev.get("action"), int(ev.get("size") or 0)
+        action, size, addr = ev.get("action"), int(ev.get("size") or 0), ev.get("addr")
         if action == "alloc":
-            where = _where(ev.get("frames") or [])
-            live[ev["addr"]] = (size, where)
+            where = _where(ev.get("frames") or [], roots)
+            live[addr] = (size, where)
+            freed.discard(addr)
             now += size
             if now > best:
                 best, at_peak, older_at_peak, reached = now, dict(live), older, (where, size)
-        elif action == "free_completed":
+        elif action == "free_requested" or (action == "free_completed" and addr not in freed):
+            # (a completion without its request: the request came before the history began)
+            freed.add(addr)
             now -= size
-            if live.pop(ev.get("addr"), None) is None:
+            if live.pop(addr, None) is None:
                 older -= size  # a tensor of an earlier step (last step's gradients, a kept buffer) let go
     groups: dict[str, list[int]] = {}
     for size, where in at_peak.values():
@@ -188,6 +212,7 @@ def memory_peak(events: list[dict], before_bytes: int, top: int = PEAK_GROUPS) -
         "before_step_gib": round(older_at_peak / gib, 4),
         "reached_by": {"where": reached[0], "gib": round(reached[1] / gib, 4)},
         "live": [{"where": w, "gib": round(b / gib, 4), "allocations": n} for w, (b, n) in ranked],
+        "truncated": len(events) >= HISTORY_ENTRIES,
     }
 
 

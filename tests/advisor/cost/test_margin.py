@@ -88,14 +88,41 @@ def test_the_match_widens_until_enough_rows():
 
 
 def test_no_measured_run_that_ran_out_of_memory_is_predicted_to_fit():
-    """Zero false fits on what was measured: every seqpar run that ran out of memory is flagged (the stock transformers
-    rows use the default allocator, which fragments earlier than any tensor sum: see test_fit)."""
+    """Every seqpar run that ran out of memory is flagged (the stock transformers rows use the default allocator, which
+    fragments earlier than any tensor sum: see test_fit). Its own row is among those its margin is taken from, so this
+    checks that the rows include out-of-memory runs, not the margin's foresight; how far the margin reaches beyond the
+    runs it was taken from is the leave-one-out count below."""
     ooms = [r for r in load_measurements() if r.oom and "stock" not in r.source]
+    assert ooms
     for r in ooms:
         assert not estimate_memory(r.workload, r.cluster, r.strategy, C).fits, r.label
-    for r in (r for r in ROWS if not r.oom):  # and every run that trained had its measured peak within prediction + margin
-        mem = estimate_memory(r.workload, r.cluster, r.strategy, C)
-        assert r.peak_memory_gib * GIB <= mem.peak_bytes + mem.margin_bytes + 1e-6 * GIB, r.label
+
+
+def test_leave_one_out_the_margin_covers_all_but_the_worst_run_of_each_kind():
+    """Each trained run predicted with the margin taken from the other runs like it: the runs the margin does not
+    cover are those that set their kind's margin alone (a worse run than all the others of its kind); here they are
+    named, so a model change that makes more of them shows."""
+    from seqpar.advisor.cost import margin as mg
+
+    rows = mg._rows(C)
+    uncovered = []
+    for r in (x for x in ROWS if not x.oom):
+        key = features(r.workload, r.strategy)
+        others = [x for x in rows if x.label != r.label]
+        for n in range(len(key), -1, -1):
+            like = [x for x in others if x.features[:n] == key[:n]]
+            if len(like) >= MIN_ROWS or n == 0:
+                break
+        frac = max([x.error for x in like] + [C.memory_margin_floor])
+        if _error(r) > frac + 1e-9:
+            uncovered.append(r.label)
+    assert sorted(uncovered) == [  # 1.0% over a 1.0% floor; 4.2% over 3.3%; 1.7%, 1.9% and 4.2% over the floor
+        "data_parallel 262144 x1 h100-sxm llama-3.2-1b ckpt=selective[15 checkpointed]",
+        "data_parallel 393216 x1 h200 llama-2-7b ckpt=offload liger tiled",
+        "data_parallel 65536 x1 h200 llama-3.2-1b ckpt=full",
+        "data_parallel 65536 x1 h200 llama-3.2-1b ckpt=full zero3_offload",
+        "data_parallel 65536 x1 h200 llama-3.2-1b ckpt=offload",
+    ]
 
 
 def test_capacity_is_what_a_process_can_allocate():

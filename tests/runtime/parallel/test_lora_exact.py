@@ -199,3 +199,35 @@ def test_lora_matches_one_process_on_the_4_rank_layouts():
     if HAS_BNB:
         cases.append(("llama", "nf4", "usp_attn", "plain", True, 2))
     _check(run_ranks(ranks_main, 4, cases, timeout=300), len(cases))
+
+
+def test_adapters_take_the_parameters_dtype_where_the_plan_keeps_no_fp32_states():
+    """optimizer adamw-bf16 or none on a GPU runs without autocast: peft's fp32 adapters would each cast and save an fp32
+    copy of their input, which the cost model does not count for those plans; the runtime casts them (adapter_dtype),
+    and the adapters' output then stays in the base's dtype through a forward and backward."""
+    pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from seqpar.plan.specs import LoraSpec
+    from seqpar.runtime.hf.lora import apply_lora
+
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    wrapped = apply_lora(model, LoraSpec(rank=4), seed=0, adapter_dtype=torch.bfloat16)
+    trained = [p for p in wrapped.parameters() if p.requires_grad]
+    assert trained and {p.dtype for p in trained} == {torch.bfloat16}
+    assert all(p.dtype == torch.bfloat16 for p in wrapped.parameters())
+    ids = torch.randint(0, 64, (1, 8))
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in trained)
+    default = apply_lora(LlamaForCausalLM(cfg).to(torch.bfloat16), LoraSpec(rank=4), seed=0)
+    assert {p.dtype for p in default.parameters() if p.requires_grad} == {torch.float32}  # peft's own default

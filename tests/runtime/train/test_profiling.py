@@ -58,7 +58,8 @@ def _frame(file: str, line: int, func: str) -> dict:
 
 def test_memory_peak_of_a_hand_made_allocator_history():
     # 10 bytes live before the step; the step frees 4 of them (last step's gradient), makes a 6-byte activation in
-    # transformers and a 20-byte logits chunk in seqpar (the peak: 10 - 4 + 6 + 20 = 32), frees both, then a 5-byte one
+    # transformers and a 20-byte logits chunk in seqpar (the peak: 10 - 4 + 6 + 20 = 32), frees both, then a 5-byte
+    # one; a block stops counting at its free's request (its completion comes later when another stream used it)
     mlp = [
         _frame("/x/torch/nn/functional.py", 1, "linear"),
         _frame("/x/transformers/models/llama/modeling_llama.py", 9, "forward"),
@@ -75,13 +76,23 @@ def test_memory_peak_of_a_hand_made_allocator_history():
         {"action": "free_completed", "addr": 100, "size": 6},
         {"action": "alloc", "addr": 300, "size": 5, "frames": []},
     ]
-    peak = memory_peak(events, before_bytes=10)
+    peak = memory_peak(events, before_bytes=10, roots=("/x/transformers/", "/x/seqpar/"))
     gib = 2**30
     assert peak["peak_allocated_gib"] == round(32 / gib, 4)
     assert peak["before_step_gib"] == round(6 / gib, 4)
     assert peak["reached_by"]["where"] == "loss.py:42 in chunked_ce"
     assert [g["where"] for g in peak["live"]] == ["loss.py:42 in chunked_ce", "modeling_llama.py:9 in forward"]
-    assert [g["allocations"] for g in peak["live"]] == [1, 1]
+    assert [g["allocations"] for g in peak["live"]] == [1, 1] and not peak["truncated"]
+    # a block used on another stream: requested free before the next allocation, completed after it
+    late = [
+        {"action": "alloc", "addr": 1, "size": 8, "frames": loss},
+        {"action": "free_requested", "addr": 1, "size": 8},
+        {"action": "alloc", "addr": 2, "size": 5, "frames": loss},
+        {"action": "free_completed", "addr": 1, "size": 8},
+    ]
+    assert memory_peak(late, before_bytes=0, roots=("/x/seqpar/",))["peak_allocated_gib"] == round(8 / gib, 4)
+    # a script under a folder named like a package is not that package's code: the install folders decide
+    assert memory_peak(events, before_bytes=10, roots=())["live"][0]["where"] == "torch internals"
 
 
 def test_memory_peak_agrees_with_the_allocator_on_a_gpu():
