@@ -59,6 +59,7 @@ def _groups(rank, world, sp):
     return dist.get_world_size(mpu.get_sequence_data_parallel_group()), dist.get_world_size(mpu.get_sequence_parallel_group())
 
 
+@pytest.mark.slow  # 4 gloo ranks of DeepSpeed (about 6 s): the default run keeps the source-reading tests
 @pytest.mark.timeout(120)
 def test_deepspeed_ulysses_zero_partitions_over_the_whole_world():
     """deepspeed 0.19.8 deepspeed/runtime/sequence_parallel/parallel_state_sp.py builds the sequence-data-parallel group as
@@ -219,6 +220,7 @@ def _saved_by_fused_head(n, h, v):
     return saved, entropy, is_top1, hidden.grad, weight.grad
 
 
+@pytest.mark.slow  # TRL's kernel run forward and backward (about 5 s)
 def test_trl_sft_metrics_keep_no_logits():
     """trl 1.16 trainer/sft_trainer.py patches the model with add_fused_lm_head(outputs=("log_probs", "entropy",
     "is_top1")) and logs entropy and mean_token_accuracy from those per-token outputs; trl/kernels/chunked_logprob.py
