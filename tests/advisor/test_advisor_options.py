@@ -17,22 +17,14 @@ from seqpar.advisor.search import advise_by_cost, describe, enumerate_strategies
 from seqpar.cli import app
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
-from seqpar.plan.specs import ModelSpec, Strategy, Workload
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.profiles import get_model
+
+from seqpar_testing.advisor import TINY
 
 C = load_coefficients()
 M7 = get_model("llama-2-7b")
 H200 = cluster_from_flags("h200", 1)
-TINY = ModelSpec(
-    name="t",
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=256,
-)
 W64 = Workload(model=M7, seq_len=65536, optimizer="none")
 
 

@@ -9,20 +9,12 @@ from seqpar.advisor.cost.evaluate import estimate_eval_memory, estimate_eval_tim
 from seqpar.advisor.cost.throughput import estimate_time
 from seqpar.advisor.search import max_seq_len
 from seqpar.plan.flops import attention_fwd_flops, matmul_params
-from seqpar.plan.specs import ModelSpec, Strategy, Workload
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.plan.units import GIB
 from seqpar.profiles import get_model
 
-TINY = ModelSpec(
-    name="t",
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=256,
-)
+from seqpar_testing.advisor import TINY
+
 PSI = 106816  # test_memory.py: TINY's parameters by hand
 H200 = cluster_from_flags("h200", 1)
 DP = Strategy(mode="data_parallel")

@@ -7,12 +7,23 @@ from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.cost.coefficients import load_coefficients
 from seqpar.advisor.cost.memory import estimate_memory
 from seqpar.advisor.cost.throughput import estimate_time
-from seqpar.plan.specs import Strategy, Workload
+from seqpar.plan.specs import ModelSpec, Strategy, Workload
 from seqpar.profiles import get_model
 
 C = load_coefficients()
 M7, M1 = get_model("llama-2-7b"), get_model("llama-3.2-1b")
 L7 = M7.num_layers
+# the cost-model tests' hand-computable model: h 64, q 4 x 16, k/v 2 x 16 (GQA), I 128, 2 layers, vocabulary 256
+TINY = ModelSpec(
+    name="t",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=256,
+)
 
 
 def h200(host_gib: float = 125.0):

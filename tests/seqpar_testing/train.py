@@ -9,6 +9,7 @@ run's losses and gradient norms to a reference run's, step by step.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +121,17 @@ def compare_runs(results: dict, ref: str = "ref") -> None:
             assert not bad.any(), f"{name}: {key} differs at steps {list(np.flatnonzero(bad) + 1)}: {a[bad]} vs {b[bad]}"
     # The run must have learned something, or equality would prove little.
     assert want[-1]["loss"] < want[0]["loss"] - 0.5
+
+
+def cut_run(tmp: str, src: str, dst: str, step: int, rank: int) -> None:
+    """A copy of run ``src`` as it stood after checkpoint ``step``: later checkpoints gone, ``latest`` naming it."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        shutil.copytree(Path(tmp) / src, Path(tmp) / dst)
+        ck = Path(tmp) / dst / "checkpoints"
+        for p in ck.glob("step-*"):
+            if int(p.name[5:]) > step:
+                shutil.rmtree(p)
+        (ck / "latest").write_text(f"step-{step:06d}\n")
+    dist.barrier()

@@ -54,9 +54,10 @@ def _describe(key: tuple) -> str:
 
 
 @lru_cache(maxsize=4)
-def _rows(c: Coefficients) -> tuple[Row, ...]:
+def _rows(c: Coefficients, estimate) -> tuple[Row, ...]:
+    """The measured rows with the model's error on each; ``estimate``: the memory model's estimate_memory, handed in
+    by the memory model itself (which applies the margin), so neither module imports the other."""
     from seqpar.advisor.cost.measurements import load_measurements
-    from seqpar.advisor.cost.memory import estimate_memory
 
     out = []
     for r in load_measurements():
@@ -64,7 +65,7 @@ def _rows(c: Coefficients) -> tuple[Row, ...]:
         peak = r.oom_needed_gib if r.oom else r.peak_memory_gib
         if peak is None or r.cluster.accelerator != "cuda":
             continue
-        pred = estimate_memory(r.workload, r.cluster, r.strategy, c, margin=False).peak_bytes / 2**30
+        pred = estimate(r.workload, r.cluster, r.strategy, c, margin=False).peak_bytes / 2**30
         if pred > 0:
             # what an out-of-memory run needed is a lower bound: its error counts with the floor on top
             error = peak / pred - 1.0 + (c.memory_margin_floor if r.oom else 0.0)
@@ -72,9 +73,10 @@ def _rows(c: Coefficients) -> tuple[Row, ...]:
     return tuple(out)
 
 
-def memory_margin(w: Workload, s: Strategy, c: Coefficients) -> Margin:
-    """The margin for this plan: the worst measured under-prediction among runs like it (see the module's docstring)."""
-    rows, key = _rows(c), features(w, s)
+def memory_margin(w: Workload, s: Strategy, c: Coefficients, estimate) -> Margin:
+    """The margin for this plan: the worst measured under-prediction among runs like it (see the module's docstring);
+    ``estimate``: seqpar.advisor.cost.memory.estimate_memory."""
+    rows, key = _rows(c, estimate), features(w, s)
     for n in range(len(key), -1, -1):
         like = [r for r in rows if r.features[:n] == key[:n]]
         if len(like) >= MIN_ROWS or n == 0:

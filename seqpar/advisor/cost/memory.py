@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 from seqpar.advisor.cost import deepspeed_memory, lora
 from seqpar.advisor.cost.coefficients import Coefficients
+from seqpar.advisor.cost.margin import memory_margin
 from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import matmul_params
 from seqpar.plan.modes import degrees, describe, head_degree, takes_ulysses_degree
@@ -572,9 +573,7 @@ def estimate_memory(
     host_cap = cluster.host_ram_gib * GIB * c.host_ram_usable_fraction
     kept, basis = 0.0, ""
     if margin and cluster.accelerator == "cuda":
-        from seqpar.advisor.cost.margin import memory_margin  # it predicts measured runs with this module
-
-        got = memory_margin(w, s, c)
+        got = memory_margin(w, s, c, estimate_memory)  # it predicts the measured runs with this function
         kept, basis = got.fraction * peak, got.basis
     elif margin:  # CPU ranks: no measured runs to take an error from
         kept, basis = c.memory_margin_floor * peak, f"CPU ranks: the floor of {c.memory_margin_floor:.0%}"

@@ -72,16 +72,13 @@ class Saver:
             ckpt.write(tmp, wrapped=r.wrapped, optimizer=r.optimizer, rank=self.rank)
             if final:
                 dtype = EXPORT_DTYPES[r.plan.workload.dtype]
-                ckpt.export(
-                    tmp,
-                    wrapped=r.wrapped,
-                    hf_model=r.model,
-                    dtype=dtype,
-                    rank=self.rank,
-                    adapter=r.adapter,
-                    merge=r.merge_lora,
-                    **r.tokenizer,
-                )
+                out = dict(wrapped=r.wrapped, hf_model=r.model, dtype=dtype, rank=self.rank, **r.tokenizer)
+                if r.adapter is not None:  # a LoRA run's export is its adapter (and, asked, the merged model)
+                    from seqpar.runtime.checkpoint.adapter import export_lora
+
+                    export_lora(tmp, adapter=r.adapter, merge=r.merge_lora, **out)
+                else:
+                    ckpt.export(tmp, **out)
             ckpt.fault("checkpoint", step, self.rank)
             ckpt.fault("checkpoint-pause", step, self.rank, tmp)
         except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException

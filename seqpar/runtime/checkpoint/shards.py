@@ -85,29 +85,12 @@ def export(
     rank: int,
     tokenizer: str | None = None,
     trust_remote_code: bool = False,
-    adapter=None,
-    merge: bool = False,
 ) -> None:
     """Collective: the weights gathered one tensor at a time and saved by rank 0 with save_pretrained, in ``dtype``
     (rank 0 holds one copy of the model in that dtype; the others one tensor at a time), and beside them the tokenizer
     the run trained with (``tokenizer``: the data's --tokenizer or --model-path; its chat template too), so the folder
-    loads with AutoTokenizer and AutoModelForCausalLM as it is. ``adapter``: a LoRA run's PeftModel around ``hf_model``;
-    its export is the adapter, and with ``merge`` the merged model (seqpar.runtime.checkpoint.adapter)."""
-    if adapter is not None:
-        from seqpar.runtime.checkpoint.adapter import export_lora
-
-        export_lora(
-            tmp,
-            wrapped=wrapped,
-            hf_model=hf_model,
-            adapter=adapter,
-            dtype=dtype,
-            rank=rank,
-            merge=merge,
-            tokenizer=tokenizer,
-            trust_remote_code=trust_remote_code,
-        )
-        return
+    loads with AutoTokenizer and AutoModelForCausalLM as it is. A LoRA run exports its adapter instead
+    (seqpar.runtime.checkpoint.adapter.export_lora, which the saver calls)."""
     ds = _deepspeed(wrapped)
     sd = ds.full_weights(wrapped) if ds is not None else get_model_state_dict(wrapped)  # keys relative to LossModule
     weights = {}

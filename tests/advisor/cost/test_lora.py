@@ -12,22 +12,13 @@ from seqpar.advisor.cost.throughput import estimate_time, linear_flops_per_token
 from seqpar.advisor.search import max_seq_len
 from seqpar.plan.flops import layer_matmul_params, matmul_params, model_flops_per_sequence
 from seqpar.plan.lora import adapter_params, adapter_params_per_layer, lora_text
-from seqpar.plan.specs import LORA_ALL_LINEAR, LoraSpec, ModelSpec, Strategy, Workload
+from seqpar.plan.specs import LORA_ALL_LINEAR, LoraSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 from seqpar.profiles import get_model
 
+from seqpar_testing.advisor import TINY
+
 C = load_coefficients()
-# h 64, q 4 x 16, k/v 2 x 16, I 128, 2 layers (tests/advisor/cost/test_memory.py's TINY)
-TINY = ModelSpec(
-    name="t",
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=256,
-)
 ALL = LoraSpec(rank=8)
 QV = LoraSpec(rank=8, target_modules=["q_proj", "v_proj"])
 DDP = Strategy(mode="data_parallel", sharding="ddp")

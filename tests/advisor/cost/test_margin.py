@@ -39,7 +39,7 @@ def test_a_plan_like_the_7b_384k_offload_run_takes_that_runs_error():
     assert len(like) >= MIN_ROWS
     worst = max(like, key=_error)
     assert worst.label == "data_parallel 393216 x1 h200 llama-2-7b ckpt=offload liger tiled"
-    m = memory_margin(w, s, C)
+    m = memory_margin(w, s, C, estimate_memory)
     assert (m.rows, m.fraction) == (len(like), pytest.approx(max(_error(worst), C.memory_margin_floor)))
     assert worst.label in m.basis
     mem = estimate_memory(w, cluster_from_flags("h100", 1, host_ram_gib=125), s, C)
@@ -57,7 +57,7 @@ def test_the_issue_s_8b_plan_takes_the_floor_from_three_over_predicted_runs():
     assert len(like) == 3 and all(_error(r) < 0 for r in like)
     one_b = next(r for r in like if r.label.startswith("data_parallel 163840 x1 h200 llama-3.2-1b"))
     assert -0.02 < _error(one_b) < 0
-    m = memory_margin(w, s, C)
+    m = memory_margin(w, s, C, estimate_memory)
     assert (m.rows, m.fraction) == (3, C.memory_margin_floor) and "the floor of 1%" in m.basis
 
 
@@ -78,7 +78,7 @@ def test_the_match_widens_until_enough_rows():
     s = Strategy(mode="data_parallel", checkpointing="selective", sharding="fsdp")
     key = features(w, s)
     assert not [r for r in ROWS if features(r.workload, r.strategy) == key]
-    m = memory_margin(w, s, C)
+    m = memory_margin(w, s, C, estimate_memory)
     for n in range(len(key), -1, -1):
         like = [r for r in ROWS if features(r.workload, r.strategy)[:n] == key[:n]]
         if len(like) >= MIN_ROWS:
@@ -104,7 +104,7 @@ def test_leave_one_out_the_margin_covers_all_but_the_worst_run_of_each_kind():
     named, so a model change that makes more of them shows."""
     from seqpar.advisor.cost import margin as mg
 
-    rows = mg._rows(C)
+    rows = mg._rows(C, estimate_memory)
     uncovered = []
     for r in (x for x in ROWS if not x.oom):
         key = features(r.workload, r.strategy)

@@ -6,20 +6,12 @@ from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.cost.coefficients import load_coefficients
 from seqpar.advisor.cost.memory import estimate_memory, kept_bytes_per_token, model_states, precision, saved_bytes_per_token
 from seqpar.advisor.cost.predict import predict
-from seqpar.plan.specs import ModelSpec, Strategy, Workload
+from seqpar.plan.specs import Strategy, Workload
 from seqpar.plan.units import GIB
 from seqpar.profiles import get_model
 
-TINY = ModelSpec(
-    name="t",
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=256,
-)
+from seqpar_testing.advisor import TINY
+
 C = load_coefficients()
 
 

@@ -6,19 +6,11 @@ from seqpar.advisor.cluster import cluster_from_flags
 from seqpar.advisor.cost.coefficients import Coefficients, load_coefficients
 from seqpar.advisor.cost.throughput import elementwise_time, estimate_time, linear_flops_per_token, width_efficiency
 from seqpar.plan.flops import attention_fwd_flops, matmul_params, model_flops_per_sequence
-from seqpar.plan.specs import LinkSpec, ModelSpec, Strategy, Workload
+from seqpar.plan.specs import LinkSpec, Strategy, Workload
 from seqpar.profiles import get_model
 
-TINY = ModelSpec(
-    name="t",
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=256,
-)
+from seqpar_testing.advisor import TINY
+
 PLAIN = Coefficients(
     version="test",
     linear_time_factor=1.0,

@@ -21,7 +21,6 @@ resumes a DeepSpeed ZeRO-3 LoRA run the same way.
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,7 @@ import torch
 from seqpar.plan.specs import LoraSpec
 
 from seqpar_testing import run_ranks
-from seqpar_testing.train import make_plan, read_metrics
+from seqpar_testing.train import cut_run, make_plan, read_metrics
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="the lora extra (peft) is not installed")
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -97,25 +96,11 @@ def _resume_run(plan, tmp: str, name: str, base: str, *extra: str, rank: int) ->
     return None
 
 
-def _cut(tmp: str, src: str, dst: str, step: int, rank: int) -> None:
-    """A copy of run ``src`` as it stood after checkpoint ``step``."""
-    import torch.distributed as dist
-
-    if rank == 0:
-        shutil.copytree(Path(tmp) / src, Path(tmp) / dst)
-        ck = Path(tmp) / dst / "checkpoints"
-        for p in ck.glob("step-*"):
-            if int(p.name[5:]) > step:
-                shutil.rmtree(p)
-        (ck / "latest").write_text(f"step-{step:06d}\n")
-    dist.barrier()
-
-
 def resume_cases(rank: int, tmp: str, plan, base: str, other_base: str, prefix: str) -> dict:
     """Uninterrupted 4 steps with a checkpoint every 2; the copy cut at step 2 resumed; the same over another base."""
     _resume_run(plan, tmp, f"{prefix}full", base, rank=rank)
-    _cut(tmp, f"{prefix}full", f"{prefix}cut", 2, rank)
-    _cut(tmp, f"{prefix}full", f"{prefix}other", 2, rank)
+    cut_run(tmp, f"{prefix}full", f"{prefix}cut", 2, rank)
+    cut_run(tmp, f"{prefix}full", f"{prefix}other", 2, rank)
     assert _resume_run(plan, tmp, f"{prefix}cut", base, "--resume", rank=rank) is None
     refused = _resume_run(plan, tmp, f"{prefix}other", other_base, "--resume", rank=rank)
     if rank != 0:

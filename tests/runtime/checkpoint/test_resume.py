@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import pytest
 from seqpar.plan.launch_plan import LaunchPlan
 
 from seqpar_testing.hostile import Marker
-from seqpar_testing.train import learnable_tokens, make_plan, read_metrics
+from seqpar_testing.train import cut_run, learnable_tokens, make_plan, read_metrics
 
 
 def _run(plan: LaunchPlan, tmp: str, name: str, data: str, *extra: str, rank: int):
@@ -39,20 +38,6 @@ def _run(plan: LaunchPlan, tmp: str, name: str, data: str, *extra: str, rank: in
         plan.write(pf)
     dist.barrier()
     run(parser().parse_args(["--plan", str(pf), "--output", str(Path(tmp) / name), "--data", data, *extra]))
-    dist.barrier()
-
-
-def _cut(tmp: str, src: str, dst: str, step: int, rank: int) -> None:
-    """A copy of run ``src`` as it stood after checkpoint ``step``: later checkpoints gone, ``latest`` naming it."""
-    import torch.distributed as dist
-
-    if rank == 0:
-        shutil.copytree(Path(tmp) / src, Path(tmp) / dst)
-        ck = Path(tmp) / dst / "checkpoints"
-        for p in ck.glob("step-*"):
-            if int(p.name[5:]) > step:
-                shutil.rmtree(p)
-        (ck / "latest").write_text(f"step-{step:06d}\n")
     dist.barrier()
 
 
@@ -74,7 +59,7 @@ FULL = dict(mode="zigzag_ring_attn", sp=2, mbs=2, steps=8, checkpoint_every=4, s
 def _two_ranks_write_and_reshard(rank, world, tmp, data):
     """Uninterrupted zigzag sp 2 FSDP2 run; resumed at step 4 as data_parallel (sp 1, dp 2) under DDP."""
     _run(make_plan(2, FULL["mode"], **{k: v for k, v in FULL.items() if k != "mode"}), tmp, "full", data, rank=rank)
-    _cut(tmp, "full", "sp1", 4, rank)
+    cut_run(tmp, "full", "sp1", 4, rank)
     _run(make_plan(2, "data_parallel", 1, mbs=1, steps=8, checkpoint_every=4), tmp, "sp1", data, "--resume", rank=rank)
     return _metrics(tmp, "full", rank), _metrics(tmp, "sp1", rank)
 
@@ -86,7 +71,7 @@ def _four_ranks_reshard(rank, world, tmp, data):
         ("w4_hybrid", make_plan(4, "zigzag_ring_attn", 2, mbs=1, steps=8, checkpoint_every=4, sharding="fsdp")),
         ("w4_sp4", make_plan(4, "zigzag_ring_attn", 4, mbs=2, steps=8, checkpoint_every=4)),
     ]:
-        _cut(tmp, "full", name, 4, rank)
+        cut_run(tmp, "full", name, 4, rank)
         _run(plan, tmp, name, data, "--resume", rank=rank)
         out[name] = _metrics(tmp, name, rank)
     return out
@@ -163,23 +148,23 @@ def _one_layout_many_ways(rank, world, tmp, data):
     _run(plan, tmp, "full", data, rank=rank)  # keeps step-000006 and step-000008 (--keep-last 2)
     # asynchronous interval checkpoints: the same run, and a resume from one of them
     _run(plan, tmp, "async", data, "--async-checkpoint", "on", rank=rank)
-    _cut(tmp, "async", "async_cut", 6, rank)
+    cut_run(tmp, "async", "async_cut", 6, rank)
     _run(plan, tmp, "async_cut", data, "--resume", rank=rank)
     # --resume --steps 2 after step 8: nothing to train, nothing overwritten
     before = (Path(tmp) / "full" / "run_report.json").read_bytes() if rank == 0 else None
     _run(plan, tmp, "full", data, "--resume", "--steps", "2", rank=rank)
     res["report_kept"] = rank != 0 or (Path(tmp) / "full" / "run_report.json").read_bytes() == before
     # a new learning rate is applied from the checkpoint's step
-    _cut(tmp, "full", "lr", 6, rank)
+    cut_run(tmp, "full", "lr", 6, rank)
     _run(make_plan(2, "zigzag_ring_attn", 2, mbs=2, steps=8, checkpoint_every=2, lr=1e-3), tmp, "lr", data, "--resume", rank=rank)
     # a torn last line in metrics.jsonl (a crash mid-append)
-    _cut(tmp, "full", "torn", 6, rank)
+    cut_run(tmp, "full", "torn", 6, rank)
     if rank == 0:
         with (Path(tmp) / "torn" / "metrics.jsonl").open("a") as f:
             f.write('{"step": 7, "lo')
     _run(plan, tmp, "torn", data, "--resume", rank=rank)
     # a forged shard: it fails to load and runs nothing
-    _cut(tmp, "full", "forged", 6, rank)
+    cut_run(tmp, "full", "forged", 6, rank)
     if rank == 0:
         _forge(Path(tmp) / "forged" / "checkpoints" / "step-000006", Path(tmp) / "pwned")
     import torch.distributed as dist
