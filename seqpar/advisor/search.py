@@ -264,7 +264,7 @@ def advise_by_cost(req: AdviseRequest, coeffs: Optional[Coefficients] = None, cl
     else:
         best = min(cands, key=lambda x: x.peak_gib)
         reasons.append(
-            f"nothing fits: the smallest footprint is {describe(best.strategy)} and it {best.why}; "
+            f"nothing fits: the smallest footprint is {describe(best.strategy)}: {best.why}; "
             f"see `seqpar advise --max-seq-len` for what fits on this cluster"
         )
     pred = predict(w, cl, best.strategy, c)

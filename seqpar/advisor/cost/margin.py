@@ -65,7 +65,8 @@ def _rows(c: Coefficients, estimate) -> tuple[Row, ...]:
         peak = r.oom_needed_gib if r.oom else r.peak_memory_gib
         if peak is None or r.cluster.accelerator != "cuda":
             continue
-        pred = estimate(r.workload, r.cluster, r.strategy, c, margin=False).peak_bytes / 2**30
+        pred = estimate(r.workload, r.cluster, r.strategy, c, margin=False, attention_cut=r.attention_backward_cut)
+        pred = pred.peak_bytes / 2**30
         if pred > 0:
             # what an out-of-memory run needed is a lower bound: its error counts with the floor on top
             error = peak / pred - 1.0 + (c.memory_margin_floor if r.oom else 0.0)

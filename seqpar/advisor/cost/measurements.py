@@ -46,6 +46,9 @@ class Measurement:
     # an out-of-memory run: what it had allocated plus the block it could not get (its error message), a lower bound
     # of the peak it needed; the OOM gate's margin takes the model's error on it (seqpar.advisor.cost.margin)
     oom_needed_gib: Optional[float] = None
+    # whether the run's cuDNN attention backward was cut over KV heads (seqpar.plan.attention_calls): run reports
+    # written before the runtime cut it say nothing, and are priced with one call
+    attention_backward_cut: bool = True
 
 
 # The columns of a measurement CSV: the configuration (required unless defaulted), then what was measured.
@@ -200,7 +203,10 @@ def row_from_report(report: dict, source: str) -> Measurement:
         + (f" {s.sharding}" if s.sharding != "ddp" else "")
     )
     needed = _measured(meas.get("oom_needed_gib"), "oom_needed_gib", where) if oom else None
-    return _plausible(Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom, needed), where)
+    cut = report.get("attention_backward_cut", False)
+    if not isinstance(cut, bool):
+        raise SeqparError(f"{where}: attention_backward_cut {cut!r} must be true or false")
+    return _plausible(Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom, needed, cut), where)
 
 
 def load_measurements(paths: Optional[Iterable[str | Path]] = None) -> list[Measurement]:

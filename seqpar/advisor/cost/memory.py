@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from seqpar.advisor.cost import deepspeed_memory, lora
 from seqpar.advisor.cost.coefficients import Coefficients
 from seqpar.advisor.cost.margin import memory_margin
+from seqpar.plan import attention_calls
 from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import matmul_params
 from seqpar.plan.modes import degrees, describe, head_degree, takes_ulysses_degree
@@ -351,33 +352,38 @@ def _nccl_groups(strategy: Strategy, world: int) -> int:
     return 1 + (strategy.sp_degree > 1) + takes_ulysses_degree(strategy.mode)  # a hybrid mode: ring and Ulysses groups
 
 
-def attention_backward_workspace(m: ModelSpec, t: float, cluster: ClusterSpec, c: Coefficients, heads_split: int = 1) -> float:
+def attention_backward_workspace(
+    m: ModelSpec, t: float, cluster: ClusterSpec, c: Coefficients, heads_split: int = 1, cut: bool = True
+) -> float:
     """Bytes the attention kernel's backward allocates for itself while it runs, for t query tokens of one call (the
     local tokens in every mode: a ring step's KV block and a Ulysses call's whole sequence at 1/P heads come to the
     same), beside dq, dk, dv.
 
     cuDNN (Hopper and newer; torch's run_cudnn_SDP_bprop allocates the graph's workspace through the caching
     allocator as one block): the softmax sum dO.O, fp32 per query head and token; with GQA, dK and dV at the query
-    heads' width before they are summed onto the KV heads (NVIDIA/cudnn-frontend,
-    include/cudnn_frontend/node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: softmax_sum,
-    dK_fullhead, dV_fullhead), 8 bytes per element together: Llama-3.1-8B at 172032 tokens on an H100 asked for
-    5.27 GiB = 172032 x 32 x (128 x 8 + 4) bytes, its out-of-memory message.
+    heads' width before they are summed onto the KV heads, 8 bytes per element together (seqpar.plan.attention_calls,
+    with its source): Llama-3.1-8B at 172032 tokens on an H100 asked for 5.27 GiB = 172032 x 32 x (128 x 8 + 4) bytes,
+    its out-of-memory message. Past ``attention_calls.WORKSPACE_BUDGET`` the runtime cuts the backward into calls over
+    groups of KV heads (the same rule, seqpar.runtime.parallel.kernels): then one call's workspace, plus that call's
+    own copies of its heads (dO, q, out at its query heads; k, v at its KV heads) and its gradients before they are
+    written into place.
     flash (FlashAttention-2, PyTorch's and flash-attn's): not counted. Its source allocates an fp32 dq accumulator and,
     with GQA, dk, dv at the query heads' width (flash_api.cpp, mha_bwd: dq_accum, dk_expanded, dv_expanded), but the
     published ALST runs on FlashAttention-2 (seqpar/profiles/published_runs.json, 14M and 15M tokens at sp 32) used
     74.5 and 78.5 GiB of device memory in all, where the dq accumulator alone would add 6.7 GiB to a prediction that
     already meets them within 2%: without a measurement of our own the term stays out, and the margin carries it.
     ``heads_split``: Ulysses' degree u; a call then sees a / u query heads and kv / u KV heads (at least one: the KV
-    heads are replicated when u > kv), so GQA, and its full-head workspace, is gone once a call holds as many KV heads
-    as query heads (u >= a, e.g. Llama-3.1-8B's 32 heads at sp 32)."""
-    if cluster.accelerator != "cuda":
+    heads are replicated when u > kv) over u t tokens, so GQA, and its full-head workspace, is gone once a call holds as
+    many KV heads as query heads (u >= a, e.g. Llama-3.1-8B's 32 heads at sp 32). ``cut`` False: one call whatever
+    its size, as the runtime ran before it cut the backward (measured runs from then, seqpar.advisor.cost.measurements)."""
+    if cluster.accelerator != "cuda" or c.attention_backend(cluster) != "cudnn":
         return 0.0
+    u = max(heads_split, 1)
     a, kv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
-    q_local, kv_local = a / heads_split, max(kv / heads_split, 1.0)
-    gqa = kv_local < q_local
-    if c.attention_backend(cluster) != "cudnn":
-        return 0.0
-    return t * a * (4 + (8 * d if gqa else 0))
+    q_local, kv_local, tokens = max(a // u, 1), max(kv // u, 1), t * u
+    if not cut:
+        return attention_calls.workspace_bytes(tokens, tokens, q_local, kv_local, d)
+    return attention_calls.backward_bytes(tokens, tokens, q_local, kv_local, d)
 
 
 def capacity_bytes(cluster: ClusterSpec, c: Coefficients) -> float:
@@ -392,12 +398,18 @@ def capacity_bytes(cluster: ClusterSpec, c: Coefficients) -> float:
 
 
 def estimate_memory(
-    w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, margin: bool = True, loss_path: str = "seqpar"
+    w: Workload,
+    cluster: ClusterSpec,
+    s: Strategy,
+    c: Coefficients,
+    margin: bool = True,
+    loss_path: str = "seqpar",
+    attention_cut: bool = True,
 ) -> MemoryEstimate:
     """Peak allocated bytes per GPU over a step's phases, what the allocator and CUDA reserve beyond it, and whether it
     fits with the gate's margin (``margin=False``: with none, as the margin's own rows are predicted). ``loss_path``: whose
     loss runs, seqpar's own (``seqpar``) or TRL's SFTTrainer (``trl``: its fused LM head whatever the plan's loss_impl,
-    _loss_bytes)."""
+    _loss_bytes). ``attention_cut`` False: the attention backward as one call (attention_backward_workspace)."""
     m, dtype = w.model, w.dtype
     prec = precision(w, s, cluster.accelerator)
     p, r = prec.compute, prec.residual
@@ -482,7 +494,9 @@ def estimate_memory(
     # the layer's backward peaks either in the MLP's backward (two intermediates' gradients) or in attention's (dq, dk,
     # dv beside the saved q, k, v, out); untiled the MLP moment is larger, tiled it is attention's
     attn_grads = t * p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
-    attn_grads += attention_backward_workspace(m, t, cluster, c, head_degree(s.mode, s.sp_degree, s.ulysses_degree))
+    attn_grads += attention_backward_workspace(
+        m, t, cluster, c, head_degree(s.mode, s.sp_degree, s.ulysses_degree), cut=attention_cut
+    )
     if s.tiled_mlp:
         grad_flow = t * 2 * r * h + max(tile * 2 * p * i, attn_grads)  # hidden grads in and out + the larger moment
         # one tile's recomputed intermediates (unfused: gate, silu, up, product; liger: gate, up, product) and the fp32

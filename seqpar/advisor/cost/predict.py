@@ -24,11 +24,13 @@ def predict(
     strategy: Strategy,
     coeffs: Optional[Coefficients] = None,
     loss_path: str = "seqpar",
+    attention_cut: bool = True,
 ) -> Prediction:
     """Peak memory, OOM verdict and throughput of one configuration on one cluster; ``loss_path`` "trl": the loss TRL's
-    SFTTrainer runs (memory.estimate_memory)."""
+    SFTTrainer runs (memory.estimate_memory); ``attention_cut`` False: a measured run from before the runtime cut the
+    attention backward over KV heads."""
     c = coeffs or load_coefficients()
-    mem = estimate_memory(workload, cluster, strategy, c, loss_path=loss_path)
+    mem = estimate_memory(workload, cluster, strategy, c, loss_path=loss_path, attention_cut=attention_cut)
     tim = estimate_time(workload, cluster, strategy, c)
     return Prediction(
         peak_memory_gib=round(mem.peak_bytes / GIB, 3),

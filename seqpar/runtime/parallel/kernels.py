@@ -11,7 +11,8 @@ exact path keeps float64 accuracy end to end).
 
 Backends (``select_backend`` picks one by device, dtype and GPU capability; an override wins; the choice is logged):
 - ``exact``: plain torch math in float32/float64 on any device, backward written out by hand (CPU runs and tests).
-- ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` (+ ``_backward``); Hopper and newer, bf16/fp16.
+- ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` (+ ``_backward``); Hopper and newer, bf16/fp16. With GQA at
+  long lengths the backward runs as several calls over groups of KV heads (seqpar.plan.attention_calls).
 - ``flash``: ``aten._scaled_dot_product_flash_attention`` (+ ``_backward``); Ampere and newer, bf16/fp16.
 - ``flash_attn``: the optional flash-attn package (Tri Dao), when installed.
 The aten ops take (B, H, S, D): we pass transposed views of (B, S, H, D) tensors, so no copy is made.
@@ -25,6 +26,7 @@ import math
 import torch
 from torch import Tensor
 
+from seqpar.plan.attention_calls import backward_calls
 from seqpar.plan.errors import SeqparError
 
 log = logging.getLogger(__name__)
@@ -198,20 +200,42 @@ def _aten_backward(dout, q, k, v, out, lse, causal, scale, backend):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     groups = Hq // k.shape[2]
     g = groups if _cudnn_no_gqa else 1
+    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    Hkv = k.shape[2]
+    calls = 1 if _cudnn_no_gqa else backward_calls(B * Sq, B * Sk, Hq, Hkv, q.shape[3], q.element_size())
+    if calls == 1:
+        return _cudnn_backward(dout, q, k, v, out, lse, causal, scale, g, seed)
+    # GQA's workspace grows with the query heads of a call: cut the call over whole KV heads (heads are independent,
+    # so the gradients are the same) and write each group's gradients into place (seqpar.plan.attention_calls)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kv_per, q_per = Hkv // calls, Hq // calls
+    for c in range(calls):
+        qs, ks = slice(c * q_per, (c + 1) * q_per), slice(c * kv_per, (c + 1) * kv_per)
+        r = _cudnn_backward(
+            dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, qs], causal, scale, 1, seed
+        )
+        dq[:, :, qs], dk[:, :, ks], dv[:, :, ks] = r
+        del r  # this group's gradients are in place: free them before the next call allocates its own
+    return dq, dk, dv
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, g, seed):
+    """One cuDNN backward call over the heads given (B, S, H, D); ``g`` > 1 expands K, V for a build without GQA."""
+    B, Sq, Hq, _ = q.shape
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _heads(dout.to(q.dtype)),
+        _heads(dout),
         _heads(q),
         _heads(_expand_kv(k, g)),
         _heads(_expand_kv(v, g)),
-        _heads(out.to(q.dtype)),
-        lse.view(B, Hq, Sq, 1),
+        _heads(out),
+        lse.contiguous().view(B, Hq, Sq, 1),
         seed,
         seed,
         None,
         None,
         None,
         Sq,
-        Sk,
+        k.shape[1],
         0.0,
         causal,
         scale=scale,

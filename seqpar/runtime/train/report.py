@@ -214,6 +214,9 @@ def write_report(
         "tokens_per_step": tokens_per_step,
         "device": str(device.type),
         "backend": backend,
+        # cuDNN's backward is cut over KV heads at long lengths (seqpar.plan.attention_calls); reports without this key
+        # come from runs before the cut, and the memory model prices them as one call
+        "attention_backward_cut": True,
         "dtype": dtype_reason,
         "engine": engine,
         "versions": _versions(),

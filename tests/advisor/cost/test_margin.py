@@ -24,7 +24,9 @@ ROWS = [
 
 
 def _error(r) -> float:
-    pred = estimate_memory(r.workload, r.cluster, r.strategy, C, margin=False).peak_bytes / GIB
+    # priced as the runtime of the run cut the attention backward (runs from before the cut: one call)
+    mem = estimate_memory(r.workload, r.cluster, r.strategy, C, margin=False, attention_cut=r.attention_backward_cut)
+    pred = mem.peak_bytes / GIB
     if r.oom:  # a lower bound of its peak: the floor on top
         return r.oom_needed_gib / pred - 1 + C.memory_margin_floor
     return r.peak_memory_gib / pred - 1
@@ -67,7 +69,7 @@ def test_a_run_that_ran_out_of_memory_sets_the_margin_of_its_kind():
     top, is the margin of plans like it, and the plan is now flagged."""
     oom = next(r for r in ROWS if r.oom and "llama-3.2-1b" in r.label)
     assert oom.oom_needed_gib == pytest.approx(78.39)
-    mem = estimate_memory(oom.workload, oom.cluster, oom.strategy, C)
+    mem = estimate_memory(oom.workload, oom.cluster, oom.strategy, C, attention_cut=False)  # as it ran: one call
     assert not mem.fits and mem.margin_bytes == pytest.approx(_error(oom) * mem.peak_bytes)
 
 
@@ -94,8 +96,8 @@ def test_no_measured_run_that_ran_out_of_memory_is_predicted_to_fit():
     runs it was taken from is the leave-one-out count below."""
     ooms = [r for r in load_measurements() if r.oom and "stock" not in r.source]
     assert ooms
-    for r in ooms:
-        assert not estimate_memory(r.workload, r.cluster, r.strategy, C).fits, r.label
+    for r in ooms:  # priced as its runtime ran (runs from before the attention backward's cut: one call)
+        assert not estimate_memory(r.workload, r.cluster, r.strategy, C, attention_cut=r.attention_backward_cut).fits, r.label
 
 
 def test_leave_one_out_the_margin_covers_all_but_the_worst_run_of_each_kind():
@@ -144,12 +146,18 @@ def test_the_cudnn_backward_workspace_is_the_block_the_h100_could_not_get():
     from seqpar.advisor.cost.memory import attention_backward_workspace
 
     m8 = get_model("llama-3.1-8b")
-    ws = attention_backward_workspace(m8, 172032, cluster_from_flags("h100", 1), C)
+    ws = attention_backward_workspace(m8, 172032, cluster_from_flags("h100", 1), C, cut=False)  # the runtime then
     assert round(ws / GIB, 2) == 5.27
-    m7 = get_model("llama-2-7b")  # 32 KV heads: no GQA
+    # the runtime now cuts it over the 8 KV heads (seqpar.plan.attention_calls): a call of 4 query heads and 1 KV
+    # head, its workspace, its bf16 copies of dO, q, out (4 heads) and k, v (1 head), its dq (4), dk, dv (1 each)
+    t = 172032
+    one_of_eight = t * 4 * (4 + 8 * 128) + 2 * 128 * t * (3 * 4 + 2) + 2 * 128 * t * (4 + 2)
+    assert attention_backward_workspace(m8, t, cluster_from_flags("h100", 1), C) == one_of_eight
+    assert one_of_eight < ws / 3
+    m7 = get_model("llama-2-7b")  # 32 KV heads: no GQA, nothing to cut
     assert attention_backward_workspace(m7, 172032, cluster_from_flags("h100", 1), C) == 172032 * 32 * 4
     h100 = cluster_from_flags("h100", 1)
-    assert attention_backward_workspace(m8, 1000, h100, C, heads_split=8) == 1000 * 32 * (4 + 8 * 128)
+    assert attention_backward_workspace(m8, 1000, h100, C, heads_split=8) == 1000 * 32 * (4 + 8 * 128)  # small: uncut
     assert attention_backward_workspace(m8, 1000, h100, C, heads_split=32) == 1000 * 32 * 4
     assert attention_backward_workspace(m8, 1000, cluster_from_flags("a100", 1), C) == 0.0
     assert attention_backward_workspace(m8, 1000, cluster_from_flags("cpu", 2), C) == 0.0
