@@ -8,7 +8,9 @@ it inside the trainer's LossModule. peft freezes every base parameter; the adapt
 gradient reduction and the checkpoint hold them alone. peft keeps adapters in fp32 over a 16-bit base
 (``autocast_adapter_dtype``): their updates are AdamW's fp32 ones, while the frozen base needs no fp32 copy.
 
-QLoRA (``base_dtype: nf4``): before the adapters go in, every linear layer of the decoder blocks (q k v o gate up down,
+QLoRA (``base_dtype: nf4``): before the adapters go in (or while the model is built, layer by layer:
+seqpar.runtime.hf.quantized_build, which the trainer uses so that a 70B base never exists whole in bf16; apply_lora then
+finds the layers quantized and only adds the adapters), every linear layer of the decoder blocks (q k v o gate up down,
 targeted or not; embeddings, norms and the output head stay as they are, as in QLoRA and transformers' bitsandbytes
 quantizer) becomes bitsandbytes' ``Linear4bit`` holding its weight as NF4 with double-quantized block scales (blocks of
 64: bitsandbytes' defaults, QLoRA's recipe, Dettmers et al. 2023, arXiv:2305.14314). Its forward dequantizes the weight
@@ -58,7 +60,7 @@ def apply_lora(
     adapter_dtype: torch.dtype | None = None,
 ):
     """Put ``spec``'s adapters into ``model`` (in place; a 4-bit base first when ``spec.base_dtype`` is nf4, quantized on
-    ``device`` with ``compute_dtype`` its matmul dtype); returns peft's PeftModel around ``model``. peft keeps the
+    ``device`` with ``compute_dtype`` its matmul dtype, unless it was built quantized); returns peft's PeftModel around ``model``. peft keeps the
     adapters in fp32; ``adapter_dtype`` casts them (a plan without fp32 states or autocast, optimizer adamw-bf16 or
     none: fp32 adapters there would each cast and save an fp32 copy of their input, which the cost model does not
     count for those plans, seqpar.advisor.cost.lora.regime)."""
@@ -113,7 +115,9 @@ def _no_hub_kernel_note(record) -> bool:
 
 def quantize_base(model: nn.Module, *, device=None, compute_dtype: torch.dtype | None = None) -> int:
     """Replace every linear layer of the decoder blocks with bitsandbytes' NF4 Linear4bit holding the same weight
-    (bitsandbytes' own modules: ``Params4bit`` quantizes when moved to ``device``); returns how many were replaced."""
+    (bitsandbytes' own modules: ``Params4bit`` quantizes when moved to ``device``); returns how many were replaced.
+    Layers already 4-bit are left as they are: a base built quantized (seqpar.runtime.hf.quantized_build, which calls
+    this on one decoder layer at a time) has none left to replace."""
     require("bitsandbytes", "workload.lora.base_dtype nf4 (a 4-bit QLoRA base)")
     _quiet_bitsandbytes()
     import bitsandbytes as bnb
@@ -124,6 +128,8 @@ def quantize_base(model: nn.Module, *, device=None, compute_dtype: torch.dtype |
         for child, module in parent.named_children()
         if child in LORA_ALL_LINEAR and type(module) is nn.Linear
     ]
+    if not found and any(is_4bit(m) for m in model.modules()):
+        return 0
     if not found:
         raise SeqparError(
             f"{type(model).__name__}: workload.lora.base_dtype nf4 found no decoder linear layer to quantize "

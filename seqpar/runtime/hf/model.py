@@ -9,7 +9,9 @@ Host memory: only rank 0 builds the model with its weights (``meta=False``); eve
 device (shapes, no storage), the engine wraps it (FSDP2 shards the meta parameters), ``materialize`` allocates what the
 rank keeps, and ``share_from_rank0`` broadcasts rank 0's values tensor by tensor (torch.distributed.checkpoint's
 ``broadcast_from_rank0``), each rank keeping its shard. A W-rank job so holds one full copy (rank 0's, while it
-broadcasts) instead of W, and an FSDP2 rank other than 0 never more than its shard.
+broadcasts) instead of W, and an FSDP2 rank other than 0 never more than its shard. A 4-bit (QLoRA) base is built by
+every rank itself, one decoder layer at a time, each quantized before the next is allocated
+(``quantize_4bit``, seqpar.runtime.hf.quantized_build): it is never broadcast and never whole in 16 bits.
 
 A model folder is data (seqpar.runtime.data.hf_folder): no custom code without ``--trust-remote-code``, weights only from
 safetensors, and a folder whose safetensors are torn or miss a weight the config has is one line (exit 2), never a
@@ -120,8 +122,11 @@ def weight_names(model_path: str) -> set[str]:
     """The tensor names of the folder's safetensors files, each file's header checked (safetensors' own reader: its
     size, JSON and offsets against the file); SeqparError naming the file otherwise. Cheap (headers only), so every
     rank runs it and a bad folder is the same one line on all of them."""
-    from safetensors import SafetensorError, safe_open
+    return set(weight_index(model_path))
 
+
+def weight_index(model_path: str) -> dict[str, tuple[Path, list[int]]]:
+    """Each tensor of the folder's safetensors files: (its file, its shape), from the headers (see weight_names)."""
     p = Path(model_path)
     check_weights(p)
     index = read_config(p, "model.safetensors.index.json", "--model-path")
@@ -138,18 +143,50 @@ def weight_names(model_path: str) -> set[str]:
                     f"--model-path {shown(p / 'model.safetensors.index.json')} names {printable(name, 80)!r}, not a "
                     ".safetensors file beside it; restore the folder"
                 )
-    names: set[str] = set()
-    for name in files:
+    return headers([p / name for name in files], _unreadable_folder_file)
+
+
+def checkpoint_index(folder: str | Path) -> dict[str, tuple[Path, list[int]]]:
+    """Each tensor of a checkpoint folder's safetensors files (``--init-from``, what load_weights reads): (its file,
+    its shape), from the headers."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise SeqparError(_no_checkpoint_weights(folder))
+    return headers(files, _unreadable_checkpoint_file)
+
+
+def headers(files: list[Path], unreadable) -> dict[str, tuple[Path, list[int]]]:
+    """{tensor name: (file, shape)} of ``files`` (safetensors' own header reader); SeqparError(``unreadable(file,
+    first line of the reader's error)``) for a file it refuses."""
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, tuple[Path, list[int]]] = {}
+    for path in files:
         try:
-            with safe_open(str(p / name), framework="pt") as f:
-                names.update(f.keys())
+            with safe_open(str(path), framework="pt") as f:
+                out.update({k: (path, list(f.get_slice(k).get_shape())) for k in f.keys()})
         except (SafetensorError, OSError) as e:  # torn, not safetensors at all, missing
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            raise SeqparError(
-                f"--model-path {shown(p / name)} is not a readable safetensors file ({printable(first)}); restore the "
-                "folder or write it again with save_pretrained"
-            ) from None
-    return names
+            raise SeqparError(unreadable(path, first)) from None
+    return out
+
+
+def _unreadable_folder_file(path: Path, first: str) -> str:
+    return (
+        f"--model-path {shown(path)} is not a readable safetensors file ({printable(first)}); restore the folder or "
+        "write it again with save_pretrained"
+    )
+
+
+def _unreadable_checkpoint_file(path: Path, first: str) -> str:
+    return (
+        f"checkpoint file {shown(path)} is not a readable safetensors file ({printable(first)}); restore it or start "
+        "from another checkpoint"
+    )
+
+
+def _no_checkpoint_weights(folder) -> str:
+    return f"checkpoint folder {str(folder)!r} holds no .safetensors weights; it is not a finished checkpoint"
 
 
 def check_coverage(model, names: set[str], model_path: str) -> None:
@@ -216,11 +253,16 @@ def build_model(
     meta: bool = False,
     trust_remote_code: bool = False,
     match_plan: bool = False,
+    quantize_4bit: bool = False,
+    compute_dtype=None,
 ):
     """The causal LM; weights from model_path, init_from, or seeded random. Random weights are created directly on
     ``device`` in ``dtype`` (a 7B model initialised in fp32 on the host would take ~27 GB of RAM and a minute of CPU);
     loaded weights come in ``dtype`` on the host and the caller moves them. ``meta``: shapes only, no weights.
-    ``match_plan``: a model folder must have ``spec``'s shape (the trainer's; eval reads the folder's own shape)."""
+    ``match_plan``: a model folder must have ``spec``'s shape (the trainer's; eval reads the folder's own shape).
+    ``quantize_4bit`` (a QLoRA base): the model is built on ``device`` one piece at a time, each decoder layer's linear
+    layers quantized to NF4 (matmuls in ``compute_dtype``) before the next layer exists, so the whole model never
+    exists in ``dtype`` (seqpar.runtime.hf.quantized_build says why)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -228,7 +270,7 @@ def build_model(
         config = load_config(model_path, trust_remote_code=trust_remote_code)
         if match_plan:
             check_shape(config, spec, model_path)
-        names = weight_names(model_path)  # every rank, rank 0 loading them and the meta ranks alike
+        index = weight_index(model_path)  # every rank, rank 0 loading them and the meta ranks alike
     else:
         config = config_from_spec(spec)
     config.use_cache = False
@@ -236,15 +278,26 @@ def build_model(
         set_rope_theta(config, rope_theta)
     torch.manual_seed(seed)
     dtype = dtype or torch.float32
-    if meta:
+    if meta or quantize_4bit:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
         if model_path:
-            check_coverage(model, names, model_path)
+            check_coverage(model, set(index), model_path)
+        if meta:
+            return model
+        from seqpar.runtime.hf.quantized_build import FolderWeights, materialize_4bit
+
+        if init_from:  # every weight the model has comes from it (as load_weights below), the folder's are not read
+            weights = FolderWeights(checkpoint_index(init_from), f"checkpoint {str(init_from)!r}", checkpoint=True)
+        elif model_path:
+            weights = FolderWeights(index, f"--model-path {shown(model_path)}")
+        else:
+            weights = None
+        materialize_4bit(model, weights, seed=seed, device=device or "cpu", compute_dtype=compute_dtype)
         return model
     if model_path:
         model = load_pretrained(model_path, config, dtype, trust_remote_code=trust_remote_code)
-        check_coverage(model, names, model_path)
+        check_coverage(model, set(index), model_path)
     else:
         with torch.device(device or "cpu"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)  # seqpar's own config
@@ -260,17 +313,14 @@ def load_weights(model, folder: str | Path) -> None:
 
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        raise SeqparError(f"checkpoint folder {str(folder)!r} holds no .safetensors weights; it is not a finished checkpoint")
+        raise SeqparError(_no_checkpoint_weights(folder))
     state = {}
     for f in files:
         try:
             state.update(load_file(str(f)))
         except (SafetensorError, OSError) as e:  # torn by a full disk, or not safetensors at all
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            raise SeqparError(
-                f"checkpoint file {shown(f)} is not a readable safetensors file ({printable(first)}); restore it or "
-                "start from another checkpoint"
-            ) from None
+            raise SeqparError(_unreadable_checkpoint_file(f, first)) from None
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of another shape: the folder is another model's

@@ -173,6 +173,8 @@ def setup(args: TrainOptions) -> Run:
         meta=meta,
         trust_remote_code=data_opts.trust_remote_code,
         match_plan=True,  # the plan's figures and layout are for its model's shape
+        quantize_4bit=nf4,  # a 4-bit base is quantized layer by layer as it is built: never whole in 16 bits
+        compute_dtype=autocast_dtype or param_dtype,
     )
     adapter = None
     if w.lora is not None:  # before anything wraps the model: every later feature sees the adapters (seqpar.runtime.hf.lora)
