@@ -35,6 +35,7 @@ PUBLISHED_PARAMS_B = {
     "llama-3-70b": 70.55,
     "llama-3.1-8b": 8.03,
     "llama-3.1-70b": 70.55,
+    "llama-3.3-70b": 70.55,
     "llama-3.1-405b": 405.85,
     "llama-3.2-1b": 1.24,
     "llama-3.2-3b": 3.21,
