@@ -2,7 +2,8 @@
 # LoRA on one GPU (#35): Llama-3.1-8B shape, LoRA r=32 on every linear layer, bf16 base, AdamW over the adapters.
 #     OUT=/tmp/out bash bench/lora_gpu.sh compare   64K side by side with transformers + peft (gradient checkpointing);
 #                                                   where peft runs out of memory there, both again at 32K
-#     OUT=/tmp/out bash bench/lora_gpu.sh max       seqpar's advertised longest length (--max-seq-len), one step
+#     OUT=/tmp/out bash bench/lora_gpu.sh max [FLAGS]  seqpar's advertised longest length (--max-seq-len), one step;
+#                                                   FLAGS add to the plan's (e.g. "--fused-ops liger")
 #     OUT=/tmp/out bash bench/lora_gpu.sh bnb       whether bitsandbytes' 4-bit layers run on this GPU (QLoRA)
 # (needs peft: pip install 'seqpar[lora]'; bnb needs bitsandbytes)
 set -u
@@ -23,12 +24,13 @@ if [ "$PHASE" = compare ]; then  # compare [SEQ]: one length only
   fi
 fi
 if [ "$PHASE" = max ]; then
+  FLAGS="$FLAGS ${2:-}"
   max=$(python3 -m seqpar.cli advise --model llama-3.1-8b --gpu "$GPU" --gpus 1 --max-seq-len $FLAGS --json 2>/dev/null \
     | python3 -c "import json,sys; print(json.load(sys.stdin)['data_parallel']['max_seq_len'])")
   echo "advertised longest: $max"
   python3 -m seqpar.cli advise --model llama-3.1-8b --gpu "$GPU" --gpus 1 --seq-len $(( max * 105 / 100 )) \
     --mode data_parallel $FLAGS --json > "$OUT/lora_over.json" 2>/dev/null; echo "over rc=$?" > "$OUT/lora_over.rc"
-  TSTEP=${TMAX:-900} run "$max" seqpar 1 0 max
+  TSTEP=${TMAX:-900} run "$max" seqpar 1 0 "max$(printf '%s' "${2:-}" | tr -c 'a-z0-9' '_')"
 fi
 if [ "$PHASE" = bnb ]; then
   python3 - <<'PY' 2>&1 | tail -3

@@ -217,3 +217,33 @@ def test_selective_keeps_attention_output_and_lse_per_layer():
     assert extra == 16.25 * GIB
     assert sel.phases["forward"] - full.phases["forward"] == pytest.approx(extra)
     assert sel.peak_bytes > full.peak_bytes
+
+
+@pytest.mark.parametrize("dtype_bytes, trains", [(2, True), (2, False), (4, True), (4, False)])
+def test_an_unfused_norm_backward_allocates_what_the_model_counts(dtype_bytes, trains):
+    """transformers' LlamaRMSNorm run forward and backward under torch's profiler (allocations in time order): what its
+    backward allocates beyond its saved tensors and the incoming gradient, per element of the hidden state, is
+    NORM_BACKWARD_BYTES (the moment the memory model gives an unfused norm's backward)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from seqpar.advisor.cost.memory import NORM_BACKWARD_BYTES
+
+    def peak_of(fn):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        live = peak = 0
+        for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+            live += e.self_cpu_memory_usage
+            peak = max(peak, live)
+        return peak
+
+    t, h = 512, 256
+    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    norm = LlamaRMSNorm(h).to(dtype)
+    norm.weight.requires_grad_(trains)
+    x = torch.randn(1, t, h, dtype=dtype, requires_grad=True)
+    grad = torch.randn(1, t, h, dtype=dtype)
+    y = norm(x)
+    assert peak_of(lambda: y.backward(grad)) / (t * h) == pytest.approx(NORM_BACKWARD_BYTES, abs=0.02)
