@@ -59,20 +59,26 @@ def test_tile_is_about_h_tokens():
 def test_tiled_lowers_the_peak_by_at_least_the_mlp_intermediates():
     """Llama-2-7B, 64K, one H200, offload, optimizer none: the peak is the end of backward (weights + all gradients + one
     layer's recompute); tiling removes the layer's four (t, I) MLP intermediates from the recompute and two of their
-    gradients, and adds one 4096-token tile of them plus fp32 weight-gradient accumulators of one MLP."""
+    gradients, and adds one 4096-token tile of them plus fp32 weight-gradient accumulators of one MLP; the unfused
+    norm's backward is then the layer's largest moment, which keeps half of what tiling removed."""
+    from seqpar.advisor.cost.memory import NORM_BACKWARD_BYTES
+
     t, h, i, p = 65536, 4096, 11008, 2
     plain, tiled = (estimate_memory(W64, H200, dp(tiled_mlp=x), C) for x in (False, True))
     assert plain.peak_phase == tiled.peak_phase == "backward"
     removed = 4 * p * i * t
-    assert plain.peak_bytes - tiled.peak_bytes >= removed  # 5.4 GiB of intermediates, plus their gradients, less the buffers
-    # tiled, the layer's backward peaks in attention's backward (dq, dk, dv and cuDNN's fp32 softmax sum per head and
-    # token: no GQA, so no full-head dK, dV), no longer in the MLP's
+    assert removed > plain.peak_bytes - tiled.peak_bytes > removed / 2  # 5.4 GiB of intermediates: 2.7 GiB lower
+    # tiled, the layer's backward peaks in the unfused post-attention norm's backward (the residual stream's gradient and
+    # the norm's five fp32 temporaries), above attention's (dq, dk, dv and cuDNN's fp32 softmax sum per head and token:
+    # no GQA, so no full-head dK, dV), no longer in the MLP's
     attn_grads = t * p * (32 + 2 * 32) * 128 + t * 32 * 4
+    norm = t * (p + NORM_BACKWARD_BYTES) * h
+    assert norm > t * 2 * p * h + attn_grads
     assert plain.peak_bytes - tiled.peak_bytes == pytest.approx(
-        removed + 2 * p * i * t - (4096 * 4 * p * i + 3 * h * i * 4) - attn_grads
+        removed + 2 * p * i * t + 2 * p * h * t - (4096 * 4 * p * i + 3 * h * i * 4) - norm
     )
     assert tiled.breakdown["tiled_mlp_buffers"] == 4096 * 4 * p * i + 3 * h * i * 4
-    assert tiled.breakdown["gradient_flow"] == t * 2 * p * h + attn_grads
+    assert tiled.breakdown["gradient_flow"] == norm
     assert "tiled_mlp_buffers" not in plain.breakdown
     # the forward's working set: one tile of the MLP instead of the whole sequence's
     assert plain.phases["forward"] - tiled.phases["forward"] == pytest.approx(3 * p * i * (t - 4096))

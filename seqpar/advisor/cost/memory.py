@@ -79,12 +79,13 @@ from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 
 # transformers' unfused RMSNorm (LlamaRMSNorm: the input upcast to fp32, pow, mean, rsqrt, mul, cast back, times the
-# weight) allocates in its backward two fp32 tensors of the hidden state's shape at once beside the fp32 input it saved
-# (the upcast input's gradients through the scaling and through the variance, before they are summed): bytes per
-# element of the hidden state beyond its saved tensors and the incoming gradient, its dX included, whatever the input
-# dtype and whether the weight trains (counted by torch's profiler over the real module: tests/advisor/cost/test_memory.py).
-# Liger's fused RMSNorm writes dX in one kernel: no such moment.
-NORM_BACKWARD_BYTES = 8
+# weight) holds at its backward's peak five fp32 tensors of the hidden state's shape at once (the upcast output's
+# gradient, its products with the scale and with the input, mean's expanded gradient, pow's): 20 bytes per element
+# beyond its saved tensors, whatever the input dtype and whether the weight trains (allocations in time order under
+# torch's profiler over the real module: tests/advisor/cost/test_memory.py). Beside them only the residual stream's
+# gradient waits (the norm's incoming gradient is freed by its first op). Liger's fused RMSNorm writes dX in one
+# kernel: no such moment.
+NORM_BACKWARD_BYTES = 20
 OPTIMIZER_BYTES = {"adamw": 12, "none": 0}  # per parameter: fp32 master + two fp32 moments (ZeRO paper's K = 12)
 
 
@@ -525,8 +526,11 @@ def estimate_memory(
         grad_flow = max(grad_flow, t * (2 * r * h + lora.grad_moment_bytes(m, lo, s.tiled_mlp)))
         per_layer_grad = lora.adapter_params_per_layer(m, lo.spec) * share
         gathered_grad = lora.adapter_params_per_layer(m, lo.spec) * p if gathered else 0.0
-    if s.fused_ops != "liger":  # an unfused norm's backward: a moment of its own, which a tiled MLP leaves the largest
-        grad_flow = max(grad_flow, t * (2 * r * h + NORM_BACKWARD_BYTES * h))
+    if s.fused_ops != "liger":
+        # an unfused norm's backward, a moment of its own: the post-attention norm's runs after the MLP's backward,
+        # whose saved tensors (in layer_recompute when untiled) are freed by then; tiled, it is the layer's largest
+        mlp_gone = 0.0 if s.tiled_mlp else t * 4 * p * i
+        grad_flow = max(grad_flow, t * (r * h + NORM_BACKWARD_BYTES * h) - mlp_gone)
     ck, on_host = layers.checkpointed, set(layers.host_kept)
 
     # a kept_saves matmuls layer's recomputation makes what the layer saves but its kept matmul outputs (v, gate, up)

@@ -316,7 +316,7 @@ def test_max_seq_len_llama31_8b_lora_one_h100():
     """Llama-3.1-8B, LoRA r=32 on all linear layers, bf16 base, one 80 GB H100 with a 125 GiB host: the longest
     trainable sequence the cost model finds (what `seqpar advise --max-seq-len` reports) is the longest that fits, one
     1024-token step more does not, and what stops it is the GPU in the recomputed layer's backward (its saved tensors and
-    gradients at the full length), with the host RAM holding the offloaded layer inputs close behind. Whatever the
+    gradients at the full length), with the host RAM holding the offloaded layer inputs, most of it. Whatever the
     length, LoRA's states leave far more than a full fine-tuning's 16 bytes per parameter."""
     cl, _ = resolve_cluster("h100", 1, None, None, 125)
     spec = LoraSpec(rank=32)
@@ -327,7 +327,7 @@ def test_max_seq_len_llama31_8b_lora_one_h100():
     assert at.fits and not beyond.fits and beyond.peak_phase == "backward"
     assert "h100-sxm" in beyond.reason and not beyond.reason.startswith("host RAM")  # the GPU stops it, not the host
     assert {"layer_recompute", "gradient_flow"} <= set(beyond.breakdown)
-    assert at.host_bytes > 0.85 * at.host_capacity_bytes  # the offloaded inputs nearly fill the host
+    assert at.host_bytes > 0.75 * at.host_capacity_bytes  # the offloaded inputs fill most of the host
     full = max_seq_len(M8, cl, ["data_parallel"])["data_parallel"][0]
     assert full < n / 2
 
