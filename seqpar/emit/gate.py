@@ -126,8 +126,9 @@ def check_configs(paths: list[Path], flags, note=print, coeffs=None, given: set[
     if problems:
         raise SeqparError(f"{where}: {problems[0]}")
     plan = _as_plan(w, cl, s, where)
-    mem = estimate_memory(w, cl, s, c)
-    res = ConfigCheck(readings, _judge(readings), plan, predict(w, cl, s, c), mem.reason, said)
+    # the tool's runtime: a tiled MLP there leaves the model's own norms whole (seqpar's runtime tiles them too)
+    mem = estimate_memory(w, cl, s, c, norms_tiled=False)
+    res = ConfigCheck(readings, _judge(readings), plan, predict(w, cl, s, c, norms_tiled=False), mem.reason, said)
     res.emitted = {k: block[k] for k in RECORDS if k in block}
     if not res.fits:
         _fix(res, c)
@@ -182,7 +183,7 @@ def _fix(res: ConfigCheck, c) -> None:
     mod = tool_module(res.tool)
     best = None
     for what, v in _variants(mod.CAPS, s, w, cl):
-        cand = evaluate(w, cl, v, c)
+        cand = evaluate(w, cl, v, c, norms_tiled=False)
         if cand.fits and (best is None or cand.tokens_per_s > best[0]):
             best = (cand.tokens_per_s, what, v)
     if best is None:

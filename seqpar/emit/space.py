@@ -116,10 +116,10 @@ def _predicted(caps: Caps, mode: str, w: Workload, cl, pins: dict, c, invalid: l
             v = caps.adjust(v)[0] if caps.adjust is not None else v
             if expressible(caps, v) and v not in runs:
                 runs.append(v)
-        got = [evaluate(w, cl, s, c) for s in runs]
+        got = [evaluate(w, cl, s, c, norms_tiled=False) for s in runs]  # the tool's runtime: its norms whole
         if caps.layer_split and req.checkpoint_layers is None and req.offload_layers is None:
             splits = (layer_split_variant(w, cl, x.strategy, c, req) for x in list(got))
-            got += [evaluate(w, cl, v, c) for v in splits if v is not None]
+            got += [evaluate(w, cl, v, c, norms_tiled=False) for v in splits if v is not None]
         out += got
     return out
 

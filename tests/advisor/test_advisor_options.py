@@ -59,26 +59,30 @@ def test_tile_is_about_h_tokens():
 def test_tiled_lowers_the_peak_by_at_least_the_mlp_intermediates():
     """Llama-2-7B, 64K, one H200, offload, optimizer none: the peak is the end of backward (weights + all gradients + one
     layer's recompute); tiling removes the layer's four (t, I) MLP intermediates from the recompute and two of their
-    gradients, and adds one 4096-token tile of them plus fp32 weight-gradient accumulators of one MLP; the unfused
-    norm's backward is then the layer's largest moment, which keeps half of what tiling removed."""
+    gradients, and adds one 4096-token tile of them plus fp32 weight-gradient accumulators of one MLP. seqpar's runtime
+    tiles the unfused norms too (their fp32 copies leave the recompute); a tool's TiledMLP leaves them whole, and their
+    backward is then the layer's largest moment, which keeps half of what tiling removed."""
     from seqpar.advisor.cost.memory import NORM_BACKWARD_BYTES
 
     t, h, i, p = 65536, 4096, 11008, 2
     plain, tiled = (estimate_memory(W64, H200, dp(tiled_mlp=x), C) for x in (False, True))
     assert plain.peak_phase == tiled.peak_phase == "backward"
     removed = 4 * p * i * t
-    assert removed > plain.peak_bytes - tiled.peak_bytes > removed / 2  # 5.4 GiB of intermediates: 2.7 GiB lower
-    # tiled, the layer's backward peaks in the unfused post-attention norm's backward (the residual stream's gradient and
-    # the norm's five fp32 temporaries), above attention's (dq, dk, dv and cuDNN's fp32 softmax sum per head and token:
-    # no GQA, so no full-head dK, dV), no longer in the MLP's
+    assert plain.peak_bytes - tiled.peak_bytes >= removed  # 5.4 GiB of intermediates, plus their gradients, less the buffers
+    # tiled, the layer's backward peaks in attention's backward (dq, dk, dv and cuDNN's fp32 softmax sum per head and
+    # token: no GQA, so no full-head dK, dV), no longer in the MLP's; the tiled norms' moment is below it
     attn_grads = t * p * (32 + 2 * 32) * 128 + t * 32 * 4
+    buffers = 4096 * 4 * p * i + 3 * h * i * 4
+    assert t * 3 * p * h + 4096 * (NORM_BACKWARD_BYTES + 3 * p) * h < t * 2 * p * h + attn_grads
+    norm_copies = 2 * 4 * h * t  # the two norms' fp32 copies, out of the rebuilt layer
+    assert plain.peak_bytes - tiled.peak_bytes == pytest.approx(removed + 2 * p * i * t + norm_copies - buffers - attn_grads)
+    assert tiled.breakdown["tiled_mlp_buffers"] == buffers
+    assert tiled.breakdown["gradient_flow"] == t * 2 * p * h + attn_grads
+    # the norms whole (a tool's runtime): the unfused norm's backward, the residual's gradient and five fp32 temporaries
+    tool = estimate_memory(W64, H200, dp(tiled_mlp=True), C, norms_tiled=False)
     norm = t * (p + NORM_BACKWARD_BYTES) * h
-    assert norm > t * 2 * p * h + attn_grads
-    assert plain.peak_bytes - tiled.peak_bytes == pytest.approx(
-        removed + 2 * p * i * t + 2 * p * h * t - (4096 * 4 * p * i + 3 * h * i * 4) - norm
-    )
-    assert tiled.breakdown["tiled_mlp_buffers"] == 4096 * 4 * p * i + 3 * h * i * 4
-    assert tiled.breakdown["gradient_flow"] == norm
+    assert tool.breakdown["gradient_flow"] == norm
+    assert removed > plain.peak_bytes - tool.peak_bytes > removed / 2  # 5.4 GiB of intermediates: 2.7 GiB lower
     assert "tiled_mlp_buffers" not in plain.breakdown
     # the forward's working set: one tile of the MLP instead of the whole sequence's
     assert plain.phases["forward"] - tiled.phases["forward"] == pytest.approx(3 * p * i * (t - 4096))
@@ -115,10 +119,11 @@ def test_elementwise_traffic_by_hand():
         == pytest.approx(0.2300, abs=1e-3)
     )
     assert elementwise_time(M7, H200, dp("none"), 65536) == pytest.approx(unfused * 3 / 4)  # no recompute pass
-    # tiled: the SwiGLU's bytes once more (its extra forward)
-    assert elementwise_time(M7, H200, dp("full", tiled_mlp=True), 65536) == pytest.approx(
-        unfused + 65536 * 32 * 10 * 11008 / 4800e9
-    )
+    # tiled: the SwiGLU's bytes once more (its extra forward), and in seqpar's runtime the unfused norms' (their tiles
+    # recomputed in backward: 68h less the residual adds' 12h); a tool's TiledMLP, or Liger's norms, the SwiGLU's alone
+    swiglu, norms = 65536 * 32 * 10 * 11008 / 4800e9, 65536 * 32 * 56 * 4096 / 4800e9
+    assert elementwise_time(M7, H200, dp("full", tiled_mlp=True), 65536) == pytest.approx(unfused + swiglu + norms)
+    assert elementwise_time(M7, H200, dp("full", tiled_mlp=True), 65536, norms_tiled=False) == pytest.approx(unfused + swiglu)
 
 
 @pytest.mark.parametrize("ck", ["full", "selective", "offload"])
@@ -139,7 +144,8 @@ def test_tiled_costs_one_more_mlp_forward(ck):
     extra_ideal = t * 2 * 3 * h * i * L / (C.kernel_rate_tflops(H200, "matmul") * 1e12) / width_efficiency(h, C.matmul_width_h0)
     assert tiled.parts_s["linear_ideal"] - plain.parts_s["linear_ideal"] == pytest.approx(extra_ideal)
     lin_factor = C.factors(H200)[0]
-    extra = lin_factor * extra_ideal + t * L * 10 * i / (4800e9 * C.elementwise_efficiency)  # MLP matmuls + SwiGLU pass
+    # MLP matmuls + the SwiGLU pass + the tiled norms' pass (seqpar's runtime: 56h of the unfused norms' bytes)
+    extra = lin_factor * extra_ideal + t * L * (10 * i + 56 * h) / (4800e9 * C.elementwise_efficiency)
     if ck == "offload":  # more compute hides a little more of the offload traffic
         assert tiled.step_time_s > plain.step_time_s + 0.2 * extra
     else:

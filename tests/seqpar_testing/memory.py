@@ -1,5 +1,6 @@
 """The memory tests' model: a tiny 4-layer transformers Llama (enough layers for a checkpointing split with two ends and
-a middle), its batch, its un-checkpointed reference, and the bytes a forward saves for backward."""
+a middle), its batch, its un-checkpointed reference, the bytes a forward saves for backward, and the allocation replay
+that finds what a step holds at its peak."""
 
 from __future__ import annotations
 
@@ -71,3 +72,37 @@ def saved_bytes(model, ids) -> tuple[dict, int, object]:
     for h in handles:
         h.remove()
     return {k: sum(v.values()) for k, v in per_layer.items()}, sum(total.values()), loss
+
+
+def allocation_peak(fn):
+    """Run ``fn`` under torch's profiler and replay its allocations and frees: the peak of what ``fn`` allocated on top
+    of what was live before it (from the allocator's running total each event carries, so events of the same
+    nanosecond cannot reorder it), and the tensors live then as (bytes, allocating op), replayed in time order."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(e, parent):
+        for child in e.children:
+            walk(child, e)
+        if e.tag == torch._C._profiler._EventType.Allocation:
+            f = e.extra_fields
+            events.append((e.start_time_ns, f.total_allocated, f.ptr, f.alloc_size, parent.name if parent else "?"))
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    events.sort()
+    if not events:
+        return 0, []
+    base = events[0][1] - events[0][3]
+    top = max(range(len(events)), key=lambda k: events[k][1])
+    live = {}
+    for _, _, ptr, size, op in events[: top + 1]:
+        if size > 0:
+            live[ptr] = (size, op)
+        else:
+            live.pop(ptr, None)
+    return events[top][1] - base, list(live.values())

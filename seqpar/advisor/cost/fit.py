@@ -87,7 +87,7 @@ def _fit_factors(rows: list[Measurement], c: Coefficients, fitted: tuple[str, ..
     for _ in range(3):
         cols, ys = [], []
         for r in rows:
-            parts = estimate_time(r.workload, r.cluster, r.strategy, c).parts_s
+            parts = estimate_time(r.workload, r.cluster, r.strategy, c, r.norms_tiled).parts_s
             y = _measured_step(r)
             cpu_work = parts["cpu_adam"] * c.cpu_adam_gparams_per_s  # seconds x Gparam/s = Gparams
             cols.append((parts["linear_ideal"] / y, parts["attn_ideal"] / y, cpu_work / y))
@@ -117,7 +117,7 @@ def _fit_factors(rows: list[Measurement], c: Coefficients, fitted: tuple[str, ..
 
 
 def _rel_errors(rows: list[Measurement], c: Coefficients) -> list[float]:
-    return [estimate_time(r.workload, r.cluster, r.strategy, c).tokens_per_s / r.tokens_per_s - 1 for r in rows]
+    return [estimate_time(r.workload, r.cluster, r.strategy, c, r.norms_tiled).tokens_per_s / r.tokens_per_s - 1 for r in rows]
 
 
 def _timed(rows: list[Measurement]) -> list[Measurement]:
@@ -214,7 +214,7 @@ def evaluate(
     loo_base = (base or load_coefficients()).with_values(elementwise_efficiency=c.elementwise_efficiency)
     out = []
     for r in rows:
-        p = predict(r.workload, r.cluster, r.strategy, c, attention_cut=r.attention_backward_cut)
+        p = predict(r.workload, r.cluster, r.strategy, c, attention_cut=r.attention_backward_cut, norms_tiled=r.norms_tiled)
         e: dict = {
             "label": r.label,
             "source": r.source,
@@ -231,7 +231,9 @@ def evaluate(
         if r in timed and len(timed) > 2:
             # the factors and h0 refitted without the row; the elementwise efficiency held (module docstring)
             loo_c = fit([q for q in timed if q is not r], loo_base, h0_grid=h0_grid, ew_grid=None)
-            e["loo_tokens_error"] = estimate_time(r.workload, r.cluster, r.strategy, loo_c).tokens_per_s / r.tokens_per_s - 1
+            e["loo_tokens_error"] = (
+                estimate_time(r.workload, r.cluster, r.strategy, loo_c, r.norms_tiled).tokens_per_s / r.tokens_per_s - 1
+            )
         out.append(e)
     res = [abs(e["tokens_residual"]) for e in out if e["tokens_residual"] is not None]
     loo = [abs(e["loo_tokens_error"]) for e in out if e["loo_tokens_error"] is not None]

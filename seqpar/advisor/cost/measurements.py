@@ -49,6 +49,9 @@ class Measurement:
     # whether the run's cuDNN attention backward was cut over KV heads (seqpar.plan.attention_calls): run reports
     # written before the runtime cut it say nothing, and are priced with one call
     attention_backward_cut: bool = True
+    # whether the run's own RMSNorms ran in tiles under its tiled MLP (seqpar.runtime.memory.tiled_mlp.tile_norms):
+    # run reports written before say nothing, and rows of other tools never did; priced with the untiled norms then
+    norms_tiled: bool = False
 
 
 # The columns of a measurement CSV: the configuration (required unless defaulted), then what was measured.
@@ -203,10 +206,12 @@ def row_from_report(report: dict, source: str) -> Measurement:
         + (f" {s.sharding}" if s.sharding != "ddp" else "")
     )
     needed = _measured(meas.get("oom_needed_gib"), "oom_needed_gib", where) if oom else None
-    cut = report.get("attention_backward_cut", False)
-    if not isinstance(cut, bool):
-        raise SeqparError(f"{where}: attention_backward_cut {cut!r} must be true or false")
-    return _plausible(Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom, needed, cut), where)
+    cut, tiled_norms = report.get("attention_backward_cut", False), report.get("norms_tiled", False)
+    for key, v in (("attention_backward_cut", cut), ("norms_tiled", tiled_norms)):
+        if not isinstance(v, bool):
+            raise SeqparError(f"{where}: {key} {v!r} must be true or false")
+    row = Measurement(label, source, plan.workload, plan.cluster, s, tps, mem, oom, needed, cut, tiled_norms)
+    return _plausible(row, where)
 
 
 def load_measurements(paths: Optional[Iterable[str | Path]] = None) -> list[Measurement]:

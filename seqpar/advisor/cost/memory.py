@@ -25,6 +25,10 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   forward under no_grad, so the layer saves nothing of the MLP (its input is the post-attention norm's output, counted
   there); forward and backward hold one tile's intermediates (3p*I forward, 4p*I or 3p*I recomputed plus 2p*I of their
   gradients in backward) and backward one fp32 weight-gradient accumulator per MLP matrix (3*h*I*4 bytes).
+  seqpar's runtime runs the model's own (unfused) RMSNorms in tiles alike (tiled_mlp.tile_norms): each saves its input
+  (r h) instead of its fp32 copy and the product the weight takes, and its backward holds the five fp32 temporaries
+  (NORM_BACKWARD_BYTES) for one tile instead of the whole sequence; another tool's TiledMLP leaves them whole
+  (estimate_memory's ``norms_tiled``).
 * Checkpointing: ``full`` keeps each layer's input (B, S, h) and recomputes one layer at a time in backward (its saved
   tensors above plus the gradients flowing through it); ``offload`` moves the layer inputs to host RAM (two in flight on the
   GPU); ``selective`` keeps the layer input plus attention's output (B, S, a*d, model dtype) and fp32 lse (B, a, S) per
@@ -192,21 +196,26 @@ def saved_bytes_per_token(
     fused_ops: str = "none",
     tiled_mlp: bool = False,
     adapters: lora.Lora | None = None,
+    tiled_norms: bool = False,
 ) -> float:
     """Tensors one decoder layer saves for backward, bytes per token (see the module docstring).
 
     ``residual``: bytes of the residual stream (4 under autocast with fp32 parameters: the unfused norms then also save the
     bf16 cast autocast makes for the next matmul). ``fused_ops`` liger: Liger's RMSNorm and SwiGLU save less;
     ``tiled_mlp``: the MLP saves nothing (its tiles are recomputed in backward). ``adapters``: a frozen base's block
-    with LoRA adapters (lora.saved_bytes_per_token)."""
+    with LoRA adapters (lora.saved_bytes_per_token). ``tiled_norms``: the unfused norms run in tiles (seqpar's runtime
+    under a tiled MLP): each saves its input instead of its fp32 copy and the normalized product the weight takes."""
     if adapters is not None:
-        return lora.saved_bytes_per_token(m, adapters, residual, fused_ops, tiled_mlp)
+        return lora.saved_bytes_per_token(m, adapters, residual, fused_ops, tiled_mlp, tiled_norms)
     h, d, a, kv, i = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size
     p = DTYPE_BYTES[dtype]
     r = residual or p
     if fused_ops == "liger":
         norms = 2 * (p * h + 4) + r * h
         mlp = 3 * p * i
+    elif tiled_norms:
+        norms = 2 * (2 * r + (p if r != p else 0)) * h
+        mlp = 4 * p * i
     else:
         norms = 2 * (4 + 2 * r + (p if r != p else 0)) * h
         mlp = 4 * p * i
@@ -230,9 +239,10 @@ def kept_bytes_per_token(
     residual: int | None = None,
     policy: str | None = None,
     adapters: lora.Lora | None = None,
+    tiled_norms: bool = False,
 ) -> float:
     """What one layer under ``policy`` (default: the plan's checkpointing) keeps between its forward and its backward,
-    per token, on the GPU.
+    per token, on the GPU (``tiled_norms``: see saved_bytes_per_token).
 
     full: the layer input (B, S, h) in the residual dtype; selective adds attention's output (B, S, a, d) in the model
     dtype and its fp32 lse (B, a, S) (seqpar.runtime.memory.selective); offload: nothing (the input waits in host RAM);
@@ -241,7 +251,8 @@ def kept_bytes_per_token(
     ck = policy or strategy.checkpointing
     if ck == "none":
         extra = r * m.hidden_size if strategy.fused_ops == "liger" else 0
-        return saved_bytes_per_token(m, dtype, residual, strategy.fused_ops, strategy.tiled_mlp, adapters) + extra
+        saved = saved_bytes_per_token(m, dtype, residual, strategy.fused_ops, strategy.tiled_mlp, adapters, tiled_norms)
+        return saved + extra
     if ck == "offload":
         return 0.0
     if ck == "selective":
@@ -256,7 +267,9 @@ def split(m: ModelSpec, s: Strategy) -> LayerSplit:
     return layers_of(s, m.num_layers)
 
 
-def kept_by_layer(m: ModelSpec, dtype: str, s: Strategy, r: int, adapters: lora.Lora | None = None) -> list[float]:
+def kept_by_layer(
+    m: ModelSpec, dtype: str, s: Strategy, r: int, adapters: lora.Lora | None = None, tiled_norms: bool = False
+) -> list[float]:
     """Bytes per token each decoder layer keeps on the GPU until its backward, first layer first: the offloaded layers
     nothing, the GPU-checkpointed ones their input (selective: + attention's out and lse), the last ``kept`` layers
     everything they save; under kept_saves matmuls their input, attention's out + lse and (on the GPU) their matmul
@@ -268,7 +281,7 @@ def kept_by_layer(m: ModelSpec, dtype: str, s: Strategy, r: int, adapters: lora.
         on_host = set(sp.host_kept)
         kept = [around + (0 if j in on_host else matmul_bytes_per_token(m, dtype)) for j in range(sp.checkpointed, m.num_layers)]
     else:
-        kept = [kept_bytes_per_token(m, dtype, s, r, "none", adapters)] * sp.kept
+        kept = [kept_bytes_per_token(m, dtype, s, r, "none", adapters, tiled_norms)] * sp.kept
     return [0.0] * sp.host + [kept_bytes_per_token(m, dtype, s, r, ck)] * sp.gpu + kept
 
 
@@ -413,11 +426,14 @@ def estimate_memory(
     margin: bool = True,
     loss_path: str = "seqpar",
     attention_cut: bool = True,
+    norms_tiled: bool = True,
 ) -> MemoryEstimate:
     """Peak allocated bytes per GPU over a step's phases, what the allocator and CUDA reserve beyond it, and whether it
     fits with the gate's margin (``margin=False``: with none, as the margin's own rows are predicted). ``loss_path``: whose
     loss runs, seqpar's own (``seqpar``) or TRL's SFTTrainer (``trl``: its fused LM head whatever the plan's loss_impl,
-    _loss_bytes). ``attention_cut`` False: the attention backward as one call (attention_backward_workspace)."""
+    _loss_bytes). ``attention_cut`` False: the attention backward as one call (attention_backward_workspace).
+    ``norms_tiled`` False: under a tiled MLP the model's own RMSNorms run whole, as in another tool's runtime or a run
+    from before seqpar tiled them (seqpar's runtime tiles them with the MLP, tiled_mlp.tile_norms)."""
     m, dtype = w.model, w.dtype
     prec = precision(w, s, cluster.accelerator)
     p, r = prec.compute, prec.residual
@@ -437,7 +453,8 @@ def estimate_memory(
     gathered = states.get("gathered_params", 0.0)
     layers = split(m, s)
     kept_cum = [0.0]  # kept_cum[j]: bytes kept on the GPU by layers 0..j-1
-    for b in kept_by_layer(m, dtype, s, r, lo):
+    tn = norms_tiled and s.tiled_mlp and s.fused_ops != "liger"  # the model's own norms, in tiles
+    for b in kept_by_layer(m, dtype, s, r, lo, tn):
         kept_cum.append(kept_cum[-1] + b * t)
     # two offloaded layer inputs in flight on the GPU while the offloaded layers run (forward: going out; backward: coming
     # back); the GPU-kept layers above them move nothing, so with a split the top of the step has none in flight
@@ -498,7 +515,7 @@ def estimate_memory(
     loss = max(loss_fwd, loss_bwd, key=lambda d: sum(d.values()))
     # backward of layer j, recomputing it when it is checkpointed: linear in j within each block of the split, so its
     # maximum is at the top layer (j = L-1), the top checkpointed layer or the bottom one (j = 0)
-    recompute = saved_bytes_per_token(m, dtype, r, s.fused_ops, s.tiled_mlp, lo) * t
+    recompute = saved_bytes_per_token(m, dtype, r, s.fused_ops, s.tiled_mlp, lo, tn) * t
     # the layer's backward peaks either in the MLP's backward (two intermediates' gradients) or in attention's (dq, dk,
     # dv beside the saved q, k, v, out); untiled the MLP moment is larger, tiled it is attention's
     attn_grads = t * p * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
@@ -526,7 +543,10 @@ def estimate_memory(
         grad_flow = max(grad_flow, t * (2 * r * h + lora.grad_moment_bytes(m, lo, s.tiled_mlp)))
         per_layer_grad = lora.adapter_params_per_layer(m, lo.spec) * share
         gathered_grad = lora.adapter_params_per_layer(m, lo.spec) * p if gathered else 0.0
-    if s.fused_ops != "liger":
+    if tn:  # a tiled norm's backward: the residual's gradient, the incoming one, dX, and one tile's temporaries (the
+        # five fp32 ones, the tile's recomputed output, its input gradient and the weight's first product: 3 r more)
+        grad_flow = max(grad_flow, t * 3 * r * h + min(t, tile) * (NORM_BACKWARD_BYTES + 3 * r) * h)
+    elif s.fused_ops != "liger":
         # an unfused norm's backward, a moment of its own: the post-attention norm's runs after the MLP's backward,
         # whose saved tensors (in layer_recompute when untiled) are freed by then; tiled, it is the layer's largest
         mlp_gone = 0.0 if s.tiled_mlp else t * 4 * p * i

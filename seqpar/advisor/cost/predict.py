@@ -25,13 +25,17 @@ def predict(
     coeffs: Optional[Coefficients] = None,
     loss_path: str = "seqpar",
     attention_cut: bool = True,
+    norms_tiled: bool = True,
 ) -> Prediction:
     """Peak memory, OOM verdict and throughput of one configuration on one cluster; ``loss_path`` "trl": the loss TRL's
     SFTTrainer runs (memory.estimate_memory); ``attention_cut`` False: a measured run from before the runtime cut the
-    attention backward over KV heads."""
+    attention backward over KV heads; ``norms_tiled`` False: a tiled MLP whose runtime leaves the model's own norms whole
+    (another tool's, or a run from before seqpar tiled them)."""
     c = coeffs or load_coefficients()
-    mem = estimate_memory(workload, cluster, strategy, c, loss_path=loss_path, attention_cut=attention_cut)
-    tim = estimate_time(workload, cluster, strategy, c)
+    mem = estimate_memory(
+        workload, cluster, strategy, c, loss_path=loss_path, attention_cut=attention_cut, norms_tiled=norms_tiled
+    )
+    tim = estimate_time(workload, cluster, strategy, c, norms_tiled)
     return Prediction(
         peak_memory_gib=round(mem.peak_bytes / GIB, 3),
         reserved_memory_gib=round(mem.reserved_bytes / GIB, 3),

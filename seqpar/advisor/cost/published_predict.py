@@ -84,7 +84,7 @@ def coefficients_for(row: PublishedRun, coeffs: Optional[Coefficients] = None) -
 
 def predict_row(row: PublishedRun, coeffs: Optional[Coefficients] = None) -> Prediction:
     w, cl, s = inputs(row)
-    return predict(w, cl, s, coefficients_for(row, coeffs))
+    return predict(w, cl, s, coefficients_for(row, coeffs), norms_tiled=False)  # the source's runtime: its norms whole
 
 
 def longest_fitting(row: PublishedRun, coeffs: Optional[Coefficients] = None, limit: int = 2**26) -> int:
@@ -94,7 +94,7 @@ def longest_fitting(row: PublishedRun, coeffs: Optional[Coefficients] = None, li
     c = coefficients_for(row, coeffs)
     unit = math.lcm(1024, split_multiple(s.mode, s.sp_degree, s.ulysses_degree))
 
-    return longest(unit, limit, lambda n: not predict(w.model_copy(update={"seq_len": n}), cl, s, c).oom_risk)
+    return longest(unit, limit, lambda n: not predict(w.model_copy(update={"seq_len": n}), cl, s, c, norms_tiled=False).oom_risk)
 
 
 def _pct(pred: float, pub: float) -> float:

@@ -115,15 +115,25 @@ def elementwise_bytes_per_token(m: ModelSpec, fused_ops: str = "none") -> tuple[
     return 68.0 * h + 24.0 * ad + 10.0 * i, 10.0 * i
 
 
-def elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: float, efficiency: float = 1.0) -> float:
+# the two unfused RMSNorms' share of a layer's forward bytes (elementwise_bytes_per_token's 68h less the two residual
+# adds, 3 x 2h each): what seqpar's tiled norms (tiled_mlp.tile_norms) move once more, recomputing each tile in backward
+TILED_NORMS_BYTES_PER_H = 56.0
+
+
+def elementwise_time(
+    m: ModelSpec, cluster: ClusterSpec, s: Strategy, tokens: float, efficiency: float = 1.0, norms_tiled: bool = True
+) -> float:
     """Seconds of elementwise traffic for ``tokens`` local tokens: forward, recompute (the checkpointed layers, and the
     kept ones under kept_saves matmuls),
     backward (2), at ``efficiency`` x the GPU's HBM bandwidth (coefficients' elementwise_efficiency; 1 = the bytes
-    alone)."""
+    alone). ``norms_tiled``: under a tiled MLP the unfused norms run in tiles too (seqpar's runtime), one more pass."""
     total, swiglu = elementwise_bytes_per_token(m, s.fused_ops)
     layers = split(m, s)
     recomputed = layers.checkpointed + (layers.kept if layers.matmuls else 0)  # kept_saves matmuls: elementwise again
-    moved = (total * 3 + (swiglu if s.tiled_mlp else 0.0)) * m.num_layers + total * recomputed
+    again = swiglu if s.tiled_mlp else 0.0
+    if norms_tiled and s.tiled_mlp and s.fused_ops != "liger":
+        again += TILED_NORMS_BYTES_PER_H * m.hidden_size
+    moved = (total * 3 + again) * m.num_layers + total * recomputed
     return tokens * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9 * efficiency)
 
 
@@ -258,7 +268,9 @@ def _hidden(comm: float, compute: float, overlap: float) -> float:
     return max(comm - compute, 0.0) + (1.0 - overlap) * min(comm, compute)
 
 
-def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) -> TimeEstimate:
+def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, norms_tiled: bool = True) -> TimeEstimate:
+    """One training step's time (module docstring); ``norms_tiled`` False: a tiled MLP's runtime that leaves the
+    model's own norms whole (another tool's, or seqpar's before it tiled them)."""
     m, p = w.model, DTYPE_BYTES[w.dtype]
     b, S, P, world = w.micro_batch_size, w.seq_len, s.sp_degree, s.world_size
     t = b * S / P
@@ -358,7 +370,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     offload += accum * offload_copy_time(w, cluster, s, c, lin_t + attn_t)
 
     compute = accum * (lin_t + attn_t)
-    elementwise = accum * elementwise_time(m, cluster, s, t, c.elementwise_efficiency)
+    elementwise = accum * elementwise_time(m, cluster, s, t, c.elementwise_efficiency, norms_tiled)
     dequantize = 0.0
     if lo is not None:
         elementwise += accum * lora_elementwise_time(m, cluster, s, lo, t, c.elementwise_efficiency)

@@ -11,6 +11,12 @@ are the same sums in another order (fp32, then cast to the parameter dtype).
 
 Cost: one more MLP forward per step (the tile recomputation in backward; under gradient checkpointing the layer's own
 recomputation runs the no-grad forward once more as well). Autocast is captured in forward and restored in backward.
+
+``tile_norms`` runs the model's own RMSNorms (transformers' unfused ones: an fp32 upcast, pow, mean, rsqrt, two
+products) the same way. Untiled, such a norm saves an fp32 copy of its input and holds five fp32 tensors of the hidden
+state's shape at once in its backward (20 bytes per element): with a tiled MLP the largest moment of a layer's backward.
+Tiled, it saves its input alone and its backward holds those temporaries for one tile; the norm is token-wise, so every
+output row and input gradient is the untiled one (the weight's gradient: the same sum in another order, in fp32).
 """
 
 from __future__ import annotations
@@ -170,3 +176,33 @@ def tile_mlp(model: nn.Module, tile: int | None = None) -> int:
         m.__class__ = _tiled_class(type(m))
         m._seqpar_tile, m._seqpar_hidden, m._seqpar_inside, m._seqpar_warned = tile, hidden, False, False
     return len(mlps)
+
+
+def norm_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's own RMSNorms over the hidden state (the decoder layers' and the final one): modules whose class name
+    ends in RMSNorm with a weight of hidden_size. Liger's replacements and per-head norms (Qwen3's q_norm: head_dim wide)
+    are not among them."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    out = []
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if type(m).__name__.endswith("RMSNorm") and not type(m).__name__.startswith("Liger") and w is not None:
+            if tuple(w.shape) == (hidden,) and "forward" not in m.__dict__:
+                out.append(m)
+    return out
+
+
+def tile_norms(model: nn.Module, tile: int | None = None) -> int:
+    """Switch the model's own RMSNorms (norm_modules) to tiled execution (in place), as tile_mlp does the MLPs; returns
+    how many were switched (0 where the model has none of its own, e.g. under Liger's fused norms)."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if tile is not None and tile < 1:
+        raise SeqparError(f"tiled norms: tile {tile} must be >= 1 token")
+    norms = norm_modules(model) if hidden is not None else []
+    for m in norms:
+        if isinstance(m, _Tiled):
+            m._seqpar_tile = tile
+            continue
+        m.__class__ = _tiled_class(type(m))
+        m._seqpar_tile, m._seqpar_hidden, m._seqpar_inside, m._seqpar_warned = tile, hidden, False, False
+    return len(norms)

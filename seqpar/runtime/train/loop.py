@@ -116,7 +116,7 @@ def setup(args: TrainOptions) -> Run:
     from seqpar.runtime.hf import model as models
     from seqpar.runtime.hf.apply import apply
     from seqpar.runtime.memory.fused import apply_fused_ops
-    from seqpar.runtime.memory.tiled_mlp import tile_mlp
+    from seqpar.runtime.memory.tiled_mlp import tile_mlp, tile_norms
     from seqpar.runtime.train import engine, trackers
     from seqpar.runtime.train.progress import setup_logging
 
@@ -218,6 +218,8 @@ def setup(args: TrainOptions) -> Run:
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
     tiled_line = f"tiled MLP: {tile_mlp(model)} MLPs, ~hidden_size tokens per tile" if s.tiled_mlp else "tiled MLP: off"
+    if s.tiled_mlp and s.fused_ops != "liger":  # the model's own RMSNorms too (Liger's are fused already)
+        tiled_line += f"; {tile_norms(model)} RMSNorms tiled alike"
     model.train()
     if not meta:  # under LoRA the dtypes are set (a 16-bit or 4-bit base, fp32 adapters): only the device moves
         model.to(device=topo.device) if adapter is not None else model.to(device=topo.device, dtype=param_dtype)

@@ -217,6 +217,9 @@ def write_report(
         # cuDNN's backward is cut over KV heads at long lengths (seqpar.plan.attention_calls); reports without this key
         # come from runs before the cut, and the memory model prices them as one call
         "attention_backward_cut": True,
+        # under a tiled MLP the model's own RMSNorms run in tiles too (seqpar.runtime.memory.tiled_mlp.tile_norms);
+        # reports without this key come from runs before, priced with the untiled norms' backward
+        "norms_tiled": bool(plan.strategy.tiled_mlp and plan.strategy.fused_ops != "liger"),
         "dtype": dtype_reason,
         "engine": engine,
         "versions": _versions(),

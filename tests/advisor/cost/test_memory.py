@@ -11,6 +11,7 @@ from seqpar.plan.units import GIB
 from seqpar.profiles import get_model
 
 from seqpar_testing.advisor import TINY
+from seqpar_testing.memory import allocation_peak
 
 C = load_coefficients()
 
@@ -219,37 +220,6 @@ def test_selective_keeps_attention_output_and_lse_per_layer():
     assert sel.peak_bytes > full.peak_bytes
 
 
-def _allocation_peak(fn):
-    """Run ``fn`` under torch's profiler and replay its allocations and frees in time order: the peak of what ``fn``
-    allocated on top of what was live before it, and the tensors live then as (bytes, allocating op)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-
-    def walk(e, parent):
-        for child in e.children:
-            walk(child, e)
-        if e.tag == torch._C._profiler._EventType.Allocation:
-            f = e.extra_fields
-            events.append((e.start_time_ns, f.ptr, f.alloc_size, parent.name if parent else "?"))
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root, None)
-    live, now, peak, at_peak = {}, 0, 0, {}
-    for _, ptr, size, op in sorted(events):
-        if size > 0:
-            live[ptr] = (size, op)
-        else:
-            live.pop(ptr, None)
-        now += size
-        if now > peak:
-            peak, at_peak = now, dict(live)
-    return peak, list(at_peak.values())
-
-
 @pytest.mark.parametrize("dtype_bytes, trains", [(2, True), (2, False), (4, True), (4, False)])
 def test_an_unfused_norm_backward_allocates_what_the_model_counts(dtype_bytes, trains):
     """transformers' LlamaRMSNorm run forward, then backward under torch's profiler (allocations and frees replayed in
@@ -267,29 +237,40 @@ def test_an_unfused_norm_backward_allocates_what_the_model_counts(dtype_bytes, t
     x = torch.randn(1, t, h, dtype=dtype, requires_grad=True)
     grad = torch.randn(1, t, h, dtype=dtype)
     y = norm(x)
-    peak, live = _allocation_peak(lambda: y.backward(grad))
+    peak, live = allocation_peak(lambda: y.backward(grad))
     assert peak / (t * h) == pytest.approx(NORM_BACKWARD_BYTES, abs=0.05)
     assert sorted(size for size, _ in live if size >= t * h) == [4 * t * h] * 5  # five fp32 hidden-sized tensors
 
 
 def test_the_norm_moment_prices_a_tiled_layer_above_its_mlp_and_attention():
-    """With a tiled MLP the unfused norm's backward is the layer's largest moment: the residual stream's gradient and
-    the norm's five fp32 temporaries; under Liger it is gone."""
-    from seqpar.advisor.cost.memory import NORM_BACKWARD_BYTES
+    """With a tiled MLP the unfused norm's backward is the layer's largest moment where the norms run whole (another
+    tool's TiledMLP, or seqpar's runs before it tiled them): the residual stream's gradient and the norm's five fp32
+    temporaries. Under Liger it is gone; in seqpar's runtime (its norms tiled) one tile's temporaries are left, below
+    attention's moment here."""
+    from seqpar.advisor.cost.memory import NORM_BACKWARD_BYTES, attention_backward_workspace, mlp_tile_tokens
 
     m = get_model("llama-3.2-1b")
     w, cl = Workload(model=m, seq_len=262144, optimizer="adamw"), cluster_from_flags("h100", 1)
     t, h = 262144, m.hidden_size
-    plain = estimate_memory(w, cl, _dp(checkpointing="selective", tiled_mlp=True), C, margin=False)
-    liger = estimate_memory(w, cl, _dp(checkpointing="selective", tiled_mlp=True, fused_ops="liger"), C, margin=False)
-    flow = plain.phase_terms["backward"]["gradient_flow"]
-    r = precision(w, _dp(checkpointing="selective", tiled_mlp=True)).residual  # fp32 parameters under autocast: 4
+    s = _dp(checkpointing="selective", tiled_mlp=True)
+    whole = estimate_memory(w, cl, s, C, margin=False, norms_tiled=False)
+    flow = whole.phase_terms["backward"]["gradient_flow"]
+    r = precision(w, s).residual  # fp32 parameters under autocast: 4
     assert flow == pytest.approx(t * (r + NORM_BACKWARD_BYTES) * h)
-    from seqpar.advisor.cost.memory import attention_backward_workspace
 
-    p, d = 2, m.head_dim  # Liger: the layer's largest moment is attention's backward (dq, dk, dv and cuDNN's workspace)
-    attn = t * p * (m.num_attention_heads + 2 * m.num_key_value_heads) * d + attention_backward_workspace(m, t, cl, C, 1)
-    assert liger.phase_terms["backward"]["gradient_flow"] == pytest.approx(t * 2 * r * h + attn)
+    p, d = 2, m.head_dim  # attention's backward: dq, dk, dv and cuDNN's workspace
+    attn = t * 2 * r * h + t * p * (m.num_attention_heads + 2 * m.num_key_value_heads) * d
+    attn += attention_backward_workspace(m, t, cl, C, 1)
+    tiled = t * 3 * r * h + mlp_tile_tokens(t, h) * (NORM_BACKWARD_BYTES + 3 * r) * h
+    assert tiled < attn < flow
+    liger = estimate_memory(w, cl, _dp(checkpointing="selective", tiled_mlp=True, fused_ops="liger"), C, margin=False)
+    seqpar = estimate_memory(w, cl, s, C, margin=False)
+    assert liger.phase_terms["backward"]["gradient_flow"] == pytest.approx(attn)
+    assert seqpar.phase_terms["backward"]["gradient_flow"] == pytest.approx(attn)
+    # and what the tiled norms save less, per norm of the rebuilt layer: the fp32 copy (their input instead of the
+    # product the weight takes, both r bytes)
+    rebuilt = whole.phase_terms["backward"]["layer_recompute"] - seqpar.phase_terms["backward"]["layer_recompute"]
+    assert rebuilt == pytest.approx(2 * 4 * h * t)
 
 
 def _dp(**kw) -> Strategy:

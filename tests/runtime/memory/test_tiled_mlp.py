@@ -14,6 +14,8 @@ from seqpar.plan.errors import SeqparError
 from seqpar.runtime.hf.apply import apply
 from seqpar.runtime.memory.tiled_mlp import tile_mlp, tile_tokens
 
+from seqpar_testing.memory import allocation_peak
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -298,3 +300,90 @@ def test_liger_patch_stays_on_the_instance_and_on_cuda(monkeypatch):
     assert modeling_llama.apply_rotary_pos_emb._seqpar_plain is plain_rope
     apply_fused_ops(copy.deepcopy(reference), "liger", "cuda")  # a second model: still one dispatcher over the plain one
     assert modeling_llama.apply_rotary_pos_emb._seqpar_plain is plain_rope
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+@pytest.mark.parametrize("tile", [1, 7, None])
+def test_tiled_norms_equal_untiled_in_float64(checkpointing, tile):
+    """tile_norms (with tile_mlp, as the runtime applies them): every decoder norm and the final one run in tiles; loss
+    and every gradient equal the untiled model's (float64 weights; the norm's own fp32 upcast runs per tile the same)."""
+    from seqpar.runtime.memory.tiled_mlp import norm_modules, tile_norms
+
+    ref = _llama()
+    tiled = copy.deepcopy(ref)
+    _enable(ref, checkpointing)
+    _enable(tiled, checkpointing)
+    tile_mlp(tiled, tile=tile)
+    assert tile_norms(tiled, tile=tile) == 2 * 2 + 1 == len(norm_modules(tiled))
+    seq = 10 if tile == 1 else 50
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
+    want_loss, want = _loss_and_grads(ref, ids)
+    got_loss, got = _loss_and_grads(tiled, ids)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-12, msg=name)  # fp32 inside the norm: sums reorder
+
+
+def test_tiled_norms_under_lora_train_the_adapters_alike():
+    """A frozen base with peft's adapters (the norms' weights frozen too): tiled norms give the untiled loss and adapter
+    gradients."""
+    pytest.importorskip("peft")
+    from seqpar.plan.specs import LoraSpec
+    from seqpar.runtime.hf.lora import apply_lora
+    from seqpar.runtime.memory.tiled_mlp import tile_norms
+
+    ref = _llama().float()
+    tiled = copy.deepcopy(ref)
+    ref, tiled = (apply_lora(m, LoraSpec(rank=4), seed=0) for m in (ref, tiled))
+    tile_mlp(tiled, tile=8)
+    assert tile_norms(tiled, tile=8) == 5
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    ref.train(), tiled.train()
+    (want_loss, want), (got_loss, got) = (_trained_grads(m, ids) for m in (ref, tiled))
+    assert got and all("lora_" in n for n in got)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def _trained_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tiled_norm_saves_its_input_and_holds_one_tile_of_temporaries(dtype):
+    """What the memory model gives a tiled norm (seqpar.advisor.cost.memory): forward saves its input alone (r bytes
+    per element, not the fp32 copy and the product the weight takes); backward allocates dX and one tile's five fp32
+    temporaries (NORM_BACKWARD_BYTES per element of the tile) with the tile's recomputed output and gradients (at most 3
+    r more), replayed allocation by allocation under the profiler."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from seqpar.advisor.cost.memory import NORM_BACKWARD_BYTES
+    from seqpar.runtime.memory.tiled_mlp import tile_norms
+
+    t, h, tile = 2048, 256, 256
+    r = torch.empty((), dtype=dtype).element_size()
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"hidden_size": h})()
+            self.norm = LlamaRMSNorm(h).to(dtype)
+
+    m = Holder()
+    assert tile_norms(m, tile=tile) == 1
+    x = torch.randn(1, t, h, dtype=dtype, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        y = m.norm(x)
+    assert sum(s.numel() * s.element_size() for s in saved if s.dim() == 3) == r * t * h  # its input alone
+    grad = torch.randn_like(y)
+    peak, _ = allocation_peak(lambda: y.backward(grad))
+    assert r * t * h + NORM_BACKWARD_BYTES * tile * h < peak <= 1.01 * (r * t * h + (NORM_BACKWARD_BYTES + 3 * r) * tile * h)
+    untiled = LlamaRMSNorm(h).to(dtype)
+    y = untiled(x)
+    whole, _ = allocation_peak(lambda: y.backward(grad))
+    assert whole > NORM_BACKWARD_BYTES * t * h > 2.5 * peak  # the whole sequence's temporaries at once
