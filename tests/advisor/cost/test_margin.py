@@ -221,3 +221,26 @@ def test_the_advertised_longest_fits_with_its_margin_and_5_percent_more_does_not
     assert mem.fits and mem.required_bytes + mem.margin_bytes <= mem.capacity_bytes
     over = w.model_copy(update={"seq_len": n * 105 // 100})
     assert not estimate_memory(over, cl, s, C).fits
+
+
+def test_run_reports_say_whether_the_norms_ran_tiled(tmp_path):
+    """A run report without norms_tiled (written before seqpar's runtime tiled the norms) is priced with the norms whole,
+    one that says true with them tiled (less memory for the same plan); anything else is refused with the file named."""
+    import json
+
+    from seqpar.advisor.cost.measurements import MEASUREMENTS_DIR
+    from seqpar.plan.errors import SeqparError
+
+    src = MEASUREMENTS_DIR / "h100_llama-3.2-1b_371k_data_parallel_selective_tiled_oom.json"
+    report = json.loads(src.read_text())
+    assert "norms_tiled" not in report
+    files = {}
+    for name, extra in (("old", {}), ("new", {"norms_tiled": True}), ("bad", {"norms_tiled": 1})):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps({**report, **extra}))
+    old, new = load_measurements([files["old"], files["new"]])
+    assert (old.norms_tiled, new.norms_tiled) == (False, True)
+    whole, tiled = (estimate_memory(r.workload, r.cluster, r.strategy, C, margin=False, **_as_ran(r)) for r in (old, new))
+    assert tiled.peak_bytes < whole.peak_bytes
+    with pytest.raises(SeqparError, match="bad.json.*norms_tiled 1 must be true or false"):
+        load_measurements([files["bad"]])

@@ -12,6 +12,7 @@ zero* engines: test_deepspeed.py). The plans, the rank body and the comparison l
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +84,7 @@ def two_ranks(tmp_path_factory) -> dict:
     for name in _TWO_RANKS:
         (tmp / name).mkdir()
     data = learnable_tokens(tmp / "tokens.npy")
-    return dict(zip(_TWO_RANKS, run_ranks(_two_rank_runs, 2, str(tmp), data, timeout=170 + 170)[0]))
+    return {**dict(zip(_TWO_RANKS, run_ranks(_two_rank_runs, 2, str(tmp), data, timeout=170 + 170)[0])), "folder": tmp}
 
 
 @pytest.mark.timeout(TWO_RANKS_TIMEOUT)
@@ -113,12 +114,20 @@ def test_every_mode_matches_data_parallel_on_4_ranks(tmp_path, part):
 def test_tiled_mlp_matches_data_parallel_in_every_checkpointing(request, tmp_path, part):
     """tiled_mlp on 2 ranks (tiled_cases), in every checkpointing, against data_parallel without tiling."""
     if part == "sample":
-        results = request.getfixturevalue("two_ranks")["tiled"]  # in the module's 2-rank spawn
+        runs = request.getfixturevalue("two_ranks")
+        results, folder = runs["tiled"], runs["folder"] / "tiled"  # in the module's 2-rank spawn
     else:
         data = learnable_tokens(tmp_path / "tokens.npy")
-        results = run_ranks(train_cases, 2, tiled_cases(part), str(tmp_path), data, timeout=340)[0]
+        results, folder = run_ranks(train_cases, 2, tiled_cases(part), str(tmp_path), data, timeout=340)[0], tmp_path
     assert sorted(results) == sorted(name for name, _ in tiled_cases(part))
     compare_runs(results)
+    # the model's own RMSNorms ran in tiles with the MLP (seqpar.runtime.memory.tiled_mlp.tile_norms), and the run
+    # reports say so, which is how the memory model prices them (seqpar.advisor.cost.measurements)
+    for name, _ in tiled_cases(part):
+        log = (folder / name / "train.log").read_text()
+        assert "5 RMSNorms tiled alike" in log and name != "ref" or "tiled MLP: off" in log, name
+        report = json.loads((folder / name / "run_report.json").read_text())
+        assert report["norms_tiled"] is (name != "ref"), name
 
 
 # --------------------------------------------------------------------------------------------- data
