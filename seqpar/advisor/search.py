@@ -141,9 +141,17 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
     return valid, invalid
 
 
-def evaluate(workload: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients, norms_tiled: bool = True) -> Candidate:
-    """One strategy predicted; ``norms_tiled`` False: a tool's runtime, whose tiled MLP leaves the model's norms whole."""
-    mem = estimate_memory(workload, cluster, s, c, norms_tiled=norms_tiled)
+def evaluate(
+    workload: Workload,
+    cluster: ClusterSpec,
+    s: Strategy,
+    c: Coefficients,
+    norms_tiled: bool = True,
+    loss_path: str = "seqpar",
+) -> Candidate:
+    """One strategy predicted; ``norms_tiled`` False: a tool's runtime, whose tiled MLP leaves the model's norms whole;
+    ``loss_path`` "trl": TRL's SFTTrainer's loss (estimate_memory)."""
+    mem = estimate_memory(workload, cluster, s, c, loss_path=loss_path, norms_tiled=norms_tiled)
     tim = estimate_time(workload, cluster, s, c, norms_tiled)
     return Candidate(s, tim.tokens_per_s, mem.peak_bytes / GIB, mem.fits, mem.reason)
 

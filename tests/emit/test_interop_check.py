@@ -198,3 +198,25 @@ def test_a_plan_still_checks_as_a_plan(runner, tmp_path):
         from seqpar.emit.check import read_all
 
         read_all([plan, write(tmp_path, "ax.yml", AXOLOTL)])
+
+
+def test_a_trl_config_is_priced_with_trl_s_own_loss(runner, tmp_path):
+    """TRL's SFTTrainer runs its fused LM head whatever the config says of the loss (estimate_memory's loss_path "trl":
+    a compacted copy of the hidden states and one (4096, 32768) tile); `seqpar check` of a TRL config predicts that,
+    not seqpar's chunked loss, and the same strategy in an Axolotl config (seqpar's loss terms) prices otherwise."""
+    from seqpar.advisor.cluster import cluster_from_flags
+    from seqpar.advisor.cost.coefficients import load_coefficients
+    from seqpar.advisor.cost.memory import estimate_memory
+
+    cfg = {"model_name_or_path": "meta-llama/Meta-Llama-3-8B", "max_length": 65536, "per_device_train_batch_size": 1}
+    r = run(runner, write(tmp_path, "sft.yaml", cfg), *H100x8, "--json")
+    got = json.loads(r.stdout)
+    s = Strategy.model_validate(got["strategy"])
+    w = Workload(model=get_model("llama-3-8b"), seq_len=65536, optimizer="adamw")
+    cl, c = cluster_from_flags("h100", 8), load_coefficients()
+    trl = estimate_memory(w, cl, s, c, loss_path="trl", norms_tiled=False)
+    ours = estimate_memory(w, cl, s, c, loss_path="seqpar", norms_tiled=False)
+    assert got["prediction"]["peak_memory_gib"] == pytest.approx(trl.peak_bytes / 2**30, abs=1e-3)
+    assert "loss_hidden_copy" in trl.phase_terms["loss"] and "loss_hidden_copy" not in ours.phase_terms["loss"]
+    assert got["prediction"] == predict(w, cl, s, c, loss_path="trl", norms_tiled=False).model_dump()
+    assert got["prediction"] != predict(w, cl, s, c, loss_path="seqpar", norms_tiled=False).model_dump()

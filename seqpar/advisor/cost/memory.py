@@ -330,7 +330,15 @@ TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768
 
 
 def _loss_bytes(
-    m: ModelSpec, dtype: str, strategy: Strategy, t: float, c: Coefficients, r: int, path: str = "seqpar", wb: float = 0.0
+    m: ModelSpec,
+    dtype: str,
+    strategy: Strategy,
+    t: float,
+    c: Coefficients,
+    r: int,
+    path: str = "seqpar",
+    wb: float = 0.0,
+    tiled_norm: bool = False,
 ) -> dict:
     """Terms at the loss's peak. hf: forward holds bf16 logits + fp32 copy + log_softmax output (10 B/token/vocab), its
     backward the saved output + incoming grad + result (12); seqpar's LossModule returns only the loss, so nothing of the
@@ -340,10 +348,13 @@ def _loss_bytes(
     of the head's weight): it saves a compacted copy of the labelled positions' hidden states, projects one (4096, 32768)
     tile at a time in the compute dtype, and its metrics (entropy, token accuracy) are fp32 / bool per-token vectors, no
     logits; its backward accumulates the hidden's and the head's gradients in fp32 and casts both to their dtypes on
-    return (no copy for an fp32 head)."""
+    return (no copy for an fp32 head). ``tiled_norm``: the final norm runs in tiles (seqpar's runtime under a tiled
+    MLP): it saves its input, not its fp32 copy and the weight's product."""
     p, v, h = DTYPE_BYTES[dtype], m.vocab_size, m.hidden_size
     if strategy.fused_ops == "liger":  # Liger's RMSNorm: its input (the last layer's output), fp32 rstd, its output
         final_norm = t * (r * h + 4 + p * h)
+    elif tiled_norm:
+        final_norm = t * (2 * r + (p if r != p else 0)) * h
     else:
         final_norm = t * (4 + 2 * r + (p if r != p else 0)) * h
     if path == "trl":
@@ -496,7 +507,7 @@ def estimate_memory(
         "dequantized_weight": dequant,
     }
     # the loss's backward: logits and their fp32 copies; the head's gradient appears
-    loss_terms = _loss_bytes(m, dtype, s, t, c, r, loss_path, prec.weight)
+    loss_terms = _loss_bytes(m, dtype, s, t, c, r, loss_path, prec.weight, tiled_norm=tn)
     share = grads_full / max(m.num_params, 1)  # gradient bytes per parameter on this GPU
     head_grad = 0.0 if m.tie_word_embeddings else m.vocab_size * h * share
     if lo is not None:  # the LM head is frozen: no gradient, and the chunked loss accumulates none for it
