@@ -64,17 +64,24 @@ def test_tiled_equals_untiled_in_float64(checkpointing, tile):
     _enable(ref, checkpointing)
     _enable(tiled, checkpointing)
     assert tile_mlp(tiled, tile=tile) == 2
-    # one-token tiles run one tile per token, each a Python-level step of forward, recompute and backward: 10 tokens a row
-    # make as many tiles as tokens just as 50 would, at a fifth of the time; the other tiles see 50 (7 leaves a remainder)
+    ids, want_loss = _agree(ref, tiled, tile, rtol=1e-10, atol=1e-14)
+    # a second step reuses the patched modules and still agrees
+    torch.testing.assert_close(_loss_and_grads(tiled, ids)[0], want_loss, rtol=1e-12, atol=0)
+
+
+def _agree(ref, tiled, tile, rtol: float, atol: float):
+    """One step of both on the same batch: the loss to 1e-12 relative, every gradient to ``rtol`` / ``atol``; returns
+    the batch and the loss. One-token tiles run one tile per token, each a Python-level step of forward, recompute and
+    backward: 10 tokens a row make as many tiles as tokens just as 50 would, at a fifth of the time; the other tiles see
+    50 (7 leaves a remainder)."""
     seq = 10 if tile == 1 else 50
     ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
     want_loss, want = _loss_and_grads(ref, ids)
     got_loss, got = _loss_and_grads(tiled, ids)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
     for name, g in want.items():
-        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-14, msg=name)
-    # a second step reuses the patched modules and still agrees
-    torch.testing.assert_close(_loss_and_grads(tiled, ids)[0], want_loss, rtol=1e-12, atol=0)
+        torch.testing.assert_close(got[name], g, rtol=rtol, atol=atol, msg=name)
+    return ids, want_loss
 
 
 def _saved_bytes(model, ids) -> int:
@@ -315,13 +322,7 @@ def test_tiled_norms_equal_untiled_in_float64(checkpointing, tile):
     _enable(tiled, checkpointing)
     tile_mlp(tiled, tile=tile)
     assert tile_norms(tiled, tile=tile) == 2 * 2 + 1 == len(norm_modules(tiled))
-    seq = 10 if tile == 1 else 50
-    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
-    want_loss, want = _loss_and_grads(ref, ids)
-    got_loss, got = _loss_and_grads(tiled, ids)
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=0)
-    for name, g in want.items():
-        torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-12, msg=name)  # fp32 inside the norm: sums reorder
+    _agree(ref, tiled, tile, rtol=1e-6, atol=1e-12)  # fp32 inside the norm: its weight's sums reorder
 
 
 def test_tiled_norms_under_lora_train_the_adapters_alike():
