@@ -168,8 +168,8 @@ def test_saved_bytes_by_hand():
     # dropout: every adapter its own dropped copy and a one-byte mask (CUDA's native_dropout)
     drop = regime(spec=LoraSpec(rank=8, dropout=0.1), s=Strategy(mode="data_parallel", sharding="fsdp"))
     assert lc.saved_bytes_per_token(TINY, drop) == frozen + (2 + 1) * (6 * 64 + 128) + 7 * 2 * 8
-    # a tiled MLP keeps nothing of the MLP, its adapters included
-    assert lc.saved_bytes_per_token(TINY, regime(), tiled_mlp=True) == 512 + 400 + 2 * 4 * 64 + 4 * 2 * 8
+    # a tiled MLP keeps its input alone (the post-attention norm's output), nothing of its adapters
+    assert lc.saved_bytes_per_token(TINY, regime(), tiled_mlp=True) == 512 + 400 + 2 * 64 + 2 * 4 * 64 + 4 * 2 * 8
     # the memory model's entry point delegates
     assert saved_bytes_per_token(TINY, "bf16", adapters=regime()) == frozen + copies
 

@@ -84,15 +84,18 @@ def _agree(ref, tiled, tile, rtol: float, atol: float):
     return ids, want_loss
 
 
-def _saved_bytes(model, ids) -> int:
-    """Bytes of the tensors autograd saves during forward, parameters excluded (they exist anyway)."""
+def _saved_bytes(model, ids, once: bool = False) -> int:
+    """Bytes of the tensors autograd saves during forward, parameters excluded (they exist anyway); ``once``: a tensor
+    several nodes save (the input of q, k and v's adapters) counted once, as memory holds it."""
     params = {p.data_ptr() for p in model.parameters()}
-    total = 0
+    total, seen = 0, set()
 
     def pack(t):
         nonlocal total
-        if t.data_ptr() not in params:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if t.data_ptr() not in params and not (once and key in seen):
             total += t.numel() * t.element_size()
+            seen.add(key)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -388,3 +391,45 @@ def test_a_tiled_norm_saves_its_input_and_holds_one_tile_of_temporaries(dtype):
     y = untiled(x)
     whole, _ = allocation_peak(lambda: y.backward(grad))
     assert whole > NORM_BACKWARD_BYTES * t * h > 2.5 * peak  # the whole sequence's temporaries at once
+
+
+def test_a_lora_model_saves_what_the_cost_model_counts_tiled_or_not():
+    """A bf16 Llama with peft's bf16 adapters (no dropout) and no checkpointing: what autograd saves during forward
+    (saved-tensor hooks, parameters excluded) drops from the untiled MLP to the tiled one, and again with the norms
+    tiled, by what the cost model's LoRA block counts (seqpar.advisor.cost.lora.saved_bytes_per_token): the tiled MLP
+    keeps its input, the post-attention norm's output, which the frozen base saves nowhere else; a tiled norm keeps its
+    input instead of its fp32 copy (the final norm too)."""
+    pytest.importorskip("peft")
+    from seqpar.advisor.cost import lora as lc
+    from seqpar.plan.specs import LoraSpec, ModelSpec, Strategy, Workload
+    from seqpar.runtime.hf.lora import apply_lora
+    from seqpar.runtime.memory.tiled_mlp import tile_norms
+
+    inter, layers, b, s = 176, 2, 2, 64
+    spec = ModelSpec(
+        name="t", num_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=inter, vocab_size=128,
+    )  # fmt: skip
+    lora = LoraSpec(rank=4)
+    lo = lc.regime(Workload(model=spec, seq_len=s, optimizer="adamw-bf16", lora=lora), Strategy(mode="data_parallel"))
+    assert (lo.compute, lo.copies) == (2, False)  # bf16 adapters sharing the base's tensors
+    models = []
+    for tiles in ("none", "mlp", "mlp+norms"):
+        m = _enable(_llama(layers, inter).to(torch.bfloat16), "none")
+        if tiles != "none":
+            tile_mlp(m, tile=16)
+        if tiles == "mlp+norms":
+            tile_norms(m, tile=16)
+        models.append(apply_lora(m, lora, seed=0, adapter_dtype=torch.bfloat16))
+    ids = torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(3))
+    plain, tiled, norms = (_saved_bytes(m, ids, once=True) / (b * s) for m in models)
+    per_layer = {k: lc.saved_bytes_per_token(spec, lo, tiled_mlp=k != "none", tiled_norms=k == "mlp+norms") for k in
+                 ("none", "mlp", "mlp+norms")}  # fmt: skip
+    assert plain - tiled == pytest.approx(layers * (per_layer["none"] - per_layer["mlp"]))
+    # every norm saves its fp32 copy and rstd whole, its bf16 input tiled; but layer 0's input norm saves nothing either
+    # way (under a frozen base its input needs no gradient), and the final norm saves too
+    saving = 2 * layers
+    assert tiled - norms == pytest.approx(saving * ((4 - 2) * 64 + 4))
+    model = layers * (per_layer["mlp"] - per_layer["mlp+norms"]) + (4 - 2) * 64  # every layer's two and the final one
+    # the model counts layer 0's input norm too (one norm of the model's, over), the per-token rstd (4 bytes) not
+    assert model == (saving + 1) * (4 - 2) * 64
