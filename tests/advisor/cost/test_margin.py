@@ -69,6 +69,7 @@ def test_the_issue_s_8b_plan_takes_the_floor_from_five_over_predicted_runs():
     m = memory_margin(w, s, C, estimate_memory)
     assert (m.rows, m.fraction) == (5, C.memory_margin_floor) and "the floor of 1%" in m.basis
 
+
 def test_runs_that_ran_out_of_memory_are_flagged_by_the_norm_moment():
     """Llama-3.2-1B, selective checkpointing + tiled MLP, bf16 AdamW: the advisor's longest length on an H100 ran out of
     memory twice, at 363520 with the attention backward in one call (75.62 GiB allocated + 2.77 asked) and at 379904
