@@ -164,8 +164,8 @@ def describe(s: Strategy) -> str:
     return f"{s.mode}{deg} dp={s.dp_degree} ckpt={s.checkpointing}{split_tag(s)} {s.sharding} loss={s.loss_impl}{extra}"
 
 
-def _gpu_fits(w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients) -> bool:
-    mem = estimate_memory(w, cl, s, c)
+def _gpu_fits(w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients, runtime: Optional[dict] = None) -> bool:
+    mem = estimate_memory(w, cl, s, c, **(runtime or {}))
     return mem.required_bytes + mem.margin_bytes <= mem.capacity_bytes
 
 
@@ -208,19 +208,26 @@ def budget_full(v: Strategy, host: Optional[int], kept: int) -> bool:
 
 
 def layer_split_variant(
-    w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients, req: Optional[AdviseRequest] = None
+    w: Workload,
+    cl: ClusterSpec,
+    s: Strategy,
+    c: Coefficients,
+    req: Optional[AdviseRequest] = None,
+    runtime: Optional[dict] = None,
 ) -> Optional[Strategy]:
     """The strategy's layer split that memory allows, when it differs from all-or-nothing (None otherwise, and when the
     request pinned a split): offload keeps as many layer inputs on the GPU as fit, the rest go to the host (copies the
     time model prices, pageable ones beyond the pinned budget dearest); full and selective let as many of the last layers
     as fit keep all their activations, so backward does not recompute them (Megatron's recompute_num_layers, torchtitan's
     memory budget). GPU memory grows with each layer moved toward the GPU, so each count is a bisection. ``req``'s
-    kept_saves / kept_host_layers pins apply to the layers past checkpoint_layers (kept_fields)."""
+    kept_saves / kept_host_layers pins apply to the layers past checkpoint_layers (kept_fields). ``runtime``: how the
+    runtime that runs it is priced (evaluate's norms_tiled and loss_path; a tool's, by seqpar.emit.space)."""
     L = w.model.num_layers
+    runtime = runtime or {}
     if s.checkpoint_layers is not None or s.offload_layers is not None or s.checkpointing == "none":
         return None
     if s.checkpointing == "offload":
-        host = _first(0, L, lambda n: _gpu_fits(w, cl, s.model_copy(update={"offload_layers": n}), c))
+        host = _first(0, L, lambda n: _gpu_fits(w, cl, s.model_copy(update={"offload_layers": n}), c, runtime))
         return s.model_copy(update={"offload_layers": host}) if host not in (None, L) and host > 0 else None
 
     def at(n: int, host: Optional[int]) -> Strategy:
@@ -231,7 +238,7 @@ def layer_split_variant(
     for host in host_counts(req, s):
 
         def fits(n: int, host=host) -> bool:
-            return _gpu_fits(w, cl, at(n, host), c)
+            return _gpu_fits(w, cl, at(n, host), c, runtime)
 
         if last is not None and fits(last):  # walk down from it (a step or two per count, where a bisection takes ~6)
             checkpointed = last
@@ -252,7 +259,7 @@ def layer_split_variant(
             # same strategies, so the same split
     if len(splits) < 2:
         return splits[0] if splits else None
-    fitting = [x for x in (evaluate(w, cl, v, c) for v in splits) if x.fits]
+    fitting = [x for x in (evaluate(w, cl, v, c, **runtime) for v in splits) if x.fits]
     # none fits the host's RAM: the split with the fewest host-kept layers, which needs the least of it
     return max(fitting, key=lambda x: x.tokens_per_s).strategy if fitting else splits[0]
 

@@ -117,11 +117,11 @@ def _predicted(caps: Caps, mode: str, w: Workload, cl, pins: dict, c, invalid: l
             if expressible(caps, v) and v not in runs:
                 runs.append(v)
         # the tool's runtime: its norms whole, and TRL's SFTTrainer its own loss
-        loss_path = "trl" if caps.tool == "trl" else "seqpar"
-        got = [evaluate(w, cl, s, c, norms_tiled=False, loss_path=loss_path) for s in runs]
+        runtime = {"norms_tiled": False, "loss_path": "trl" if caps.tool == "trl" else "seqpar"}
+        got = [evaluate(w, cl, s, c, **runtime) for s in runs]
         if caps.layer_split and req.checkpoint_layers is None and req.offload_layers is None:
-            splits = (layer_split_variant(w, cl, x.strategy, c, req) for x in list(got))
-            got += [evaluate(w, cl, v, c, norms_tiled=False, loss_path=loss_path) for v in splits if v is not None]
+            splits = (layer_split_variant(w, cl, x.strategy, c, req, runtime) for x in list(got))
+            got += [evaluate(w, cl, v, c, **runtime) for v in splits if v is not None]
         out += got
     return out
 

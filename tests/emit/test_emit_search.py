@@ -124,3 +124,24 @@ def test_a_plan_that_does_not_fit_is_written_with_the_emission(tmp_path):
 def _tool_files(folder) -> list:
     """The emitted files `seqpar check` takes (the DeepSpeed JSON an accelerate YAML names is read through it)."""
     return sorted(p for p in folder.iterdir() if p.name.count(".") == 2 and not p.name.endswith(".ds_config.json"))
+
+
+def test_a_tool_s_layer_split_is_sized_for_the_tool_s_runtime():
+    """A tool whose script splits checkpointing by layer (DeepSpeed) runs a tiled MLP with the model's norms whole: the
+    split the search offers it is sized so (layer_split_variant's runtime), so it fits as the tool runs it and keeps as
+    many layers as that allows; sized for seqpar's runtime (its norms tiled) it would keep more than fit."""
+    from seqpar.advisor.cluster import cluster_from_flags
+    from seqpar.advisor.cost.coefficients import load_coefficients
+    from seqpar.advisor.search import evaluate, layer_split_variant
+    from seqpar.plan.specs import Strategy, Workload
+    from seqpar.profiles import get_model
+
+    c, cl = load_coefficients(), cluster_from_flags("h100", 8)
+    w = Workload(model=get_model("llama-3.1-8b"), seq_len=196608, optimizer="adamw")
+    s = Strategy.over("ulysses_attn", 8, 8, checkpointing="full", sharding="zero2", loss_impl="chunked", tiled_mlp=True)
+    tool = {"norms_tiled": False, "loss_path": "seqpar"}
+    ours, theirs = layer_split_variant(w, cl, s, c), layer_split_variant(w, cl, s, c, runtime=tool)
+    assert evaluate(w, cl, theirs, c, **tool).fits and not evaluate(w, cl, ours, c, **tool).fits
+    assert theirs.checkpoint_layers > ours.checkpoint_layers  # more layers recomputed: the whole norms' moment
+    one_fewer = theirs.model_copy(update={"checkpoint_layers": theirs.checkpoint_layers - 1})
+    assert not evaluate(w, cl, one_fewer, c, **tool).fits

@@ -29,7 +29,9 @@ where the workload has ``lora``; a full fine-tuning never reaches this module.
   adapter computes in its dtype, counted once per distinct input (the q/k/v norm output, attention's out, already
   kept, the gate/up norm output, the SwiGLU product); its own cast copy when it does not (fp32 adapters under autocast:
   peft casts the input to fp32 and autocast back, ``copies``); with dropout its own dropped copy and the mask (one
-  byte on CUDA, native_dropout's bool; the input's dtype on CPU). A tiled MLP keeps nothing of its adapters either.
+  byte on CUDA, native_dropout's bool; the input's dtype on CPU). A tiled MLP keeps nothing of its adapters either, but
+  keeps its input (the post-attention norm's output, which the frozen base saves nowhere else); tiled norms (seqpar's
+  runtime under a tiled MLP) keep their input instead of its fp32 copy.
 * Backward: the frozen linears compute their input's gradient only, 2 N FLOPs per token instead of 4 N, and the
   adapters 6 r (in + out) per targeted linear (2 forward, 4 backward), once more forward when recomputed
   (``linear_flops_per_token``). Each adapter's input gradient meets the base's before they are summed, with copies

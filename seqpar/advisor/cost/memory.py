@@ -23,7 +23,8 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   silu in backward (the product is saved by down_proj) -> 3p*I. RoPE saves nothing the attention does not already hold.
 * ``tiled_mlp`` (ALST's TiledMLP): each MLP runs one sequence tile of ceil(t / ceil(t/h)) tokens (about h) at a time, its
   forward under no_grad, so the layer saves nothing of the MLP (its input is the post-attention norm's output, counted
-  there); forward and backward hold one tile's intermediates (3p*I forward, 4p*I or 3p*I recomputed plus 2p*I of their
+  there; under LoRA, whose frozen base saves that output nowhere else, in the MLP's term: lora.saved_bytes_per_token);
+  forward and backward hold one tile's intermediates (3p*I forward, 4p*I or 3p*I recomputed plus 2p*I of their
   gradients in backward) and backward one fp32 weight-gradient accumulator per MLP matrix (3*h*I*4 bytes).
   seqpar's runtime runs the model's own (unfused) RMSNorms in tiles alike (tiled_mlp.tile_norms): each saves its input
   (r h) instead of its fp32 copy and the product the weight takes, and its backward holds the five fp32 temporaries
@@ -202,7 +203,8 @@ def saved_bytes_per_token(
 
     ``residual``: bytes of the residual stream (4 under autocast with fp32 parameters: the unfused norms then also save the
     bf16 cast autocast makes for the next matmul). ``fused_ops`` liger: Liger's RMSNorm and SwiGLU save less;
-    ``tiled_mlp``: the MLP saves nothing (its tiles are recomputed in backward). ``adapters``: a frozen base's block
+    ``tiled_mlp``: the MLP saves nothing but its input (its tiles are recomputed in backward; the input is counted with
+    the norm that makes it, or under LoRA in the MLP's term). ``adapters``: a frozen base's block
     with LoRA adapters (lora.saved_bytes_per_token). ``tiled_norms``: the unfused norms run in tiles (seqpar's runtime
     under a tiled MLP): each saves its input instead of its fp32 copy and the normalized product the weight takes."""
     if adapters is not None:

@@ -9,7 +9,8 @@ Counting (per GPU, one micro-batch, t = b*S/sp local tokens, N_lin = parameters 
 * Elementwise traffic (norms, RoPE, SwiGLU), bound by HBM bandwidth, bytes per token and layer per forward:
   unfused (the model's own modules, with autocast's fp32 upcasts) 68h + 24(a+kv)d + 10I, Liger's fused kernels
   8h + 4(a+kv)d + 6I; passes = forward + recompute (the checkpointed layers) + backward (2 forward's worth), and
-  tiled_mlp's extra MLP forward moves the SwiGLU bytes once more: time = t * L * bytes * passes / (HBM bandwidth x
+  tiled_mlp's extra MLP forward moves the SwiGLU bytes once more (in seqpar's runtime, which tiles the unfused norms
+  too, their 56h as well: TILED_NORMS_BYTES_PER_H): time = t * L * bytes * passes / (HBM bandwidth x
   elementwise_efficiency, the share of it these small kernels reach: fitted on a grid, as h0 below). Not scaled by
   the time factors, like the communication (the fit's ``rest``).
 * Causal attention: forward 2*S^2*a*d per layer and sequence (half of the 4*S^2*a*d full-mask count), backward 2.5x

@@ -218,8 +218,10 @@ def setup(args: TrainOptions) -> Run:
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
     tiled_line = f"tiled MLP: {tile_mlp(model)} MLPs, ~hidden_size tokens per tile" if s.tiled_mlp else "tiled MLP: off"
+    norms_tiled = 0
     if s.tiled_mlp and s.fused_ops != "liger":  # the model's own RMSNorms too (Liger's are fused already)
-        tiled_line += f"; {tile_norms(model)} RMSNorms tiled alike"
+        norms_tiled = tile_norms(model)
+        tiled_line += f"; {norms_tiled} RMSNorms tiled alike"
     model.train()
     if not meta:  # under LoRA the dtypes are set (a 16-bit or 4-bit base, fp32 adapters): only the device moves
         model.to(device=topo.device) if adapter is not None else model.to(device=topo.device, dtype=param_dtype)
@@ -298,7 +300,7 @@ def setup(args: TrainOptions) -> Run:
         backward=backward,
         autocast_dtype=autocast_dtype,
         facts=facts,
-        notes={"engine": engine_name, "backend": backend, "dtype_reason": dtype_reason},
+        notes={"engine": engine_name, "backend": backend, "dtype_reason": dtype_reason, "norms_tiled": norms_tiled > 0},
         skip_nonfinite=args.skip_nonfinite,
         tokenizer={"tokenizer": data_opts.tokenizer or args.model_path, "trust_remote_code": data_opts.trust_remote_code},
         adapter=adapter,
@@ -474,6 +476,7 @@ def run(args: TrainOptions) -> dict:
             backend=r.notes["backend"],
             dtype_reason=r.notes["dtype_reason"],
             engine=r.notes["engine"],
+            norms_tiled=r.notes["norms_tiled"],
             steps_done=steps_done,
             rank=rank,
         )

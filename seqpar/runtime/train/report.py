@@ -168,9 +168,11 @@ def write_report(
     steps_done: int,
     rank: int,
     profiled: set[int] = frozenset(),
+    norms_tiled: bool = False,
 ) -> dict | None:
     """Collective: gathers every rank's memory peaks; rank 0 writes run_report.json and returns it. ``profiled``: the
-    indices into ``step_times`` of steps run under the profiler (--profile-step), left out of the warm figures."""
+    indices into ``step_times`` of steps run under the profiler (--profile-step), left out of the warm figures;
+    ``norms_tiled``: whether the runtime ran the model's own RMSNorms in tiles (tiled_mlp.tile_norms switched some)."""
     mem = memory_now(device)
     per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [mem]
     if dist.is_initialized():
@@ -219,7 +221,7 @@ def write_report(
         "attention_backward_cut": True,
         # under a tiled MLP the model's own RMSNorms run in tiles too (seqpar.runtime.memory.tiled_mlp.tile_norms);
         # reports without this key come from runs before, priced with the untiled norms' backward
-        "norms_tiled": bool(plan.strategy.tiled_mlp and plan.strategy.fused_ops != "liger"),
+        "norms_tiled": bool(norms_tiled),
         "dtype": dtype_reason,
         "engine": engine,
         "versions": _versions(),
