@@ -27,6 +27,7 @@ from seqpar.plan.errors import SeqparError
 from seqpar.plan.safe import printable
 from seqpar.plan.specs import ModelSpec
 from seqpar.runtime.data.hf_folder import check_weights, read_config, refuse_remote_code, shown
+from seqpar.runtime.hf.quantized_build import tied_names
 
 _CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
@@ -191,7 +192,7 @@ def _no_checkpoint_weights(folder) -> str:
 
 def check_coverage(model, names: set[str], model_path: str) -> None:
     """SeqparError when the model has a tensor the folder's weights lack: it would train from random values."""
-    missing = sorted(set(model.state_dict()) - names - _tied(model))
+    missing = sorted(set(model.state_dict()) - names - tied_names(model))
     if missing:
         raise SeqparError(
             f"--model-path {shown(model_path)}: its weights lack {len(missing)} of the model's tensors (e.g. "
@@ -225,20 +226,13 @@ def load_pretrained(model_path: str, config, dtype, *, trust_remote_code: bool =
             f"--model-path {shown(model_path)}: its safetensors weights cannot be loaded ({type(e).__name__}: "
             f"{printable(first)}); restore the folder or write it again with save_pretrained"
         ) from None
-    missing = sorted(set(info.get("missing_keys", ())) - _tied(model))
+    missing = sorted(set(info.get("missing_keys", ())) - tied_names(model))
     if missing:
         raise SeqparError(
             f"--model-path {shown(model_path)}: its weights lack {len(missing)} of the model's tensors (e.g. "
             f"{printable(missing[0])}), which would train from random values; pass a complete folder"
         )
     return model
-
-
-def _tied(model) -> set[str]:
-    """Names a checkpoint may leave out because they share another's storage: a tied model's output head."""
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return set()
-    return set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
 
 
 def build_model(

@@ -48,6 +48,13 @@ from seqpar.plan.errors import SeqparError
 from seqpar.plan.safe import printable
 
 
+def tied_names(model) -> set[str]:
+    """Names a checkpoint may leave out because they share another's storage: a tied model's output head."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    return set(getattr(model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
+
+
 @dataclass(frozen=True)
 class FolderWeights:
     """The safetensors tensors a 4-bit build reads: {name: (file, shape)} from the headers (seqpar.runtime.hf.model's
@@ -109,10 +116,9 @@ def materialize_4bit(
     from transformers import initialization as hf_init
 
     from seqpar.runtime.hf.lora import quantize_base
-    from seqpar.runtime.hf.model import _tied
 
     device = torch.device(device)
-    tied = _tied(model)
+    tied = tied_names(model)
     pieces = list(_pieces(model, tied))
     if weights is not None:  # every name and shape, from the headers, before anything is allocated
         weights.check({t: v.shape for name, piece, layer in pieces for t, v in _tensors(piece, layer, tied, prefix=name)})
@@ -187,4 +193,4 @@ def _tensors(
                 yield (f"{mname}.{bname}" if mname else bname), b
 
 
-__all__ = ["FolderWeights", "materialize_4bit", "piece_seed"]
+__all__ = ["FolderWeights", "materialize_4bit", "piece_seed", "tied_names"]
