@@ -92,9 +92,7 @@ def emit(plan: LaunchPlan, tool: str, plan_path: str | Path, coeffs=None, pins: 
         return Emission(tool, None, None, {}, "", notes, refused=str(e).split("; use ")[0])
     if found.strategy is None:
         return Emission(tool, None, None, {}, "", notes, refused=found.refused)
-    # the tool's runtime: its norms whole, and TRL's SFTTrainer its own loss
-    loss_path = "trl" if mod.CAPS.tool == "trl" else "seqpar"
-    s, pred = found.strategy, predict(w, cl, found.strategy, c, loss_path=loss_path, norms_tiled=False)
+    s, pred = found.strategy, predict(w, cl, found.strategy, c, **mod.CAPS.runtime())  # priced as the tool runs it
     blocked = cannot_run(mod.CAPS, s, cl.accelerator, cl.world_size)
     stem = Path(plan_path).with_suffix("")
     files, command, left = mod.files(plan.model_copy(update={"workload": w}), s, stem)

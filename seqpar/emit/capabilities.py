@@ -65,6 +65,12 @@ class Caps:
     # the tool's release cannot run it there
     cpu: dict[str, str] = field(default_factory=dict)
 
+    def runtime(self) -> dict:
+        """How the cost model prices what this tool runs (estimate_memory's, predict's and the search's evaluate's
+        keywords): a tiled MLP there leaves the model's own norms whole (seqpar's runtime tiles them too), and TRL's
+        SFTTrainer runs its own loss (its fused LM head)."""
+        return {"norms_tiled": False, "loss_path": "trl" if self.tool == "trl" else "seqpar"}
+
     def modes_for(self, mode: str) -> tuple[str, ...]:
         """The modes this tool runs for the plan's ``mode``, nearest first (the mode's description says which)."""
         runs = describe(mode).exports.get(self.tool, ())

@@ -126,11 +126,8 @@ def check_configs(paths: list[Path], flags, note=print, coeffs=None, given: set[
     if problems:
         raise SeqparError(f"{where}: {problems[0]}")
     plan = _as_plan(w, cl, s, where)
-    # the tool's runtime: a tiled MLP there leaves the model's own norms whole (seqpar's runtime tiles them too), and
-    # TRL's SFTTrainer runs its own loss
-    runtime = {"norms_tiled": False, "loss_path": loss_path_of(_judge(readings))}
-    mem = estimate_memory(w, cl, s, c, **runtime)
-    res = ConfigCheck(readings, _judge(readings), plan, predict(w, cl, s, c, **runtime), mem.reason, said)
+    mem = estimate_memory(w, cl, s, c, **caps.runtime())  # priced as the tool runs it
+    res = ConfigCheck(readings, _judge(readings), plan, predict(w, cl, s, c, **caps.runtime()), mem.reason, said)
     res.emitted = {k: block[k] for k in RECORDS if k in block}
     if not res.fits:
         _fix(res, c)
@@ -146,12 +143,6 @@ def _lora(read, flag, block, where: str):
             "or change the config"
         )
     return read if read is not None else flag if flag is not None else block
-
-
-def loss_path_of(tool: str) -> str:
-    """Whose loss the tool runs: TRL's SFTTrainer its fused LM head (estimate_memory's loss_path "trl"), the others the
-    plan's."""
-    return "trl" if tool == "trl" else "seqpar"
 
 
 def _judge(readings) -> str:
@@ -191,7 +182,7 @@ def _fix(res: ConfigCheck, c) -> None:
     mod = tool_module(res.tool)
     best = None
     for what, v in _variants(mod.CAPS, s, w, cl):
-        cand = evaluate(w, cl, v, c, norms_tiled=False, loss_path=loss_path_of(res.tool))
+        cand = evaluate(w, cl, v, c, **mod.CAPS.runtime())
         if cand.fits and (best is None or cand.tokens_per_s > best[0]):
             best = (cand.tokens_per_s, what, v)
     if best is None:

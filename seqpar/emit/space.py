@@ -117,7 +117,7 @@ def _predicted(caps: Caps, mode: str, w: Workload, cl, pins: dict, c, invalid: l
             if expressible(caps, v) and v not in runs:
                 runs.append(v)
         # the tool's runtime: its norms whole, and TRL's SFTTrainer its own loss
-        runtime = {"norms_tiled": False, "loss_path": "trl" if caps.tool == "trl" else "seqpar"}
+        runtime = caps.runtime()  # priced as the tool runs it
         got = [evaluate(w, cl, s, c, **runtime) for s in runs]
         if caps.layer_split and req.checkpoint_layers is None and req.offload_layers is None:
             splits = (layer_split_variant(w, cl, x.strategy, c, req, runtime) for x in list(got))

@@ -139,7 +139,9 @@ def test_a_tool_s_layer_split_is_sized_for_the_tool_s_runtime():
     c, cl = load_coefficients(), cluster_from_flags("h100", 8)
     w = Workload(model=get_model("llama-3.1-8b"), seq_len=196608, optimizer="adamw")
     s = Strategy.over("ulysses_attn", 8, 8, checkpointing="full", sharding="zero2", loss_impl="chunked", tiled_mlp=True)
-    tool = {"norms_tiled": False, "loss_path": "seqpar"}
+    from seqpar.emit.capabilities import TABLE
+
+    tool = TABLE["deepspeed"].runtime()
     ours, theirs = layer_split_variant(w, cl, s, c), layer_split_variant(w, cl, s, c, runtime=tool)
     assert evaluate(w, cl, theirs, c, **tool).fits and not evaluate(w, cl, ours, c, **tool).fits
     assert theirs.checkpoint_layers > ours.checkpoint_layers  # more layers recomputed: the whole norms' moment

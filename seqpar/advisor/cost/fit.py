@@ -214,7 +214,7 @@ def evaluate(
     loo_base = (base or load_coefficients()).with_values(elementwise_efficiency=c.elementwise_efficiency)
     out = []
     for r in rows:
-        p = predict(r.workload, r.cluster, r.strategy, c, attention_cut=r.attention_backward_cut, norms_tiled=r.norms_tiled)
+        p = predict(r.workload, r.cluster, r.strategy, c, **r.as_ran)
         e: dict = {
             "label": r.label,
             "source": r.source,

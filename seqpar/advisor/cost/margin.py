@@ -65,9 +65,7 @@ def _rows(c: Coefficients, estimate) -> tuple[Row, ...]:
         peak = r.oom_needed_gib if r.oom else r.peak_memory_gib
         if peak is None or r.cluster.accelerator != "cuda":
             continue
-        pred = estimate(
-            r.workload, r.cluster, r.strategy, c, margin=False, attention_cut=r.attention_backward_cut, norms_tiled=r.norms_tiled
-        )
+        pred = estimate(r.workload, r.cluster, r.strategy, c, margin=False, **r.as_ran)
         pred = pred.peak_bytes / 2**30
         if pred > 0:
             # what an out-of-memory run needed is a lower bound: its error counts with the floor on top

@@ -53,6 +53,12 @@ class Measurement:
     # run reports written before say nothing, and rows of other tools never did; priced with the untiled norms then
     norms_tiled: bool = False
 
+    @property
+    def as_ran(self) -> dict:
+        """The runtime the run had, as estimate_memory and predict take it: its attention backward cut or not, its
+        norms tiled or not."""
+        return {"attention_cut": self.attention_backward_cut, "norms_tiled": self.norms_tiled}
+
 
 # The columns of a measurement CSV: the configuration (required unless defaulted), then what was measured.
 CSV_REQUIRED = ("model", "gpu", "gpus_per_node", "mode", "seq_len", "checkpointing", "sharding", "optimizer", "loss_impl")

@@ -23,14 +23,9 @@ ROWS = [
 ]
 
 
-def _as_ran(r) -> dict:
-    """The runtime the run had: its attention backward cut or not, its norms tiled or not."""
-    return {"attention_cut": r.attention_backward_cut, "norms_tiled": r.norms_tiled}
-
-
 def _error(r) -> float:
     # priced as the runtime of the run cut the attention backward (runs from before the cut: one call)
-    mem = estimate_memory(r.workload, r.cluster, r.strategy, C, margin=False, **_as_ran(r))
+    mem = estimate_memory(r.workload, r.cluster, r.strategy, C, margin=False, **r.as_ran)
     pred = mem.peak_bytes / GIB
     if r.oom:  # a lower bound of its peak: the floor on top
         return r.oom_needed_gib / pred - 1 + C.memory_margin_floor
@@ -84,7 +79,7 @@ def test_runs_that_ran_out_of_memory_are_flagged_by_the_norm_moment():
         (pytest.approx(78.69), True),
     ]
     for r in ooms:
-        mem = estimate_memory(r.workload, r.cluster, r.strategy, C, margin=False, **_as_ran(r))
+        mem = estimate_memory(r.workload, r.cluster, r.strategy, C, margin=False, **r.as_ran)
         assert mem.peak_bytes / GIB > r.oom_needed_gib and not mem.fits
         t, h = r.workload.seq_len, r.workload.model.hidden_size
         residual = precision(r.workload, r.strategy).residual
@@ -100,7 +95,7 @@ def test_the_lora_run_that_ran_out_of_memory_is_flagged_and_its_kind_keeps_a_mar
     kind keeps as its margin."""
     oom = next(r for r in ROWS if r.oom and r.workload.lora is not None)
     assert oom.oom_needed_gib == pytest.approx(77.56) and oom.workload.seq_len == 411648
-    mem = estimate_memory(oom.workload, oom.cluster, oom.strategy, C, margin=False, **_as_ran(oom))
+    mem = estimate_memory(oom.workload, oom.cluster, oom.strategy, C, margin=False, **oom.as_ran)
     assert mem.peak_bytes / GIB > oom.oom_needed_gib and not mem.fits
     w = Workload(model=get_model("llama-3.1-8b"), seq_len=262144, optimizer="adamw", lora=oom.workload.lora)
     m = memory_margin(w, oom.strategy, C, estimate_memory)
@@ -135,7 +130,7 @@ def test_no_measured_run_that_ran_out_of_memory_is_predicted_to_fit():
     ooms = [r for r in load_measurements() if r.oom and "stock" not in r.source]
     assert ooms
     for r in ooms:  # priced as its runtime ran (runs from before the attention backward's cut: one call)
-        assert not estimate_memory(r.workload, r.cluster, r.strategy, C, **_as_ran(r)).fits, r.label
+        assert not estimate_memory(r.workload, r.cluster, r.strategy, C, **r.as_ran).fits, r.label
 
 
 def test_leave_one_out_the_margin_covers_all_but_the_worst_run_of_each_kind():
@@ -241,7 +236,7 @@ def test_run_reports_say_whether_the_norms_ran_tiled(tmp_path):
         files[name].write_text(json.dumps({**report, **extra}))
     old, new = load_measurements([files["old"], files["new"]])
     assert (old.norms_tiled, new.norms_tiled) == (False, True)
-    whole, tiled = (estimate_memory(r.workload, r.cluster, r.strategy, C, margin=False, **_as_ran(r)) for r in (old, new))
+    whole, tiled = (estimate_memory(r.workload, r.cluster, r.strategy, C, margin=False, **r.as_ran) for r in (old, new))
     assert tiled.peak_bytes < whole.peak_bytes
     with pytest.raises(SeqparError, match="bad.json.*norms_tiled 1 must be true or false"):
         load_measurements([files["bad"]])
