@@ -158,8 +158,7 @@ def tile_mlp(model: nn.Module, tile: int | None = None) -> int:
                 f"{name}: tiled_mlp recomputes each tile in backward and would draw new dropout masks "
                 f"(dropout p={drop[0]} inside {type(m).__name__}); set the MLP's dropout to 0 or tiled_mlp false"
             )
-    if tile is not None and tile < 1:
-        raise SeqparError(f"tiled_mlp tile {tile} must be >= 1 token")
+    _check_tile(tile, "tiled_mlp")
     for m in mlps:
         if isinstance(m, _Tiled):
             m._seqpar_tile = tile
@@ -173,9 +172,21 @@ def tile_mlp(model: nn.Module, tile: int | None = None) -> int:
                     f"{name}: tiled_mlp cannot wrap {type(m).__name__}'s replaced forward ({bound!r}); set tiled_mlp false"
                 )
             m._seqpar_inner_forward = func
-        m.__class__ = _tiled_class(type(m))
-        m._seqpar_tile, m._seqpar_hidden, m._seqpar_inside, m._seqpar_warned = tile, hidden, False, False
+        _switch(m, tile, hidden)
     return len(mlps)
+
+
+def _check_tile(tile: int | None, what: str) -> None:
+    if tile is not None and tile < 1:
+        raise SeqparError(f"{what} tile {tile} must be >= 1 token")
+
+
+def _switch(m: nn.Module, tile: int | None, hidden: int) -> None:
+    """Run ``m`` in tiles of ``tile`` tokens (None: ALST's rule for ``hidden``); an already tiled module takes the tile."""
+    if not isinstance(m, _Tiled):
+        m.__class__ = _tiled_class(type(m))
+        m._seqpar_hidden, m._seqpar_inside, m._seqpar_warned = hidden, False, False
+    m._seqpar_tile = tile
 
 
 def norm_modules(model: nn.Module) -> list[nn.Module]:
@@ -196,13 +207,8 @@ def tile_norms(model: nn.Module, tile: int | None = None) -> int:
     """Switch the model's own RMSNorms (norm_modules) to tiled execution (in place), as tile_mlp does the MLPs; returns
     how many were switched (0 where the model has none of its own, e.g. under Liger's fused norms)."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    if tile is not None and tile < 1:
-        raise SeqparError(f"tiled norms: tile {tile} must be >= 1 token")
+    _check_tile(tile, "tiled norms:")
     norms = norm_modules(model) if hidden is not None else []
     for m in norms:
-        if isinstance(m, _Tiled):
-            m._seqpar_tile = tile
-            continue
-        m.__class__ = _tiled_class(type(m))
-        m._seqpar_tile, m._seqpar_hidden, m._seqpar_inside, m._seqpar_warned = tile, hidden, False, False
+        _switch(m, tile, hidden)
     return len(norms)
