@@ -159,6 +159,13 @@ def layers_of(strategy: Strategy, num_layers: int) -> LayerSplit:
     return layer_split(s.checkpointing, num_layers, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers)
 
 
+def tiles_norms(strategy: Strategy) -> bool:
+    """Whether seqpar's runtime runs the model's own RMSNorms in tiles (seqpar.runtime.memory.tiled_mlp.tile_norms):
+    with a tiled MLP, where Liger's fused norms do not replace them. The cost model prices that runtime so
+    (estimate_memory's and estimate_time's ``norms_tiled``)."""
+    return strategy.tiled_mlp and strategy.fused_ops != "liger"
+
+
 def checkpointed_layers(strategy: Strategy, num_layers: int) -> int:
     """How many decoder layers the checkpointing policy applies to (0 under none); the rest keep their activations."""
     return layers_of(strategy, num_layers).checkpointed

@@ -79,7 +79,7 @@ from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import matmul_params
 from seqpar.plan.modes import degrees, describe, head_degree, takes_ulysses_degree
 from seqpar.plan.options import LayerSplit, pinned_block
-from seqpar.plan.rules import layers_of
+from seqpar.plan.rules import layers_of, tiles_norms
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 
@@ -466,7 +466,7 @@ def estimate_memory(
     gathered = states.get("gathered_params", 0.0)
     layers = split(m, s)
     kept_cum = [0.0]  # kept_cum[j]: bytes kept on the GPU by layers 0..j-1
-    tn = norms_tiled and s.tiled_mlp and s.fused_ops != "liger"  # the model's own norms, in tiles
+    tn = norms_tiled and tiles_norms(s)  # the model's own norms, in tiles
     for b in kept_by_layer(m, dtype, s, r, lo, tn):
         kept_cum.append(kept_cum[-1] + b * t)
     # two offloaded layer inputs in flight on the GPU while the offloaded layers run (forward: going out; backward: coming

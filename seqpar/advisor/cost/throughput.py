@@ -72,6 +72,7 @@ from seqpar.plan.base import DTYPE_BYTES
 from seqpar.plan.flops import attention_fwd_flops, layer_matmul_params, matmul_params, model_flops_per_sequence
 from seqpar.plan.modes import describe, split_multiple
 from seqpar.plan.options import pinned_block
+from seqpar.plan.rules import tiles_norms
 from seqpar.plan.specs import ClusterSpec, ModelSpec, Strategy, Workload
 from seqpar.plan.units import GIB
 
@@ -132,7 +133,7 @@ def elementwise_time(
     layers = split(m, s)
     recomputed = layers.checkpointed + (layers.kept if layers.matmuls else 0)  # kept_saves matmuls: elementwise again
     again = swiglu if s.tiled_mlp else 0.0
-    if norms_tiled and s.tiled_mlp and s.fused_ops != "liger":
+    if norms_tiled and tiles_norms(s):
         again += TILED_NORMS_BYTES_PER_H * m.hidden_size
     moved = (total * 3 + again) * m.num_layers + total * recomputed
     return tokens * moved / (cluster.gpu.hbm_bandwidth_gb_s * 1e9 * efficiency)

@@ -110,6 +110,7 @@ def setup(args: TrainOptions) -> Run:
     from transformers.utils import logging as hf_logging
 
     from seqpar.plan.jobspec import require_deepspeed, uses_deepspeed
+    from seqpar.plan.rules import tiles_norms
     from seqpar.runtime.checkpoint import shards as ckpt
     from seqpar.runtime.checkpoint.storage import interval
     from seqpar.runtime.data import windows as datasrc
@@ -219,7 +220,7 @@ def setup(args: TrainOptions) -> Run:
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)
     tiled_line = f"tiled MLP: {tile_mlp(model)} MLPs, ~hidden_size tokens per tile" if s.tiled_mlp else "tiled MLP: off"
     norms_tiled = 0
-    if s.tiled_mlp and s.fused_ops != "liger":  # the model's own RMSNorms too (Liger's are fused already)
+    if tiles_norms(s):  # the model's own RMSNorms too (Liger's are fused already)
         norms_tiled = tile_norms(model)
         tiled_line += f"; {norms_tiled} RMSNorms tiled alike"
     model.train()
