@@ -22,7 +22,7 @@ from seqpar.plan.display import shown_fields
 from seqpar.plan.launch_plan import Alternative, LaunchPlan
 from seqpar.plan.lora import lora_text
 from seqpar.plan.modes import splits_sequence, takes_ulysses_degree
-from seqpar.plan.rules import checkpointed_layers, offloaded_layers
+from seqpar.plan.rules import checkpointed_layers, layers_of, offloaded_layers
 from seqpar.plan.specs import ClusterSpec, Strategy
 from seqpar.plan.units import format_tokens
 
@@ -57,8 +57,13 @@ def checkpointing_short(s: Strategy, num_layers: int) -> str:
     if s.checkpointing == "none":
         return "none"
     ck, off = checkpointed_layers(s, num_layers), offloaded_layers(s, num_layers)
-    if s.checkpointing == "offload" and off != ck:
-        recomputed = f", {ck} recomputed" if ck != num_layers else ""
+    recomputed = f", {ck} recomputed" if ck != num_layers else ""
+    if s.checkpointing == "offload" and s.offload_stride > 1:
+        text = (
+            f"offload ({off} of {num_layers} layers offloaded, 1 in {s.offload_stride} of their inputs in host memory "
+            f"({layers_of(s, num_layers).host_inputs}), backward recomputes the rest{recomputed})"
+        )
+    elif s.checkpointing == "offload" and off != ck:
         text = f"offload ({off} of {num_layers} layers' inputs in host memory{recomputed})"
     else:
         text = s.checkpointing if ck == num_layers else f"{s.checkpointing} ({ck} of {num_layers} layers)"

@@ -59,6 +59,12 @@ class AdviseRequest(Frozen):
         ge=0,
         description="Pinned offloaded layers, from the first (None = the search picks how many stay on the GPU).",
     )
+    offload_stride: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="Pinned offload_stride: one offloaded layer input in this many goes to host memory, backward "
+        "recomputes the others (None = the search uses 1 unless the host's RAM needs more).",
+    )
     kept_saves: Optional[KeptSaves] = Field(
         default=None,
         description="Pinned kept_saves for the layers past checkpoint_layers (None = all: the search uses matmuls only "
@@ -99,6 +105,11 @@ class AdviseRequest(Frozen):
             raise SeqparError(
                 "--kept-saves matmuls keeps the MLP's matmul outputs, but --tiled-mlp recomputes the MLP a tile at a "
                 "time; drop one of them"
+            )
+        if self.offload_stride and self.offload_stride > 1 and self.checkpointing not in (None, "offload"):
+            raise SeqparError(
+                f"--offload-stride {self.offload_stride} spaces the layer inputs that checkpointing offload sends to host "
+                f"memory, but --checkpointing is {self.checkpointing}; use --checkpointing offload, or drop --offload-stride"
             )
         if self.kept_host_layers and self.cluster.accelerator != "cuda":
             raise SeqparError(

@@ -118,6 +118,7 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
                     checkpointing=ck,
                     checkpoint_layers=ckl if ck != "none" else None,
                     offload_layers=req.offload_layers if ck == "offload" and req.offload_layers != (ckl or L) else None,
+                    offload_stride=(req.offload_stride or 1) if ck == "offload" else 1,
                     sharding=sh,
                     loss_impl=loss,
                     gradient_accumulation_steps=gas,
@@ -207,6 +208,39 @@ def budget_full(v: Strategy, host: Optional[int], kept: int) -> bool:
     return bool(host) and v.kept_host_layers < min(host, kept)
 
 
+# offload_stride values the search tries, smallest first, where the host's RAM does not hold every offloaded input:
+# each more recomputes more layers' inputs (one more forward of each) and holds more of them on the GPU in backward
+OFFLOAD_STRIDES = (1, 2, 3, 4, 6, 8)
+
+
+def _offload_split(
+    w: Workload, cl: ClusterSpec, s: Strategy, c: Coefficients, req: Optional[AdviseRequest], runtime: dict
+) -> Optional[Strategy]:
+    """Offload's split: as few offloaded layers as the GPU allows (the rest keep their input on the GPU), at the
+    smallest offload_stride whose host inputs the host's RAM holds (the request's pinned stride only, if any). None
+    when that is the strategy itself (every layer offloaded, one stride) or nothing fits the GPU; where no stride fits
+    the host, stride 1's split (the least GPU memory)."""
+    L = w.model.num_layers
+    pinned = req.offload_stride if req is not None and req.offload_stride else None
+    pinned = pinned or (s.offload_stride if s.offload_stride > 1 else None)  # a pin enumerate_strategies applied
+    first = None
+    for k in (pinned,) if pinned else OFFLOAD_STRIDES:
+
+        def at(n: int, k=k) -> Strategy:
+            return s.model_copy(update={"offload_layers": None if n == L else n, "offload_stride": k if n >= k else 1})
+
+        host = _first(0, L, lambda n: _gpu_fits(w, cl, at(n), c, runtime))
+        if host is None or host == 0:
+            if k == (pinned or 1):
+                return None  # no offloaded layer is needed (the policy without offload), or none fits the GPU
+            break  # a larger stride holds more on the GPU: no larger one fits either
+        v = at(host)
+        first = first or v
+        if estimate_memory(w, cl, v, c, **runtime).fits:
+            return None if v == s else v
+    return None if first == s else first
+
+
 def layer_split_variant(
     w: Workload,
     cl: ClusterSpec,
@@ -227,8 +261,7 @@ def layer_split_variant(
     if s.checkpoint_layers is not None or s.offload_layers is not None or s.checkpointing == "none":
         return None
     if s.checkpointing == "offload":
-        host = _first(0, L, lambda n: _gpu_fits(w, cl, s.model_copy(update={"offload_layers": n}), c, runtime))
-        return s.model_copy(update={"offload_layers": host}) if host not in (None, L) and host > 0 else None
+        return _offload_split(w, cl, s, c, req, runtime)
 
     def at(n: int, host: Optional[int]) -> Strategy:
         return s.model_copy(update={"checkpoint_layers": n, **(kept_fields(req, L - n, s, host) if req is not None else {})})

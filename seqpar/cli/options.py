@@ -209,6 +209,16 @@ class RequestFlags:
             help="With checkpointing offload: layers whose input goes to host RAM (default: as few as fit).",
         ),
     ] = None
+    offload_stride: Annotated[
+        Optional[int],
+        typer.Option(
+            "--offload-stride",
+            min=1,
+            rich_help_panel=PINS,
+            help="With checkpointing offload: one offloaded layer input in K goes to host RAM, backward recomputes the "
+            "others (one more forward of those layers; default 1, more only where the host's RAM needs it).",
+        ),
+    ] = None
     kept_saves: Annotated[
         Optional[KeptSaves],
         typer.Option(

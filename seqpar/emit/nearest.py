@@ -1,7 +1,7 @@
 """What a tool's row of the capability table (capabilities.py) says about one strategy: whether the tool runs it as it
 is (``expressible``: the filter of ``--emit``'s search, space.py, and of the fixes ``seqpar check`` proposes), and the
-line that says why the tool lacks a plan's choice (``lacks_note``, ``split_notes``: the per-layer checkpointing split no
-tool's own keys say). A choice the row has nothing for is ``capabilities.Unsupported``.
+line that says why the tool lacks a plan's choice (``lacks_note``; ``split_notes`` and ``stride_notes``: the per-layer
+checkpointing split and the recomputed offloaded inputs, which no tool's own keys say). A choice the row has nothing for is ``capabilities.Unsupported``.
 """
 
 from __future__ import annotations
@@ -39,11 +39,25 @@ def split_notes(caps: Caps, s: Strategy, cand: Strategy, n: int) -> list[str]:
     return out
 
 
+def stride_notes(caps: Caps, s: Strategy, cand: Strategy) -> list[str]:
+    """A line when ``s`` recomputes offloaded inputs (offload_stride), which only seqpar's runtime does, and ``cand``
+    (what the tool runs) does not."""
+    if s.offload_stride > 1 and cand.offload_stride == 1:
+        instead = "every offloaded layer's input" if cand.checkpointing == "offload" else f"checkpointing {cand.checkpointing}"
+        return [
+            f"{caps.tool} has no offload_stride (only seqpar's runtime recomputes offloaded layer inputs); emitted "
+            f"{instead} instead of 1 in {s.offload_stride} of them in host memory"
+        ]
+    return []
+
+
 def expressible(caps: Caps, s: Strategy) -> bool:
     """Does the tool run ``s`` as it is (every choice maps onto itself)? False for a choice its row lacks."""
     if caps.adjust is not None and caps.adjust(s)[0] != s:
         return False
     if not caps.layer_split and (s.checkpoint_layers is not None or s.offload_layers is not None or s.kept_saves != "all"):
+        return False
+    if s.offload_stride > 1:  # seqpar's runtime alone recomputes offloaded inputs (seqpar.apply takes it; no tool's key)
         return False
     try:
         return (
@@ -60,4 +74,4 @@ def attn_implementation(cluster: ClusterSpec) -> str:
     return "flash_attention_2" if cluster.accelerator == "cuda" else "sdpa"
 
 
-__all__ = ["attn_implementation", "expressible", "lacks_note", "split_notes"]
+__all__ = ["attn_implementation", "expressible", "lacks_note", "split_notes", "stride_notes"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from seqpar.emit.capabilities import ALL_SHARDINGS, OPTIONS, Caps, Unsupported, cannot_run
-from seqpar.emit.nearest import expressible, lacks_note, split_notes
+from seqpar.emit.nearest import expressible, lacks_note, split_notes, stride_notes
 from seqpar.plan.errors import SeqparError
 from seqpar.plan.launch_plan import LaunchPlan
 from seqpar.plan.modes import splits_sequence, takes_ulysses_degree
@@ -157,8 +157,9 @@ def changes(caps: Caps, old: Strategy, new: Strategy, w: Workload, cl, found: Fo
             )
         else:
             repicked.append(f"sp_degree {old.sp_degree} -> {new.sp_degree}")
+    lacked += stride_notes(caps, old, new)
     if caps.layer_split:
-        if any(getattr(old, k) != getattr(new, k) for k in NO_SPLIT):
+        if any(getattr(old, k) != getattr(new, k) for k in NO_SPLIT if k != "offload_stride"):
             repicked.append(
                 f"the per-layer split ({checkpointing_text(old, w.model.num_layers)} -> "
                 f"{checkpointing_text(new, w.model.num_layers)})"

@@ -36,13 +36,32 @@ class LayerSplit:
     (and, under selective, attention's out + lse) stays on the GPU, then ``kept`` layers that keep every activation and
     are not recomputed (memory-budget checkpointing; Megatron's recompute_num_layers with the block method and its
     cpu_offloading_num_layers). ``matmuls``: the kept layers keep only their matmul outputs and attention's out + lse
-    (kept_saves matmuls), ``kept_host`` of them in host memory, spread evenly over the kept layers (``host_kept``)."""
+    (kept_saves matmuls), ``kept_host`` of them in host memory, spread evenly over the kept layers (``host_kept``).
+    ``stride`` (offload_stride): of the ``host`` layers only every ``stride``-th input waits in host memory
+    (``host_inputs``); backward recomputes the others' (``recomputed_inputs``)."""
 
     host: int
     gpu: int
     kept: int
     matmuls: bool = False
     kept_host: int = 0
+    stride: int = 1  # offload_stride: of the ``host`` layers, one in every ``stride`` sends its input to host memory
+
+    @property
+    def host_inputs(self) -> int:
+        """Layer inputs waiting in host memory: the first offloaded layer's and every ``stride``-th after it."""
+        return -(-self.host // self.stride)
+
+    @property
+    def recomputed_inputs(self) -> int:
+        """Offloaded layers whose input backward recomputes from the nearest host-held one below (one more forward each)."""
+        return self.host - self.host_inputs
+
+    @property
+    def recomputed(self) -> int:
+        """Layer forwards backward runs again: each checkpointed layer's, and once more each layer's whose input it
+        recomputes (offload_stride)."""
+        return self.checkpointed + self.recomputed_inputs
 
     @property
     def kept_gpu(self) -> int:
@@ -72,9 +91,10 @@ def layer_split(
     offload_layers: int | None = None,
     kept_saves: str = "all",
     kept_host_layers: int = 0,
+    offload_stride: int = 1,
 ) -> LayerSplit:
     """The split a plan's ``checkpointing``, ``checkpoint_layers`` (None = all), ``offload_layers`` (None = all the
-    checkpointed ones, offload only), ``kept_saves`` and ``kept_host_layers`` describe for a model of ``num_layers``
+    checkpointed ones, offload only), ``kept_saves``, ``kept_host_layers`` and ``offload_stride`` describe for a model of ``num_layers``
     decoder layers. Assumes a valid plan (seqpar.plan.rules.plan_problems refuses the rest); counts are clipped to the model
     so a plan for a deeper model stays safe."""
     if checkpointing == "none":
@@ -85,7 +105,8 @@ def layer_split(
         host = ck if offload_layers is None else min(offload_layers, ck)
     kept = num_layers - ck
     matmuls = kept_saves == "matmuls" and kept > 0
-    return LayerSplit(host, ck - host, kept, matmuls, min(kept_host_layers or 0, kept) if matmuls else 0)
+    kept_host = min(kept_host_layers or 0, kept) if matmuls else 0
+    return LayerSplit(host, ck - host, kept, matmuls, kept_host, max(offload_stride or 1, 1) if host else 1)
 
 
 # Training checkpoints kept by default (--keep-last): the newest and the one before it, so a damaged newest still

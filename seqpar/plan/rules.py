@@ -69,7 +69,9 @@ def option_problems(workload: Workload, cluster: ClusterSpec, strategy: Strategy
             f"fused_ops liger runs Triton kernels on CUDA GPUs (Liger-Kernel), but the cluster's accelerator is "
             f"{c.accelerator}; use fused_ops none"
         )
-    out += split_problems(s.checkpointing, s.checkpoint_layers, s.offload_layers, w.model.num_layers, w.model.name)
+    out += split_problems(
+        s.checkpointing, s.checkpoint_layers, s.offload_layers, w.model.num_layers, w.model.name, s.offload_stride
+    )
     out += kept_problems(
         s.checkpointing,
         s.checkpoint_layers,
@@ -156,7 +158,9 @@ def kept_problems(
 def layers_of(strategy: Strategy, num_layers: int) -> LayerSplit:
     """The plan's seqpar.plan.options.LayerSplit over ``num_layers`` decoder layers."""
     s = strategy
-    return layer_split(s.checkpointing, num_layers, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers)
+    return layer_split(
+        s.checkpointing, num_layers, s.checkpoint_layers, s.offload_layers, s.kept_saves, s.kept_host_layers, s.offload_stride
+    )
 
 
 def tiles_norms(strategy: Strategy) -> bool:
@@ -178,12 +182,19 @@ def offloaded_layers(strategy: Strategy, num_layers: int) -> int:
 
 # The strategy fields that split the decoder layers between policies, at the values that mean "the policy on every
 # layer, no split": a strategy updated with these is its whole-model twin (the advisor's search and fixes start there).
-NO_SPLIT: dict = {"checkpoint_layers": None, "offload_layers": None, "kept_saves": "all", "kept_host_layers": 0}
+NO_SPLIT: dict = {
+    "checkpoint_layers": None,
+    "offload_layers": None,
+    "offload_stride": 1,
+    "kept_saves": "all",
+    "kept_host_layers": 0,
+}
 
 
 def split_tag(strategy: Strategy) -> str:
     """The layer split in a strategy's one-line name, e.g. "[18 offloaded]", "[21 checkpointed]"; empty without one."""
     parts = [f"{strategy.offload_layers} offloaded"] if strategy.offload_layers is not None else []
+    parts += [f"1 in {strategy.offload_stride} to host"] if strategy.offload_stride > 1 else []
     parts += [f"{strategy.checkpoint_layers} checkpointed"] if strategy.checkpoint_layers is not None else []
     if strategy.kept_saves != "all":
         parts += [f"kept {strategy.kept_saves}" + (f", {strategy.kept_host_layers} on host" if strategy.kept_host_layers else "")]
@@ -205,17 +216,22 @@ def _runs(layers: tuple[int, ...]) -> str:
 def checkpointing_text(strategy: Strategy, num_layers: int) -> str:
     """The policy and its split over the layers (0-based, as the model's layer list), e.g. "offload (layers 0-7: input
     in host memory; layers 8-23: input on the GPU; layers 24-31: not checkpointed)", or under kept_saves matmuls
-    "selective (layers 0-14: checkpointed; layers 15-31: matmul outputs kept, in host memory for layers 15, 17, 19)"; the
+    "selective (layers 0-14: checkpointed; layers 15-31: matmul outputs kept, in host memory for layers 15, 17, 19)",
+    under an offload_stride "offload (layers 0-79: input of 1 in 2 in host memory (40), the others recomputed)"; the
     bare policy name when it applies to every layer alike."""
     s, n = strategy, num_layers
     ck, off, cut = checkpointed_layers(s, n), offloaded_layers(s, n), layers_of(s, n)
-    if s.checkpointing == "none" or (ck == n and (s.checkpointing != "offload" or off == n)):
+    whole = s.checkpointing != "offload" or (off == n and cut.stride == 1)
+    if s.checkpointing == "none" or (ck == n and whole):
         return s.checkpointing
 
     def span(a: int, b: int) -> str:
         return f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}"
 
-    if s.checkpointing == "offload":
+    if s.checkpointing == "offload" and cut.stride > 1:
+        parts = [f"{span(0, off)}: input of 1 in {cut.stride} in host memory ({cut.host_inputs}), the others recomputed"]
+        parts += [f"{span(off, ck)}: input on the GPU"] if ck > off else []
+    elif s.checkpointing == "offload":
         parts = [f"{span(0, off)}: input in host memory"] if off else []
         parts += [f"{span(off, ck)}: input on the GPU"] if ck > off else []
     else:
@@ -231,10 +247,16 @@ def checkpointing_text(strategy: Strategy, num_layers: int) -> str:
 
 
 def split_problems(
-    checkpointing: str, checkpoint_layers: Optional[int], offload_layers: Optional[int], num_layers: int, owner: str
+    checkpointing: str,
+    checkpoint_layers: Optional[int],
+    offload_layers: Optional[int],
+    num_layers: int,
+    owner: str,
+    offload_stride: int = 1,
 ) -> list[str]:
-    """Why checkpoint_layers / offload_layers cannot split the ``num_layers`` decoder layers of ``owner`` under the
-    ``checkpointing`` policy (empty = they can). The plan (option_problems) and seqpar.apply both ask it."""
+    """Why checkpoint_layers / offload_layers / offload_stride cannot split the ``num_layers`` decoder layers of
+    ``owner`` under the ``checkpointing`` policy (empty = they can). The plan (option_problems) and seqpar.apply both
+    ask it."""
     ck, off, n, out = checkpoint_layers, offload_layers, num_layers, []
     if ck is not None and checkpointing == "none":
         out.append(
@@ -254,6 +276,18 @@ def split_problems(
     elif off is not None and off > (kept := n if ck is None else min(ck, n)):
         why = f"checkpoint_layers {ck}" if ck is not None else f"every layer of {owner}"
         out.append(f"offload_layers {off} is more than the {kept} checkpointed layers ({why}); use at most {kept}")
+    if offload_stride > 1:
+        host = layer_split(checkpointing, n, ck, off).host if not out else 0
+        if checkpointing != "offload":
+            out.append(
+                f"offload_stride {offload_stride} spaces the layer inputs sent to host memory, which only checkpointing "
+                f"offload does, but checkpointing is {checkpointing}; remove offload_stride, or use checkpointing offload"
+            )
+        elif host and offload_stride > host:
+            out.append(
+                f"offload_stride {offload_stride} is more than the {host} offloaded layers; use at most {host} (1 = every "
+                "offloaded layer sends its own input)"
+            )
     return out
 
 

@@ -303,6 +303,15 @@ class Strategy(Frozen):
         "checkpointed input to host memory (pinned within the budget); the other checkpointed layers keep it on the GPU "
         "(plain full checkpointing; Megatron's cpu_offloading_num_layers). None = every checkpointed layer.",
     )
+    offload_stride: int = Field(
+        default=1,
+        ge=1,
+        description="checkpointing offload only: of the offloaded layers, one in every offload_stride (the first, then "
+        "every offload_stride-th) sends its input to host memory; each layer between recomputes its input in backward "
+        "from the nearest one below (one more forward of those layers; up to offload_stride - 1 layer inputs on the GPU "
+        "at once). Host memory for the checkpoints divides by offload_stride: for a host too small for every layer's "
+        "input. 1 = every offloaded layer sends its own.",
+    )
     kept_saves: KeptSaves = Field(
         default="all",
         description="What the layers past checkpoint_layers keep for backward. all: every activation, nothing recomputed; "

@@ -258,10 +258,10 @@ def test_advise_and_check_list_the_shared_options_in_panels(cmd, own):
     r = runner.invoke(app, [cmd, "--help"], terminal_width=200)
     assert r.exit_code == 0, r.output
     options = [typing.get_args(h)[1] for h in typing.get_type_hints(RequestFlags, include_extras=True).values()]
-    assert len(options) == len(dataclasses.fields(RequestFlags)) == 33
+    assert len(options) == len(dataclasses.fields(RequestFlags)) == 34
     # in Annotated, typer.Option's first argument is the flag; a hidden one (a spelling answered with seqpar's) is not shown
     flags = [o.default for o in options if not o.hidden]
-    assert len(flags) == 32
+    assert len(flags) == 33
     for flag in flags + own:
         assert flag.split("/")[0] in r.stdout, flag
     for panel in ("Workload", "LoRA", "Cluster", "Pins", "Output"):

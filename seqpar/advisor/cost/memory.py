@@ -35,8 +35,9 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   GPU); ``selective`` keeps the layer input plus attention's output (B, S, a*d, model dtype) and fp32 lse (B, a, S) per
   layer, so the recomputation skips attention's forward (LightSeq, Li et al. 2023, sec. 3.3; seqpar.runtime.memory.selective).
   A split (strategy.checkpoint_layers / offload_layers, seqpar.plan.options.layer_split) sums per layer: offloaded inputs
-  nothing on the GPU (two in flight only while those layers run), GPU-checkpointed ones their input, the last layers
-  everything they save; backward is checked at the top layer, the top checkpointed layer and the bottom one.
+  nothing on the GPU (two in flight only while those layers run; under offload_stride k, one in k goes to the host and
+  the backward of an offloaded layer holds up to k - 1 inputs its group recomputed), GPU-checkpointed ones their input,
+  the last layers everything they save; backward is checked at the top layer, the top checkpointed layer and the bottom one.
   ``kept_saves matmuls`` (seqpar.runtime.memory.matmul_keep): a kept layer holds its input, attention's out + lse and its
   matmul outputs but the MLP's last (p (a d + 2 kv d + h + 2 I) per token); its backward rebuilds the rest of what it
   saves. ``kept_host_layers`` of them, spread over the kept layers (seqpar.plan.options.LayerSplit.host_kept), hold their
@@ -582,6 +583,9 @@ def estimate_memory(
         fetched = (j in on_host) + (j - 1 in on_host and j - 1 >= ck)
         return elementwise + fetched * mm
 
+    # offload_stride k: backward of an offloaded layer recomputes the inputs of its group below it from the host-held
+    # one and keeps them until their own backward: up to k - 1 layer inputs on the GPU
+    chain = (layers.stride - 1) * r * h * t
     backward = {}
     points = {L - 1, max(ck - 1, 0), 0}
     # each host-kept layer and the layer above it (which fetches it): the GPU holds one or two layers' outputs more there
@@ -592,7 +596,7 @@ def estimate_memory(
             **opt,
             "gradients": g,
             "gathered_params": gathered + ds.kept_gathered,
-            "checkpointed_activations": kept_cum[j + 1] + (offload_inflight if j < layers.host else 0.0),
+            "checkpointed_activations": kept_cum[j + 1] + (offload_inflight + chain if j < layers.host else 0.0),
             "layer_recompute": rebuilt(j),
             "gradient_flow": grad_flow,
             "tiled_mlp_buffers": tiled_buffers,
@@ -679,7 +683,7 @@ def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) 
     layers = split(m, s)
     t = w.micro_batch_size * w.seq_len / s.sp_degree
     if layers.host:
-        out += layers.host * p * m.hidden_size * t * cluster.gpus_per_node
+        out += layers.host_inputs * p * m.hidden_size * t * cluster.gpus_per_node
     # exact-size page-locked blocks (seqpar.runtime.memory.matmul_keep), those the pinned budget holds: beyond it the outputs
     # are not kept anywhere (their matmuls run again)
     _, layer, fit = kept_host_matmuls(w, cluster, s)
@@ -704,7 +708,7 @@ def offloaded_inputs(w: Workload, cluster: ClusterSpec, s: Strategy) -> tuple[in
     """(layers offloaded, bytes of one layer input, how many of them fit the pinned budget): the cluster's pinned host
     memory per rank (ClusterSpec.pinned_gib_per_rank), each input in a power-of-two block as the caching host allocator
     takes it; seqpar.runtime.memory.offload pins the first layers' inputs while they fit and puts the rest in pageable memory."""
-    host = split(w.model, s).host
+    host = split(w.model, s).host_inputs  # under offload_stride, every stride-th offloaded layer's
     if not host:
         return 0, 0.0, 0
     layer = precision(w, s, cluster.accelerator).residual * w.model.hidden_size * w.micro_batch_size * w.seq_len / s.sp_degree

@@ -131,7 +131,7 @@ def elementwise_time(
     alone). ``norms_tiled``: under a tiled MLP the unfused norms run in tiles too (seqpar's runtime), one more pass."""
     total, swiglu = elementwise_bytes_per_token(m, s.fused_ops)
     layers = split(m, s)
-    recomputed = layers.checkpointed + (layers.kept if layers.matmuls else 0)  # kept_saves matmuls: elementwise again
+    recomputed = layers.recomputed + (layers.kept if layers.matmuls else 0)  # kept_saves matmuls: elementwise again
     again = swiglu if s.tiled_mlp else 0.0
     if norms_tiled and tiles_norms(s):
         again += TILED_NORMS_BYTES_PER_H * m.hidden_size
@@ -141,11 +141,11 @@ def elementwise_time(
 
 def attention_recompute_share(m: ModelSpec, s: Strategy) -> float:
     """Share of the layers whose recomputation runs attention's forward again: the checkpointed layers under full and
-    offload; selective recomputes the layer around attention (seqpar.runtime.memory.selective hands the kept output back), none
+    offload (with offload_stride, the layers whose input backward recomputes once more: above 1 can be); selective recomputes the layer around attention (seqpar.runtime.memory.selective hands the kept output back), none
     recomputes nothing."""
     if s.checkpointing not in ("full", "offload"):
         return 0.0
-    return split(m, s).checkpointed / m.num_layers
+    return split(m, s).recomputed / m.num_layers
 
 
 def attention_multiplier(m: ModelSpec, s: Strategy) -> float:
@@ -187,9 +187,10 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
 
 
 def recomputed_matmul_layers(w: Workload, cluster: ClusterSpec, s: Strategy) -> int:
-    """Layers whose matmuls backward runs again: the checkpointed ones, and host-kept ones beyond the pinned budget."""
+    """Layers whose matmuls backward runs again: the checkpointed ones (those whose input it recomputes under
+    offload_stride once more), and host-kept ones beyond the pinned budget."""
     kept_host, _, fit = kept_host_matmuls(w, cluster, s)
-    return split(w.model, s).checkpointed + kept_host - fit
+    return split(w.model, s).recomputed + kept_host - fit
 
 
 def call_tokens(s: Strategy, seq_len: int) -> float:
@@ -305,7 +306,7 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
     lin_t, attn_t = lin_ideal * lin_factor, attn_ideal * attn_factor
     # forward, (recompute forward), backward; selective's Ulysses backward re-sends q, k, v, out (runtime/ulysses_attn.py head_split_backward)
     layers = split(m, s)
-    passes = 2 + (layers.checkpointed + (layers.kept if layers.matmuls else 0)) / L
+    passes = 2 + (layers.recomputed + (layers.kept if layers.matmuls else 0)) / L
     attn_fwd_t = attn_t / attention_multiplier(m, s)  # one forward pass over all layers
     recompute_share = attention_recompute_share(m, s)
 
@@ -405,14 +406,14 @@ def lora_elementwise_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, lo: l
     """Seconds of the adapters' elementwise traffic (lora.elementwise_bytes_per_token) for ``tokens`` local tokens, over
     the same passes as the block's own (elementwise_time: forward, recompute, backward's two)."""
     layers = split(m, s)
-    passes = 3 * m.num_layers + layers.checkpointed + (layers.kept if layers.matmuls else 0)
+    passes = 3 * m.num_layers + layers.recomputed + (layers.kept if layers.matmuls else 0)
     return tokens * lora.elementwise_bytes_per_token(m, lo) * passes / (cluster.gpu.hbm_bandwidth_gb_s * 1e9 * eff)
 
 
 def dequantize_time(m: ModelSpec, cluster: ClusterSpec, s: Strategy, lo: lora.Lora, eff: float) -> float:
     """QLoRA: seconds of one micro-batch's dequantization, every 4-bit weight read and written in the compute dtype once
     per forward, per recompute (the checkpointed layers) and per backward (its inputs' gradients); 0 without nf4."""
-    passes = 2 * m.num_layers + split(m, s).checkpointed
+    passes = 2 * m.num_layers + split(m, s).recomputed
     return lora.dequant_bytes_per_layer(m, lo) * passes / (cluster.gpu.hbm_bandwidth_gb_s * 1e9 * eff)
 
 

@@ -210,6 +210,7 @@ def apply(
     kept_saves: str = "all",
     kept_host_layers: int = 0,
     pinned_budget_gib: float | None = None,
+    offload_stride: int = 1,
     backend: str | None = None,
     offload_checkpoints: bool | None = None,
     keep_attention: bool | None = None,
@@ -222,9 +223,10 @@ def apply(
     selective keeps each layer's attention out + lse, so backward's recomputation skips attention's forward.
     checkpoint_layers: the policy applies to the first k decoder layers, the rest keep all their activations (None = all);
     offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others keep it
-    on the GPU (None = all). kept_saves "matmuls": the layers past checkpoint_layers keep only their matmul outputs and
-    attention's out + lse (the elementwise ops recomputed in backward), ``kept_host_layers`` of them (spread over
-    those layers: seqpar.plan.options.LayerSplit.host_kept) in page-locked host memory (seqpar.runtime.memory.matmul_keep). pinned_budget_gib: page-locked host GiB this process may hold
+    on the GPU (None = all); offload_stride k: of those, only the first and every k-th after it send their input to host
+    memory, backward recomputes the others' from them (1 = each its own). kept_saves "matmuls": the layers past
+    checkpoint_layers keep only their matmul outputs and attention's out + lse (the elementwise ops recomputed in
+    backward), ``kept_host_layers`` of them (spread over those layers: seqpar.plan.options.LayerSplit.host_kept) in page-locked host memory (seqpar.runtime.memory.matmul_keep). pinned_budget_gib: page-locked host GiB this process may hold
     for both (a plan's ClusterSpec.stated_pinned_gib_per_rank; None = 40% of the host's RAM shared by the node's ranks,
     or SEQPAR_PINNED_BUDGET_GIB).
     backend: kernels backend override (see seqpar.runtime.parallel.kernels.select_backend). offload_checkpoints=True and
@@ -233,12 +235,17 @@ def apply(
     checkpointing = from_deprecated(checkpointing, offload_checkpoints, keep_attention)
     keep = policy(checkpointing).keep_attention if checkpointing is not None else False  # validates the name first
     if checkpointing is None and (
-        checkpoint_layers is not None or offload_layers is not None or kept_saves != "all" or kept_host_layers
+        checkpoint_layers is not None
+        or offload_layers is not None
+        or kept_saves != "all"
+        or kept_host_layers
+        or offload_stride != 1
     ):
         raise SeqparError(
-            f"checkpoint_layers={checkpoint_layers}, offload_layers={offload_layers}, kept_saves={kept_saves!r}, "
-            f"kept_host_layers={kept_host_layers} split the layers between checkpointing policies, but checkpointing is "
-            "None (the model's own setting); pass checkpointing='full', 'selective' or 'offload'"
+            f"checkpoint_layers={checkpoint_layers}, offload_layers={offload_layers}, offload_stride={offload_stride}, "
+            f"kept_saves={kept_saves!r}, kept_host_layers={kept_host_layers} split the layers between checkpointing "
+            "policies, but checkpointing is None (the model's own setting); pass checkpointing='full', 'selective' or "
+            "'offload'"
         )
     config = getattr(model, "config", None)
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
@@ -289,6 +296,7 @@ def apply(
             kept_saves,
             kept_host_layers,
             pinned_budget_gib=pinned_budget_gib,
+            offload_stride=offload_stride,
         )
         if (keep and checkpoint_layers is not None) or kept_saves == "matmuls":
             _keep_where_recomputed(model, ctx)

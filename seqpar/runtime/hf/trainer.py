@@ -63,10 +63,11 @@ UNEVEN_ROWS = ("pad", "drop")
 class SeqparArguments:
     """The seqpar side of a Trainer run: the mode, the sequence-parallel degree, usp's Ulysses degree and, optionally,
     seqpar's checkpointing policy (none | full | offload | selective; None leaves the Trainer's gradient_checkpointing)
-    with its split over the layers (checkpoint_layers, offload_layers, kept_saves, kept_host_layers: the plan's fields,
-    seqpar.apply's arguments) and the page-locked host GiB each process may hold for them (pinned_budget_gib: the
-    plan's stated pinned_host_gib per rank; None = seqpar's default). uneven_rows: a row whose length the mode cannot
-    split is padded to the split's multiple with masked labels ("pad") or dropped from the data and counted ("drop")."""
+    with its split over the layers (checkpoint_layers, offload_layers, offload_stride, kept_saves, kept_host_layers: the
+    plan's fields, seqpar.apply's arguments) and the page-locked host GiB each process may hold for them
+    (pinned_budget_gib: the plan's stated pinned_host_gib per rank; None = seqpar's default). uneven_rows: a row whose
+    length the mode cannot split is padded to the split's multiple with masked labels ("pad") or dropped from the data
+    and counted ("drop")."""
 
     mode: str
     sp_degree: int = 1
@@ -78,6 +79,7 @@ class SeqparArguments:
     kept_host_layers: int = 0
     pinned_budget_gib: float | None = None
     uneven_rows: str = "pad"
+    offload_stride: int = 1
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -109,6 +111,7 @@ class SeqparArguments:
             s.kept_host_layers,
             p.cluster.stated_pinned_gib_per_rank,
             uneven_rows,
+            offload_stride=s.offload_stride,
         )
 
     @property
@@ -250,6 +253,7 @@ class SeqparTrainerMixin:
             kept_saves=seqpar.kept_saves,
             kept_host_layers=seqpar.kept_host_layers,
             pinned_budget_gib=seqpar.pinned_budget_gib,
+            offload_stride=seqpar.offload_stride,
         )
         _settle_at_exit()
         self.model_accepts_loss_kwargs = False  # seqpar.loss is a mean over the group's tokens, not a sum over items

@@ -9,6 +9,7 @@ activation_checkpoint.py: one function applies one policy).
 | none      | nothing                                           | the model's own checkpointing switched off                     |
 | full      | every decoder layer                               | transformers' layer checkpointing, non-reentrant               |
 | offload   | every decoder layer; its input waits in host RAM  | reentrant checkpointing under seqpar.runtime.memory.offload (Unsloth) |
+| offload, offload_stride k | every layer; 1 input in k in host RAM, the others rebuilt from it in backward | the same; a recipe saved in place of the others (nested checkpointing) |
 | selective | every layer but attention: its out + lse are kept | non-reentrant, and seqpar.runtime.memory.selective in the attention   |
 
 The split (the plan's ``checkpoint_layers`` and ``offload_layers``; Megatron's recompute_num_layers with its block method
@@ -16,6 +17,11 @@ and its cpu_offloading_num_layers): the policy applies to the first ``checkpoint
 ones keep all their activations and recompute nothing (memory-budget checkpointing: the memory a step leaves unused buys
 back their recomputation). Under offload, the first ``offload_layers`` of the checkpointed layers send their input to
 host memory and the others keep it on the GPU (plain non-reentrant checkpointing, as ``full``). Unset = every layer.
+The stride (the plan's ``offload_stride`` k): of the offloaded layers only the first and every k-th after it send
+their input to host memory; backward recomputes each other one's input from the nearest of those below, one more
+forward of the layers between (seqpar.runtime.memory.strided_offload.StridedOffload: a group of k layers runs k - 1 more layer
+forwards and holds up to k - 1 layer inputs on the GPU at once), for 1/k of the host memory. 1 = every offloaded
+layer sends its own.
 Under selective, seqpar.apply keeps attention's out + lse in the checkpointed layers only: the others never recompute,
 so a kept entry there would only hold a fingerprint of q and references until backward.
 Layers are transformers' GradientCheckpointingLayer instances in module order (``decoder_layers``): each has its own
@@ -159,12 +165,15 @@ def apply_checkpointing(
     kept_saves: str = "all",
     kept_host_layers: int = 0,
     pinned_budget_gib: float | None = None,
+    offload_stride: int = 1,
 ) -> Policy:
     """Switch the model's activation checkpointing to the policy ``name``; returns the policy.
 
     checkpoint_layers: the policy applies to the first k decoder layers only, the rest keep their activations (None =
     all). offload_layers: under offload, the first k checkpointed layers send their input to host memory, the others
-    keep it on the GPU (None = all). kept_saves "matmuls": the layers past checkpoint_layers keep only their matmul
+    keep it on the GPU (None = all). offload_stride k: of those, only the first and every k-th after it send their
+    input to host memory, backward recomputes the others' (seqpar.runtime.memory.strided_offload.StridedOffload; 1 = each its
+    own). kept_saves "matmuls": the layers past checkpoint_layers keep only their matmul
     outputs (seqpar.runtime.memory.matmul_keep), ``kept_host_layers`` of them in host memory (spread: LayerSplit.host_kept). pinned_budget_gib: the
     page-locked host GiB this process's offloaded inputs and host-kept outputs may hold together (the plan's
     ClusterSpec.stated_pinned_gib_per_rank; None = seqpar.runtime.memory.offload.pinned_budget's default). The attention side of
@@ -174,11 +183,16 @@ def apply_checkpointing(
     p = policy(name)
     if kept_saves not in KEPT_SAVES:
         raise SeqparError(f"kept_saves {kept_saves!r} is unknown; use one of {', '.join(KEPT_SAVES)}")
-    split = checkpoint_layers is not None or offload_layers is not None
+    if isinstance(offload_stride, bool) or not isinstance(offload_stride, int) or offload_stride < 1:
+        raise SeqparError(
+            f"offload_stride {offload_stride!r} is not a whole number >= 1; use 1 (every offloaded layer sends its own "
+            "input to host memory) or more"
+        )
+    split = checkpoint_layers is not None or offload_layers is not None or offload_stride > 1
     layers = decoder_layers(model) if split or kept_saves != "all" or kept_host_layers else []
-    problems = split_problems(name, checkpoint_layers, offload_layers, len(layers), type(model).__name__) if split else []
+    owner = type(model).__name__
+    problems = split_problems(name, checkpoint_layers, offload_layers, len(layers), owner, offload_stride) if split else []
     if not problems and layers:
-        owner = type(model).__name__
         problems = kept_problems(name, checkpoint_layers, offload_layers, kept_saves, kept_host_layers, False, len(layers), owner)
     if problems:
         raise SeqparError(problems[0])
@@ -193,7 +207,7 @@ def apply_checkpointing(
                 module._gradient_checkpointing_func = functools.partial(
                     _offloaded_checkpoint, pinned_budget_gib=pinned_budget_gib
                 )
-    cut = layer_split(name, len(layers), checkpoint_layers, offload_layers, kept_saves, kept_host_layers)
+    cut = layer_split(name, len(layers), checkpoint_layers, offload_layers, kept_saves, kept_host_layers, offload_stride)
     ckpt, off = cut.checkpointed, cut.host  # host, then GPU-checkpointed, then kept (host-kept ones spread among them)
     if cut.matmuls:
         from seqpar.runtime.memory.matmul_keep import MatmulKeep
@@ -206,11 +220,16 @@ def apply_checkpointing(
     if split:
         from torch.utils.checkpoint import checkpoint
 
+        from seqpar.runtime.memory.strided_offload import OffloadChain, StridedOffload
+
         plain = functools.partial(checkpoint, use_reentrant=False)
+        chain = OffloadChain(cut.stride) if p.offload and cut.stride > 1 else None  # one per model: its forwards' records
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = i < ckpt  # the last layers keep their activations: nothing to recompute
             if p.offload and i >= off:
                 layer._gradient_checkpointing_func = plain  # checkpointed, its input kept on the GPU
+            elif chain is not None:
+                layer._gradient_checkpointing_func = StridedOffload(chain, i, pinned_budget_gib)
     if p.offload and (not split or off > 0):
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if embeddings is not None and not embeddings.weight.requires_grad:

@@ -7,14 +7,20 @@ so 32 layers would ask for 128 GiB of page-locked host RAM and the run dies far 
 RAM shared by the node's ranks; the plan's pinned_host_gib or ``SEQPAR_PINNED_BUDGET_GIB`` state another) and puts the rest in ordinary pageable memory: those copies are synchronous
 and slower (pageable PCIe ~10-20 GB/s against ~25-50 pinned), which only the longest sequences reach, where attention
 dominates the step. CPU tensors are kept as they are.
+
+``offload_stride`` k > 1: seqpar.runtime.memory.strided_offload (one layer input in k to host memory, built on
+``to_host`` / ``from_host`` here).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from seqpar.plan.options import PINNED_FRACTION, pinned_block
 from seqpar.plan.units import GIB
@@ -52,32 +58,36 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, budget: int | None = None):
         budget = pinned_budget() if budget is None else budget
-
-        def pack(t: torch.Tensor):
-            if not t.is_cuda:
-                return t
-            nbytes = t.numel() * t.element_size()
-            over = HostOffload.held + pinned_block(nbytes) - budget
-            if over > 0:
-                for reclaim in RECLAIMERS:  # idle pinned blocks of the kept matmul outputs' pool
-                    reclaim(over)
-            pin = HostOffload.held + pinned_block(nbytes) <= budget
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
-            host.copy_(t, non_blocking=pin)
-            if pin:
-                HostOffload.held += pinned_block(nbytes)
-                weakref.finalize(host, HostOffload._release, pinned_block(nbytes))
-            HostOffload.stats["pinned" if pin else "pageable"] += nbytes
-            return (t.device, host, pin)
-
-        def unpack(packed):
-            if isinstance(packed, torch.Tensor):
-                return packed
-            device, host, pin = packed
-            return host.to(device, non_blocking=pin)
-
-        super().__init__(pack, unpack)
+        super().__init__(functools.partial(to_host, budget=budget), from_host)
 
     @staticmethod
     def _release(nbytes: int) -> None:
         HostOffload.held -= nbytes
+
+
+def to_host(t: Tensor, budget: int) -> Any:
+    """HostOffload's pack: a CUDA tensor's host copy (pinned while HostOffload.held stays within ``budget`` bytes) as
+    (device, host tensor, pinned); any other tensor as it is."""
+    if not t.is_cuda:
+        return t
+    nbytes = t.numel() * t.element_size()
+    over = HostOffload.held + pinned_block(nbytes) - budget
+    if over > 0:
+        for reclaim in RECLAIMERS:  # idle pinned blocks of the kept matmul outputs' pool
+            reclaim(over)
+    pin = HostOffload.held + pinned_block(nbytes) <= budget
+    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
+    host.copy_(t, non_blocking=pin)
+    if pin:
+        HostOffload.held += pinned_block(nbytes)
+        weakref.finalize(host, HostOffload._release, pinned_block(nbytes))
+    HostOffload.stats["pinned" if pin else "pageable"] += nbytes
+    return (t.device, host, pin)
+
+
+def from_host(packed: Any) -> Tensor:
+    """HostOffload's unpack: the tensor ``to_host`` packed, back on its device."""
+    if isinstance(packed, Tensor):
+        return packed
+    device, host, pin = packed
+    return host.to(device, non_blocking=pin)

@@ -215,6 +215,7 @@ def setup(args: TrainOptions) -> Run:
         kept_saves=s.kept_saves,
         kept_host_layers=s.kept_host_layers,
         pinned_budget_gib=plan.cluster.stated_pinned_gib_per_rank,
+        offload_stride=s.offload_stride,
     )
     # fused kernels first: tiled_mlp wraps whatever forward the MLP then has (Liger's SwiGLU or the model's own)
     fused_line = apply_fused_ops(model, s.fused_ops, topo.device.type)

@@ -1,0 +1,111 @@
+"""offload_stride in the plan, the cost model and the search: one offloaded layer input in k waits in host memory,
+backward recomputes the others from it (seqpar.runtime.memory.activation_checkpoint runs it; tests/runtime/memory/
+test_offload_stride.py checks it exact and counts what it keeps and reruns). No torch here."""
+
+from __future__ import annotations
+
+import pytest
+
+from seqpar.advisor.answer import checkpointing_short
+from seqpar.advisor.cluster import resolve_cluster
+from seqpar.advisor.cost.memory import estimate_memory, host_bytes
+from seqpar.advisor.cost.throughput import estimate_time
+from seqpar.advisor.request import AdviseRequest
+from seqpar.advisor.search import advise_by_cost, describe, max_seq_len
+from seqpar.plan.launch_plan import LaunchPlan
+from seqpar.plan.options import LayerSplit, layer_split
+from seqpar.plan.rules import plan_problems, split_problems
+from seqpar.plan.specs import LoraSpec, Workload
+from seqpar.plan.units import GIB
+from seqpar.profiles import get_model
+
+from seqpar_testing.advisor import L7, M7, C, dp, h200, work
+
+M70 = get_model("llama-3.3-70b")
+QLORA = LoraSpec(rank=32, base_dtype="nf4")
+
+
+def test_layer_split_with_a_stride():
+    assert layer_split("offload", 32, None, None, offload_stride=2) == LayerSplit(32, 0, 0, stride=2)
+    sp = layer_split("offload", 80, None, 73, offload_stride=2)
+    assert (sp.host, sp.gpu, sp.host_inputs, sp.recomputed_inputs, sp.recomputed) == (73, 7, 37, 36, 116)
+    sp = layer_split("offload", 32, 24, 10, offload_stride=3)
+    assert (sp.host_inputs, sp.recomputed_inputs, sp.recomputed, sp.kept) == (4, 6, 30, 8)
+    assert layer_split("full", 32, offload_stride=2).stride == 1  # nothing offloaded: no stride
+    assert layer_split("offload", 32, None, 0, offload_stride=2) == layer_split("full", 32)
+
+
+def test_the_rules_refuse_a_stride_without_offload_or_beyond_the_offloaded_layers():
+    (why,) = split_problems("selective", None, None, 32, "llama-2-7b", 2)
+    assert "offload_stride 2" in why and "checkpointing is selective" in why and "use checkpointing offload" in why
+    (why,) = split_problems("offload", None, 3, 32, "llama-2-7b", 4)
+    assert why.startswith("offload_stride 4 is more than the 3 offloaded layers; use at most 3")
+    assert split_problems("offload", None, 4, 32, "llama-2-7b", 4) == []
+    w = work(seq_len=65536)
+    bad = dp(checkpointing="full", offload_stride=2)
+    assert any("offload_stride 2" in p for p in plan_problems(w, h200(), bad))
+    with pytest.raises(ValueError, match="--offload-stride 2 .* --checkpointing is full"):
+        AdviseRequest(model=M7, seq_len=65536, cluster=h200(), checkpointing="full", offload_stride=2)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_a_stride_divides_the_host_memory_and_costs_its_recomputed_inputs(k):
+    """Host: one layer input per group of k. GPU: the backward of an offloaded layer holds up to k - 1 more inputs. Time:
+    one more forward of each layer whose input is recomputed, fewer copies."""
+    t, w, cl = 262144, work(seq_len=262144), h200(1000)
+    one = dp(checkpointing="offload", fused_ops="liger", tiled_mlp=True)
+    strided = one.model_copy(update={"offload_stride": k})
+    layer = 2 * M7.hidden_size * t  # bf16 layer input (optimizer none)
+    process = host_bytes(w, cl, dp(checkpointing="full"), C)
+    assert host_bytes(w, cl, one, C) - process == pytest.approx(L7 * layer)
+    assert host_bytes(w, cl, strided, C) - process == pytest.approx(-(-L7 // k) * layer)
+    m1, mk = estimate_memory(w, cl, one, C), estimate_memory(w, cl, strided, C)
+    b1, bk = m1.phase_terms["backward"], mk.phase_terms["backward"]
+    assert bk["checkpointed_activations"] - b1["checkpointed_activations"] == pytest.approx((k - 1) * layer)
+    assert {x: v for x, v in bk.items() if x != "checkpointed_activations"} == {
+        x: v for x, v in b1.items() if x != "checkpointed_activations"
+    }
+    t1, tk = estimate_time(w, cl, one, C), estimate_time(w, cl, strided, C)
+    assert tk.breakdown_s["compute"] > t1.breakdown_s["compute"] and tk.breakdown_s["elementwise"] > t1.breakdown_s["elementwise"]
+    # the recomputed forwards are priced as the checkpointed layers' own: a stride's extra compute equals that of
+    # recomputing as many more layers (a full-policy twin with the same count of recomputed layers is not expressible,
+    # so compare against the linear share: (k - 1)/k of the layers once more)
+    share = (L7 - -(-L7 // k)) / L7
+    assert tk.step_time_s > t1.step_time_s * (1 + 0.1 * share)
+
+
+def test_the_search_strides_only_where_the_host_is_short():
+    """Llama-3.3-70B QLoRA r=32 on one H100: on a 125 GiB host its 80 layer inputs do not fit past ~87K tokens, so the
+    longest plan sends one in two to the host and is longer; with 1 TB of host RAM no stride is needed at that length."""
+    small, _ = resolve_cluster("h100", 1, None, None, 125)
+    big, _ = resolve_cluster("h100", 1, None, None, 1000)
+    n, s = max_seq_len(M70, small, ["data_parallel"], lora=QLORA)["data_parallel"]
+    assert s.checkpointing == "offload" and s.offload_stride == 2 and n >= 100 * 1024
+    w = Workload(model=M70, seq_len=n, lora=QLORA)
+    mem = estimate_memory(w, small, s, C)
+    assert mem.fits
+    one = s.model_copy(update={"offload_stride": 1})
+    assert estimate_memory(w, small, one, C).reason.startswith("host RAM")
+    over = estimate_memory(w.model_copy(update={"seq_len": n + 5 * 1024}), small, s, C)
+    assert not over.fits and not over.reason.startswith("host RAM")  # the GPU binds now, not the host
+    req = AdviseRequest(model=M70, seq_len=n, cluster=big, lora=QLORA, mode="data_parallel")
+    assert advise_by_cost(req).strategy.offload_stride == 1
+    # a pinned stride is kept
+    req = AdviseRequest(model=M70, seq_len=65536, cluster=small, lora=QLORA, mode="data_parallel", offload_stride=3)
+    plan = advise_by_cost(req)
+    assert plan.strategy.offload_stride == 3 and plan.strategy.checkpointing == "offload"
+    assert "1 in 3 to host" in describe(plan.strategy)
+    assert "1 in 3 of their inputs in host memory" in checkpointing_short(plan.strategy, M70.num_layers)
+
+
+def test_a_plan_with_a_stride_round_trips():
+    req = AdviseRequest(model=M7, seq_len=65536, cluster=h200(), optimizer="none", checkpointing="offload", offload_stride=2)
+    plan = advise_by_cost(req)
+    again = LaunchPlan.model_validate_json(plan.model_dump_json())
+    assert again.strategy.offload_stride == 2 and again == plan
+    assert (
+        estimate_memory(req.workload(), req.cluster, plan.strategy, C).host_bytes
+        < 0.6
+        * (estimate_memory(req.workload(), req.cluster, plan.strategy.model_copy(update={"offload_stride": 1}), C).host_bytes)
+        + 5 * GIB
+    )
