@@ -200,13 +200,15 @@ def saved_bytes_per_token(
     tiled_norms: bool = False,
 ) -> float:
     """Tensors one decoder block with frozen base weights and these adapters keeps for backward, bytes per token:
-    each norm its fp32 input (Liger's: its rstd, the post-attention one its input; tiled: its input), attention q, k, v,
+    each norm its fp32 input (Liger's: its rstd, the post-attention one its input; tiled: the post-attention one its
+    input, the input norm's being the layer input), attention q, k, v,
     out and lse, the SwiGLU gate, silu(gate) and up (Liger: gate and up; tiled: its input, the post-attention norm's
     output, which the frozen base saves nowhere else), and the adapters' own."""
     h, d, a, kv, i = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size
     p = lo.compute
     r = residual or p
-    norms = 2 * 4 + r * h if fused_ops == "liger" else 2 * (r if tiled_norms else 4) * h
+    # Liger's and the tiled input norm save the layer input itself, counted where it is kept (memory.saved_bytes_per_token)
+    norms = 2 * 4 + r * h if fused_ops == "liger" else (r if tiled_norms else 2 * 4) * h
     mlp = p * h if tiled_mlp else (2 if fused_ops == "liger" else 3) * p * i
     return norms + 2 * p * a * d + 2 * p * kv * d + 4 * a + mlp + adapter_saved_bytes_per_token(m, lo, tiled_mlp)
 

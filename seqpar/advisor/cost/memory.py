@@ -207,7 +207,10 @@ def saved_bytes_per_token(
     ``tiled_mlp``: the MLP saves nothing but its input (its tiles are recomputed in backward; the input is counted with
     the norm that makes it, or under LoRA in the MLP's term). ``adapters``: a frozen base's block
     with LoRA adapters (lora.saved_bytes_per_token). ``tiled_norms``: the unfused norms run in tiles (seqpar's runtime
-    under a tiled MLP): each saves its input instead of its fp32 copy and the normalized product the weight takes."""
+    under a tiled MLP): each saves its input instead of its fp32 copy and the normalized product the weight takes. The
+    input norm's input (Liger's or tiled) is the layer input itself, which is counted where it is kept: the checkpoint,
+    or under policy none kept_bytes_per_token, not here (an allocation replay of a LoRA layer's recomputation found the
+    model 2 bytes per token and hidden unit over with it counted twice: 73.8 GiB predicted, 70.1 measured at 427K)."""
     if adapters is not None:
         return lora.saved_bytes_per_token(m, adapters, residual, fused_ops, tiled_mlp, tiled_norms)
     h, d, a, kv, i = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads, m.intermediate_size
@@ -216,8 +219,8 @@ def saved_bytes_per_token(
     if fused_ops == "liger":
         norms = 2 * (p * h + 4) + r * h
         mlp = 3 * p * i
-    elif tiled_norms:
-        norms = 2 * (2 * r + (p if r != p else 0)) * h
+    elif tiled_norms:  # the input norm's input is the layer input: counted where it is kept (kept_bytes_per_token)
+        norms = (2 * (2 * r + (p if r != p else 0)) - r) * h
         mlp = 4 * p * i
     else:
         norms = 2 * (4 + 2 * r + (p if r != p else 0)) * h
@@ -249,11 +252,11 @@ def kept_bytes_per_token(
 
     full: the layer input (B, S, h) in the residual dtype; selective adds attention's output (B, S, a, d) in the model
     dtype and its fp32 lse (B, a, S) (seqpar.runtime.memory.selective); offload: nothing (the input waits in host RAM);
-    none: everything the layer saves, plus, under fused_ops liger, the layer input the fused input norm saves."""
+    none: everything the layer saves, plus, under fused_ops liger or tiled norms, the layer input the input norm saves."""
     r = residual or DTYPE_BYTES[dtype]
     ck = policy or strategy.checkpointing
     if ck == "none":
-        extra = r * m.hidden_size if strategy.fused_ops == "liger" else 0
+        extra = r * m.hidden_size if strategy.fused_ops == "liger" or tiled_norms else 0
         saved = saved_bytes_per_token(m, dtype, residual, strategy.fused_ops, strategy.tiled_mlp, adapters, tiled_norms)
         return saved + extra
     if ck == "offload":

@@ -424,8 +424,17 @@ def test_a_lora_model_saves_what_the_cost_model_counts_tiled_or_not():
         models.append(apply_lora(m, lora, seed=0, adapter_dtype=torch.bfloat16))
     ids = torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(3))
     plain, tiled, norms = (_saved_bytes(m, ids, once=True) / (b * s) for m in models)
-    per_layer = {k: lc.saved_bytes_per_token(spec, lo, tiled_mlp=k != "none", tiled_norms=k == "mlp+norms") for k in
-                 ("none", "mlp", "mlp+norms")}  # fmt: skip
+    # what a layer that is not recomputed keeps (here every layer): its saved tensors, and with the norms tiled the
+    # layer input the input norm keeps (counted where it is kept: kept_bytes_per_token's policy none)
+    from seqpar.advisor.cost.memory import kept_bytes_per_token
+
+    per_layer = {
+        k: kept_bytes_per_token(
+            spec, "bf16", Strategy(mode="data_parallel", tiled_mlp=k != "none"), 2, "none", lo, tiled_norms=k == "mlp+norms"
+        )
+        for k in ("none", "mlp", "mlp+norms")
+    }
+    assert per_layer["mlp+norms"] == lc.saved_bytes_per_token(spec, lo, tiled_mlp=True, tiled_norms=True) + 2 * 64
     assert plain - tiled == pytest.approx(layers * (per_layer["none"] - per_layer["mlp"]))
     # every norm saves its fp32 copy and rstd whole, its bf16 input tiled; but layer 0's input norm saves nothing either
     # way (under a frozen base its input needs no gradient), and the final norm saves too
