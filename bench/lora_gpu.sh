@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# LoRA on one GPU (#35): Llama-3.1-8B shape, LoRA r=32 on every linear layer, bf16 base, AdamW over the adapters.
+# LoRA on one GPU (#35): Llama-3.1-8B shape (SHAPE another), LoRA r=32 on every linear layer, bf16 base, AdamW over the adapters.
 #     OUT=/tmp/out bash bench/lora_gpu.sh compare   64K side by side with transformers + peft (gradient checkpointing);
 #                                                   where peft runs out of memory there, both again at 32K
 #     OUT=/tmp/out bash bench/lora_gpu.sh max [FLAGS]  seqpar's advertised longest length (--max-seq-len), one step;
 #                                                   FLAGS add to the plan's (e.g. "--fused-ops liger")
 #     OUT=/tmp/out bash bench/lora_gpu.sh bnb       whether bitsandbytes' 4-bit layers run on this GPU (QLoRA)
+#     SHAPE=llama-3.3-70b OUT=/tmp/out bash bench/lora_gpu.sh max "--qlora --fused-ops liger"
+#                                                   the 70B QLoRA's advertised longest length, one step (SHAPE: any
+#                                                   profile; default llama-3.1-8b)
 # (needs peft: pip install 'seqpar[lora]'; bnb needs bitsandbytes)
 set -u
 PHASE=${1:-compare}
@@ -13,8 +16,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
 case "$(cat "$OUT/gpu.csv")" in *H200*) GPU=${GPU:-h200} ;; *) GPU=${GPU:-h100} ;; esac
 FLAGS="--lora-rank 32 --host-ram-gib 125"
+SHAPE=${SHAPE:-llama-3.1-8b}
 run() {  # SEQ VARIANTS STEPS WARMUP TAG
-  timeout ${TSTEP:-300} python3 bench/single_gpu.py --shape llama-3.1-8b --gpu "$GPU" --variants "$2" --seq "$1" \
+  timeout ${TSTEP:-300} python3 bench/single_gpu.py --shape "$SHAPE" --gpu "$GPU" --variants "$2" --seq "$1" \
     --steps "$3" --warmup "$4" --optimizer adamw --seqpar-args "$FLAGS" --out "$OUT/lora_$5.json" 2>&1 | tail -4
 }
 if [ "$PHASE" = compare ]; then  # compare [SEQ]: one length only
@@ -25,10 +29,10 @@ if [ "$PHASE" = compare ]; then  # compare [SEQ]: one length only
 fi
 if [ "$PHASE" = max ]; then
   FLAGS="$FLAGS ${2:-}"
-  max=$(python3 -m seqpar.cli advise --model llama-3.1-8b --gpu "$GPU" --gpus 1 --max-seq-len $FLAGS --json 2>/dev/null \
+  max=$(python3 -m seqpar.cli advise --model "$SHAPE" --gpu "$GPU" --gpus 1 --max-seq-len $FLAGS --json 2>/dev/null \
     | python3 -c "import json,sys; print(json.load(sys.stdin)['data_parallel']['max_seq_len'])")
   echo "advertised longest: $max"
-  python3 -m seqpar.cli advise --model llama-3.1-8b --gpu "$GPU" --gpus 1 --seq-len $(( max * 105 / 100 )) \
+  python3 -m seqpar.cli advise --model "$SHAPE" --gpu "$GPU" --gpus 1 --seq-len $(( max * 105 / 100 )) \
     --mode data_parallel $FLAGS --json > "$OUT/lora_over.json" 2>/dev/null; echo "over rc=$?" > "$OUT/lora_over.rc"
   TSTEP=${TMAX:-900} run "$max" seqpar 1 0 "max$(printf '%s' "${2:-}" | tr -c 'a-z0-9' '_')"
 fi
