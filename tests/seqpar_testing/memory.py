@@ -11,22 +11,22 @@ from seqpar_testing.hf import param_grads
 L, B, S, HIDDEN = 4, 2, 32, 32
 
 
-def make_model():
-    """A tiny random-weight Llama with L layers, seeded so every rank builds the same weights."""
+def make_model(layers: int = L, dtype=torch.float32):
+    """A tiny random-weight Llama with ``layers`` layers in ``dtype``, seeded so every rank builds the same weights."""
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=101,
         hidden_size=HIDDEN,
         intermediate_size=64,
-        num_hidden_layers=L,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
         attention_dropout=0.0,
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float().train()
+    return transformers.LlamaForCausalLM(config).to(dtype).train()
 
 
 def batch():

@@ -32,6 +32,7 @@ import torch
 
 from seqpar_testing import run_ranks, tolerances
 from seqpar_testing.hf import param_grads
+from seqpar_testing.memory import make_model as tiny_llama
 from seqpar_testing.train import compare_runs, learnable_tokens, make_plan
 
 L6, B, S = 6, 2, 32
@@ -40,20 +41,7 @@ HAS_PEFT = importlib.util.find_spec("peft") is not None
 
 def make_model(layers: int = L6, dtype=torch.float64):
     """A tiny seeded random-weight Llama with ``layers`` decoder layers (enough for groups of 2 and 3 with a cut one)."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attention_dropout=0.0,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(dtype).train()
+    return tiny_llama(layers, dtype)
 
 
 def batch(seed: int = 1):
