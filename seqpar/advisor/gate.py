@@ -41,8 +41,10 @@ def variants(s: Strategy, req: AdviseRequest) -> Iterator[tuple[str, Strategy]]:
     w = req.workload()
     changes = [("loss_impl chunked (logits a chunk at a time)", {"loss_impl": "chunked"})]
     whole = NO_SPLIT  # a new policy over every layer; its split is searched in check
-    if s.checkpoint_layers is not None or s.offload_layers is not None or s.offload_stride > 1:
+    if s.checkpoint_layers is not None or s.offload_layers is not None:
         changes.append(("every layer checkpointed" + (" and offloaded" if s.checkpointing == "offload" else ""), whole))
+    elif s.offload_stride > 1:
+        changes.append(("every offloaded layer's input in host memory (offload_stride 1)", whole))
     changes += [(f"checkpointing {ck}", {"checkpointing": ck, **whole}) for ck in ("full", "selective", "offload")]
     changes += [(f"sharding {sh}", {"sharding": sh}) for sh in ("zero2", "zero3", "zero3_offload")]
     if not s.tiled_mlp:

@@ -87,7 +87,10 @@ def enumerate_strategies(req: AdviseRequest, workload: Workload) -> tuple[list[S
     where a pinned Ulysses degree forms none."""
     c, world = req.cluster, req.cluster.world_size
     modes = [req.mode] if req.mode else list(names())
-    ckpts = [req.checkpointing] if req.checkpointing else list(CHECKPOINTING)
+    if req.checkpointing:
+        ckpts = [req.checkpointing]
+    else:  # a stride pin above 1 spaces offloaded inputs: offload is the policy it asks for
+        ckpts = ["offload"] if (req.offload_stride or 1) > 1 else list(CHECKPOINTING)
     if req.sharding:
         shards = [req.sharding]
     elif c.accelerator == "cpu":  # DeepSpeed is GPU-only; gloo ranks shard with FSDP2
@@ -225,11 +228,15 @@ def _offload_split(
     pinned = pinned or (s.offload_stride if s.offload_stride > 1 else None)  # a pin enumerate_strategies applied
     first = None
     for k in (pinned,) if pinned else OFFLOAD_STRIDES:
+        if k > L:
+            break
 
         def at(n: int, k=k) -> Strategy:
-            return s.model_copy(update={"offload_layers": None if n == L else n, "offload_stride": k if n >= k else 1})
+            return s.model_copy(update={"offload_layers": None if n == L else n, "offload_stride": k})
 
-        host = _first(0, L, lambda n: _gpu_fits(w, cl, at(n), c, runtime))
+        # a stride k offloads at least k layers (split_problems); with fewer, stride 1's split is the same strategy.
+        # More offloaded layers never need more GPU memory at one stride: a bisection finds the fewest that fit
+        host = _first(0 if k == 1 else k, L, lambda n: _gpu_fits(w, cl, at(n), c, runtime))
         if host is None or host == 0:
             if k == (pinned or 1):
                 return None  # no offloaded layer is needed (the policy without offload), or none fits the GPU
@@ -585,7 +592,8 @@ def max_seq_len(
                     continue
                 if estimate_memory(w, cluster, s, c).fits:
                     return s
-                partial = layer_split_variant(w, cluster, s, c) if s.checkpointing == "offload" and not pinned_split else None
+                offload = s.checkpointing == "offload" and not pinned_split
+                partial = layer_split_variant(w, cluster, s, c, req0) if offload else None
                 if partial is not None and estimate_memory(w, cluster, partial, c).fits:
                     return partial  # offloading only some layers' inputs fits where all of them overflow the host
             return None

@@ -120,7 +120,8 @@ def _predicted(caps: Caps, mode: str, w: Workload, cl, pins: dict, c, invalid: l
         runtime = caps.runtime()  # priced as the tool runs it
         got = [evaluate(w, cl, s, c, **runtime) for s in runs]
         if caps.layer_split and req.checkpoint_layers is None and req.offload_layers is None:
-            splits = (layer_split_variant(w, cl, x.strategy, c, req, runtime) for x in list(got))
+            one = req.model_copy(update={"offload_stride": 1})  # no tool rebuilds offloaded inputs (nearest.stride_notes)
+            splits = (layer_split_variant(w, cl, x.strategy, c, one, runtime) for x in list(got))
             got += [evaluate(w, cl, v, c, **runtime) for v in splits if v is not None]
         out += got
     return out

@@ -283,7 +283,7 @@ def split_problems(
                 f"offload_stride {offload_stride} spaces the layer inputs sent to host memory, which only checkpointing "
                 f"offload does, but checkpointing is {checkpointing}; remove offload_stride, or use checkpointing offload"
             )
-        elif host and offload_stride > host:
+        elif not out and offload_stride > host:
             out.append(
                 f"offload_stride {offload_stride} is more than the {host} offloaded layers; use at most {host} (1 = every "
                 "offloaded layer sends its own input)"

@@ -31,7 +31,8 @@ where the workload has ``lora``; a full fine-tuning never reaches this module.
   peft casts the input to fp32 and autocast back, ``copies``); with dropout its own dropped copy and the mask (one
   byte on CUDA, native_dropout's bool; the input's dtype on CPU). A tiled MLP keeps nothing of its adapters either, but
   keeps its input (the post-attention norm's output, which the frozen base saves nowhere else); tiled norms (seqpar's
-  runtime under a tiled MLP) keep their input instead of its fp32 copy.
+  runtime under a tiled MLP) keep their input instead of its fp32 copy (the input norm's is the layer input, counted
+  where the layer input is kept).
 * Backward: the frozen linears compute their input's gradient only, 2 N FLOPs per token instead of 4 N, and the
   adapters 6 r (in + out) per targeted linear (2 forward, 4 backward), once more forward when recomputed
   (``linear_flops_per_token``). Each adapter's input gradient meets the base's before they are summed, with copies

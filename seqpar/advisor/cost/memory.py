@@ -27,7 +27,8 @@ What is modelled (bytes per GPU; t = micro_batch * seq_len / sp_degree local tok
   forward and backward hold one tile's intermediates (3p*I forward, 4p*I or 3p*I recomputed plus 2p*I of their
   gradients in backward) and backward one fp32 weight-gradient accumulator per MLP matrix (3*h*I*4 bytes).
   seqpar's runtime runs the model's own (unfused) RMSNorms in tiles alike (tiled_mlp.tile_norms): each saves its input
-  (r h) instead of its fp32 copy and the product the weight takes, and its backward holds the five fp32 temporaries
+  (r h; the input norm's is the layer input itself, counted where the layer input is kept) instead of its fp32 copy
+  and the product the weight takes, and its backward holds the five fp32 temporaries
   (NORM_BACKWARD_BYTES) for one tile instead of the whole sequence; another tool's TiledMLP leaves them whole
   (estimate_memory's ``norms_tiled``).
 * Checkpointing: ``full`` keeps each layer's input (B, S, h) and recomputes one layer at a time in backward (its saved
@@ -685,8 +686,9 @@ def host_bytes(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficients) 
         out += states / cluster.nodes
     layers = split(m, s)
     t = w.micro_batch_size * w.seq_len / s.sp_degree
-    if layers.host:
-        out += layers.host_inputs * p * m.hidden_size * t * cluster.gpus_per_node
+    if layers.host:  # the layer inputs in the residual stream's dtype (fp32 under autocast with fp32 parameters)
+        r = precision(w, s, cluster.accelerator).residual
+        out += layers.host_inputs * r * m.hidden_size * t * cluster.gpus_per_node
     # exact-size page-locked blocks (seqpar.runtime.memory.matmul_keep), those the pinned budget holds: beyond it the outputs
     # are not kept anywhere (their matmuls run again)
     _, layer, fit = kept_host_matmuls(w, cluster, s)

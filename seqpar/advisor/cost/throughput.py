@@ -141,7 +141,7 @@ def elementwise_time(
 
 def attention_recompute_share(m: ModelSpec, s: Strategy) -> float:
     """Share of the layers whose recomputation runs attention's forward again: the checkpointed layers under full and
-    offload (with offload_stride, the layers whose input backward recomputes once more: above 1 can be); selective recomputes the layer around attention (seqpar.runtime.memory.selective hands the kept output back), none
+    offload, and once more each layer whose input an offload_stride rebuilds (so it can pass 1); selective recomputes the layer around attention (seqpar.runtime.memory.selective hands the kept output back), none
     recomputes nothing."""
     if s.checkpointing not in ("full", "offload"):
         return 0.0
@@ -179,11 +179,23 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
     if not host and not mm_pinned:
         return 0.0
     bw = c.pinned_copy_gb_s * 1e9
-    hidden = _hidden(2 * pinned * layer / bw, compute_s, c.grad_comm_overlap)  # out in forward, back in backward
+    # under offload_stride a host-held input with rebuilt layers above it comes back twice: for the rebuild, then for
+    # its own layer's backward
+    twice = rebuilt_groups(split(w.model, s))
+    again_pinned = min(twice, pinned)
+    hidden = _hidden((2 * pinned + again_pinned) * layer / bw, compute_s, c.grad_comm_overlap)  # out, back (and again)
     hidden += _hidden(2 * mm_pinned * mm_layer / bw, compute_s, c.side_copy_overlap)
     # no GPU-kept layer above the host-kept ones: the top one's outputs come back when its backward starts, unhidden
     top = mm_layer / (c.pinned_copy_gb_s * 1e9) if mm_pinned and not split(w.model, s).kept_gpu else 0.0
-    return hidden + top + 2 * (host - pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
+    return hidden + top + (2 * (host - pinned) + twice - again_pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
+
+
+def rebuilt_groups(layers) -> int:
+    """Host-held layer inputs under offload_stride whose group has layers above them whose input backward rebuilds
+    (each such input is copied back twice); 0 without a stride."""
+    if layers.stride == 1:
+        return 0
+    return sum(1 for j in range(0, layers.host, layers.stride) if j + 1 < layers.host)
 
 
 def recomputed_matmul_layers(w: Workload, cluster: ClusterSpec, s: Strategy) -> int:
@@ -360,7 +372,9 @@ def estimate_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coefficient
             grad_exposed = _hidden(frac * psi * p / rs, bwd_compute * accum, c.grad_comm_overlap) + frac * psi * p / ag
         else:  # zero3 / fsdp / zero3_offload: gathers in forward and backward + reduce-scatter, every micro-batch, a layer a call
             bw = _bw(cluster, world, c, op="all_gather", message_bytes=m.layer_params * p)
-            grad_exposed = accum * _hidden(3 * frac * psi * p / bw, lin_t + attn_t, c.grad_comm_overlap)
+            # a layer run again to rebuild an input (offload_stride) gathers its parameters once more
+            moved = (3 + layers.recomputed_inputs / L) * frac * psi * p
+            grad_exposed = accum * _hidden(moved / bw, lin_t + attn_t, c.grad_comm_overlap)
     if s.sharding == "zero3_offload":
         pcie = c.offload_bandwidth_gb_s * 1e9
         offload = accum * (2 * psi * p / world + psi * 4 / world) / pcie  # parameter shards twice, fp32 gradients once
@@ -436,8 +450,9 @@ def lora_state_time(
             grad_exposed = _hidden(2 * frac * a * lo.grad / bw, bwd_compute * accum, c.grad_comm_overlap)
         elif s.sharding == "zero2":
             grad_exposed = _hidden(frac * a * p / bw, bwd_compute * accum, c.grad_comm_overlap) + frac * a * p / bw
-        else:
-            moved = frac * (2 * (base + a * p) + a * p)
+        else:  # a layer run again to rebuild an input (offload_stride) gathers once more
+            rebuilt = split(m, s).recomputed_inputs / m.num_layers
+            moved = frac * ((2 + rebuilt) * (base + a * p) + a * p)
             grad_exposed = accum * _hidden(moved / bw, compute, c.grad_comm_overlap)
     if s.sharding == "zero3_offload":
         offload = accum * (2 * (base + a * p) / world + a * 4 / world) / (c.offload_bandwidth_gb_s * 1e9)

@@ -537,6 +537,23 @@ def run(args: TrainOptions) -> dict:
                 "(beyond the pinned budget, or changed in place)",
                 *(matmuls[k] / 2**30 for k in ("gpu_bytes", "host_bytes", "recomputed_bytes")),
             )
+        strided = _strided_offload(r.steps - r.start)
+        if strided:
+            update_report(r.out, strided_offload=strided)
+            r.log.info(
+                "offload_stride per step: %.0f layer inputs to host memory, %.0f rebuilt in backward by %.0f layer "
+                "forwards",
+                strided["host"],
+                strided["recomputed"],
+                strided["forwards"],
+            )
+            if strided["fallback"]:
+                r.log.warning(
+                    "offload_stride: %.0f layer inputs per step were not the layer before's output and went to host "
+                    "memory after all (more host RAM than the plan counts); a module between the decoder layers, or "
+                    "a model whose layers do not pass the hidden state on, does this",
+                    strided["fallback"],
+                )
         r.log.info("done: %d steps; run report %s", r.steps, r.out / "run_report.json")
     return {"losses": losses, "report": result, "output": str(r.out)}
 
@@ -551,6 +568,20 @@ def _kept_matmuls(steps: int) -> dict:
     if not steps or not any(stats.values()):
         return {}
     return {f"{k}_bytes": stats.get(k, 0) / steps for k in ("gpu", "host", "recomputed")}
+
+
+def _strided_offload(steps: int) -> dict:
+    """offload_stride: per step, the layer inputs sent to host memory ("host", "fallback" of them not the layer
+    before's output), rebuilt in backward ("recomputed") and the layer forwards that rebuilt them
+    (seqpar.runtime.memory.strided_offload's counts since the process started, over the steps it ran); empty when the
+    run had no stride."""
+    import sys
+
+    mod = sys.modules.get("seqpar.runtime.memory.strided_offload")
+    stats = mod.StridedOffload.stats if mod is not None else {}
+    if not steps or not any(stats.values()):
+        return {}
+    return {k: stats.get(k, 0) / steps for k in ("host", "fallback", "recomputed", "forwards")}
 
 
 def _backend(device, dtype) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import gc
 import importlib.util
+import json
 import math
 import warnings
 import weakref
@@ -320,6 +321,10 @@ def test_the_trainer_runs_the_plans_stride(tmp_path, request, sharding):
     # 20 steps x 2 micro-batches: layer 1's input left to a recipe and rebuilt each time, by one forward of layer 0
     assert (got["stats"]["recomputed"], got["stats"]["forwards"], got["stats"].get("fallback", 0)) == (40, 40, 0)
     log = (tmp_path / "stride2" / "train.log").read_text()
+    report = json.loads((tmp_path / "stride2" / "run_report.json").read_text())
+    # per step (2 micro-batches): layer 0's input to the host, layer 1's rebuilt by one forward of layer 0, each twice
+    assert report["strided_offload"] == {"host": 2.0, "fallback": 0.0, "recomputed": 2.0, "forwards": 2.0}
+    assert "offload_stride per step: 2 layer inputs to host memory, 2 rebuilt in backward by 2 layer forwards" in log
     assert "checkpointing=offload (layers 0-1: input of 1 in 2 in host memory (1), the others recomputed)" in log
 
 
