@@ -541,8 +541,7 @@ def run(args: TrainOptions) -> dict:
         if strided:
             update_report(r.out, strided_offload=strided)
             r.log.info(
-                "offload_stride per step: %.0f layer inputs to host memory, %.0f rebuilt in backward by %.0f layer "
-                "forwards",
+                "offload_stride per step: %.0f layer inputs to host memory, %.0f rebuilt in backward by %.0f layer forwards",
                 strided["host"],
                 strided["recomputed"],
                 strided["forwards"],
