@@ -58,6 +58,14 @@ class LayerSplit:
         return self.host - self.host_inputs
 
     @property
+    def rebuilt_groups(self) -> int:
+        """Host-held inputs with layers above them in their group whose input backward rebuilds from it: each is
+        copied back twice (for the rebuild, then for its own layer's backward); 0 without a stride."""
+        if self.stride == 1:
+            return 0
+        return sum(1 for j in range(0, self.host, self.stride) if j + 1 < self.host)
+
+    @property
     def recomputed(self) -> int:
         """Layer forwards backward runs again: each checkpointed layer's, and once more each layer's whose input it
         recomputes (offload_stride)."""

@@ -228,11 +228,11 @@ def checkpointing_text(strategy: Strategy, num_layers: int) -> str:
     def span(a: int, b: int) -> str:
         return f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}"
 
-    if s.checkpointing == "offload" and cut.stride > 1:
-        parts = [f"{span(0, off)}: input of 1 in {cut.stride} in host memory ({cut.host_inputs}), the others recomputed"]
-        parts += [f"{span(off, ck)}: input on the GPU"] if ck > off else []
-    elif s.checkpointing == "offload":
-        parts = [f"{span(0, off)}: input in host memory"] if off else []
+    if s.checkpointing == "offload":
+        on_host = "input in host memory"
+        if cut.stride > 1:
+            on_host = f"input of 1 in {cut.stride} in host memory ({cut.host_inputs}), the others recomputed"
+        parts = [f"{span(0, off)}: {on_host}"] if off else []
         parts += [f"{span(off, ck)}: input on the GPU"] if ck > off else []
     else:
         parts = [f"{span(0, ck)}: checkpointed"] if ck else []

@@ -142,11 +142,11 @@ def test_host_memory_holds_the_offloaded_inputs_in_the_residual_dtype():
 def test_a_head_with_rebuilt_layers_above_it_comes_back_twice():
     """Under a stride the host-held input of a group with rebuilt layers is copied back for the rebuild and again for
     its own layer's backward: one more copy per such group, priced at the pinned rate (a 1 TB host pins them all)."""
-    from seqpar.advisor.cost.throughput import offload_copy_time, rebuilt_groups
+    from seqpar.advisor.cost.throughput import offload_copy_time
 
-    assert rebuilt_groups(layer_split("offload", 32, offload_stride=2)) == 16
-    assert rebuilt_groups(layer_split("offload", 32, None, 9, offload_stride=4)) == 2  # heads 0, 4, 8: 8 stands alone
-    assert rebuilt_groups(layer_split("offload", 32)) == 0
+    assert layer_split("offload", 32, offload_stride=2).rebuilt_groups == 16
+    assert layer_split("offload", 32, None, 9, offload_stride=4).rebuilt_groups == 2  # heads 0, 4, 8: 8 stands alone
+    assert layer_split("offload", 32).rebuilt_groups == 0
     w, cl = work(seq_len=262144), h200(1000)
     layer = 2 * M7.hidden_size * 262144
     s2 = dp(checkpointing="offload", offload_stride=2)

@@ -181,21 +181,13 @@ def offload_copy_time(w: Workload, cluster: ClusterSpec, s: Strategy, c: Coeffic
     bw = c.pinned_copy_gb_s * 1e9
     # under offload_stride a host-held input with rebuilt layers above it comes back twice: for the rebuild, then for
     # its own layer's backward
-    twice = rebuilt_groups(split(w.model, s))
+    twice = split(w.model, s).rebuilt_groups
     again_pinned = min(twice, pinned)
     hidden = _hidden((2 * pinned + again_pinned) * layer / bw, compute_s, c.grad_comm_overlap)  # out, back (and again)
     hidden += _hidden(2 * mm_pinned * mm_layer / bw, compute_s, c.side_copy_overlap)
     # no GPU-kept layer above the host-kept ones: the top one's outputs come back when its backward starts, unhidden
     top = mm_layer / (c.pinned_copy_gb_s * 1e9) if mm_pinned and not split(w.model, s).kept_gpu else 0.0
     return hidden + top + (2 * (host - pinned) + twice - again_pinned) * layer / (c.pageable_bandwidth_gb_s * 1e9)
-
-
-def rebuilt_groups(layers) -> int:
-    """Host-held layer inputs under offload_stride whose group has layers above them whose input backward rebuilds
-    (each such input is copied back twice); 0 without a stride."""
-    if layers.stride == 1:
-        return 0
-    return sum(1 for j in range(0, layers.host, layers.stride) if j + 1 < layers.host)
 
 
 def recomputed_matmul_layers(w: Workload, cluster: ClusterSpec, s: Strategy) -> int:

@@ -557,30 +557,31 @@ def run(args: TrainOptions) -> dict:
     return {"losses": losses, "report": result, "output": str(r.out)}
 
 
-def _kept_matmuls(steps: int) -> dict:
-    """kept_saves matmuls: the bytes of matmul outputs kept per step on the GPU, in host memory and recomputed instead
-    (seqpar.runtime.memory.matmul_keep's counts since the process started, over the steps it ran); empty when none were kept."""
+def _per_step(module: str, owner: str, keys: tuple[str, ...], steps: int) -> dict:
+    """The counts a memory feature keeps since the process started (``module``'s ``owner``.stats), per step over the
+    ``steps`` it ran; empty when it counted nothing (the feature was off, or its module never loaded)."""
     import sys
 
-    keep = sys.modules.get("seqpar.runtime.memory.matmul_keep")
-    stats = keep.MatmulKeep.stats if keep is not None else {}
+    mod = sys.modules.get(module)
+    stats = getattr(mod, owner).stats if mod is not None else {}
     if not steps or not any(stats.values()):
         return {}
-    return {f"{k}_bytes": stats.get(k, 0) / steps for k in ("gpu", "host", "recomputed")}
+    return {k: stats.get(k, 0) / steps for k in keys}
+
+
+def _kept_matmuls(steps: int) -> dict:
+    """kept_saves matmuls: the bytes of matmul outputs kept per step on the GPU, in host memory and recomputed instead
+    (seqpar.runtime.memory.matmul_keep); empty when none were kept."""
+    got = _per_step("seqpar.runtime.memory.matmul_keep", "MatmulKeep", ("gpu", "host", "recomputed"), steps)
+    return {f"{k}_bytes": v for k, v in got.items()}
 
 
 def _strided_offload(steps: int) -> dict:
     """offload_stride: per step, the layer inputs sent to host memory ("host", "fallback" of them not the layer
     before's output), rebuilt in backward ("recomputed") and the layer forwards that rebuilt them
-    (seqpar.runtime.memory.strided_offload's counts since the process started, over the steps it ran); empty when the
-    run had no stride."""
-    import sys
-
-    mod = sys.modules.get("seqpar.runtime.memory.strided_offload")
-    stats = mod.StridedOffload.stats if mod is not None else {}
-    if not steps or not any(stats.values()):
-        return {}
-    return {k: stats.get(k, 0) / steps for k in ("host", "fallback", "recomputed", "forwards")}
+    (seqpar.runtime.memory.strided_offload); empty when the run had no stride."""
+    keys = ("host", "fallback", "recomputed", "forwards")
+    return _per_step("seqpar.runtime.memory.strided_offload", "StridedOffload", keys, steps)
 
 
 def _backend(device, dtype) -> str:
