@@ -57,7 +57,10 @@ class _TiledMLP(torch.autograd.Function):
         acc = [torch.zeros_like(params[i], dtype=torch.promote_types(params[i].dtype, torch.float32)) for i in want]
         for start in range(0, x.shape[1], ctx.tile):
             xt = x[:, start : start + ctx.tile].detach().requires_grad_(dx is not None)
-            leaves = [p.detach().requires_grad_(i in want) for i, p in enumerate(params)]
+            # a frozen parameter goes in as it is: detaching it would drop what a subclass carries beside its data
+            # (bitsandbytes' Params4bit its quant_state, without which a 4-bit layer cannot run); only the ones whose
+            # gradient is wanted become fresh leaves
+            leaves = [p.detach().requires_grad_() if i in want else p for i, p in enumerate(params)]
             with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
                 y = _call(ctx.module, ctx.names, leaves, xt)
             inputs = ([xt] if dx is not None else []) + [leaves[i] for i in want]

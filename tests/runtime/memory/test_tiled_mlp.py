@@ -350,6 +350,40 @@ def test_tiled_norms_under_lora_train_the_adapters_alike():
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_tiled_mlp_over_a_4bit_base_trains_the_adapters_alike(stride):
+    """QLoRA: the MLP's linear layers are bitsandbytes' Linear4bit, whose frozen weight (Params4bit) carries its
+    quantization state beside its data. The tiled backward must hand that weight to the tile's recomputation as it is
+    (a detached copy has no quant_state: "ValueError: quant_state is required", what a 70B QLoRA plan with a tiled MLP
+    hit on an H100). Tiled, with checkpoint offload and its stride, the loss and adapter gradients are the untiled,
+    uncheckpointed model's (bitsandbytes' CPU backend; float32)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from seqpar.plan.specs import LoraSpec
+    from seqpar.runtime.hf.lora import apply_lora
+
+    base = _llama(layers=4).float()
+    ref, tiled = copy.deepcopy(base), copy.deepcopy(base)
+    for m in (ref, tiled):  # in place, as the trainer does: the adapters in the model, seqpar.apply on the model
+        apply_lora(m, LoraSpec(rank=4, base_dtype="nf4"), seed=0)
+        torch.manual_seed(5)  # B away from peft's zeros, alike in both: every adapter then has a gradient to compare
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1)
+    assert sum(type(m).__name__ == "Linear4bit" for m in tiled.modules()) == 4 * 7
+    apply(tiled, "data_parallel", checkpointing="offload", offload_stride=stride)
+    assert tile_mlp(tiled, tile=8) == 4
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    ref.train(), tiled.train()
+    (want_loss, want), (got_loss, got) = (_trained_grads(m, ids) for m in (ref, tiled))
+    assert got.keys() == want.keys() and len(got) == 4 * 7 * 2
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
+    for name, g in want.items():
+        scale = float(g.abs().max())  # fp32 sums over tiles in another order: round-off against the largest entry
+        assert scale > 0, name
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def _trained_grads(model, ids):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
