@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # LoRA on one GPU (#35): Llama-3.1-8B shape (SHAPE another), LoRA r=32 on every linear layer, bf16 base, AdamW over the adapters.
 #     OUT=/tmp/out bash bench/lora_gpu.sh compare   64K side by side with transformers + peft (gradient checkpointing);
-#                                                   where peft runs out of memory there, both again at 32K
+#                                                   where peft runs out of memory there, both again at 32K;
+#                                                   compare SEQ: that length only; VARIANTS= picks the side (e.g.
+#                                                   seqpar,peft-liger: peft with Liger's kernels and fused loss)
 #     OUT=/tmp/out bash bench/lora_gpu.sh max [FLAGS]  seqpar's advertised longest length (--max-seq-len), one step;
 #                                                   FLAGS add to the plan's (e.g. "--fused-ops liger")
 #     OUT=/tmp/out bash bench/lora_gpu.sh bnb       whether bitsandbytes' 4-bit layers run on this GPU (QLoRA)
@@ -22,7 +24,7 @@ run() {  # SEQ VARIANTS STEPS WARMUP TAG
     --steps "$3" --warmup "$4" --optimizer adamw --seqpar-args "$FLAGS" --out "$OUT/lora_$5.json" 2>&1 | tail -4
 }
 if [ "$PHASE" = compare ]; then  # compare [SEQ]: one length only
-  if [ -n "${2:-}" ]; then run "$2" seqpar,peft 2 1 "$2"; else
+  if [ -n "${2:-}" ]; then run "$2" "${VARIANTS:-seqpar,peft}" 2 1 "$2"; else
     run 64k seqpar,peft 2 1 64k
     if grep -q '"oom": true' "$OUT/lora_64k.json" 2>/dev/null; then run 32k seqpar,peft 2 1 32k; fi
   fi

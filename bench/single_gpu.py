@@ -67,7 +67,7 @@ def hf_config(spec: dict):
 def run_baseline(variant: str, spec: dict, seq_len: int, steps: int, warmup: int, optimizer: str) -> dict:
     import torch
 
-    if variant == "liger":
+    if variant in ("liger", "peft-liger"):  # peft-liger: the peft variant with Liger's kernels, its fused loss above all
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
@@ -81,7 +81,7 @@ def run_baseline(variant: str, spec: dict, seq_len: int, steps: int, warmup: int
         model = LlamaForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if variant == "peft":  # transformers + peft, as its docs show it: LoRA r=32 on every linear layer of the blocks
+    if variant in ("peft", "peft-liger"):  # transformers + peft, as its docs show it: LoRA r=32 on every linear layer
         from peft import LoraConfig, get_peft_model
 
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad when the base is frozen
