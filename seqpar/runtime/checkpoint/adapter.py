@@ -12,17 +12,22 @@ The final checkpoint of a LoRA run holds, instead of the whole model (seqpar.run
 Both are gathered the way the full export is (one tensor at a time, rank 0 keeping the whole): under FSDP2 each
 adapter's DTensor, under DeepSpeed its fp32 master (``safe_get_full_fp32_param``). The merge runs on rank 0 in host
 memory, on a copy of the model built on the meta device and filled with the gathered tensors (no second allocation),
-so the trained model itself is never changed.
+so the trained model itself is never changed. A 4-bit base (DDP only, whole on every rank) is merged without a whole
+copy: ``save_merged_4bit`` writes rank 0's model one shard at a time, each tensor made on the model's device as the
+shard is written (the same bits as that path on the same weights).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from seqpar.plan.errors import SeqparError
 
 ADAPTER_DIR, MODEL_DIR = "adapter", "model"
 PEFT_PREFIX = "base_model.model."  # what PeftModel's state dict puts before the transformers model's names
@@ -63,6 +68,11 @@ def export_lora(
         save_tokenizer(folder, tokenizer, trust_remote_code)
     if not merge:
         return
+    if any(is_4bit(m) for m in hf_model.modules()):  # DDP only: every rank holds the whole 4-bit base and the adapters
+        if rank == 0:
+            save_merged_4bit(tmp / MODEL_DIR, hf_model, adapter.active_adapter, dtype)
+            save_tokenizer(tmp / MODEL_DIR, tokenizer, trust_remote_code)
+        return
     weights = _whole(wrapped, hf_model, rank, ds)
     if rank == 0:
         weights.update(lora)  # the adapters in fp32 (DeepSpeed's module copy may be 16-bit)
@@ -73,10 +83,7 @@ def export_lora(
 
 def _whole(wrapped, hf_model, rank: int, ds) -> dict[str, torch.Tensor]:
     """Collective: every weight of the model (base and adapters), whole, as copies on rank 0 ({} elsewhere), keyed as
-    the transformers model names them. A 4-bit base (DDP only: every rank holds it whole) is read off rank 0's model,
-    dequantized."""
-    if any(is_4bit(m) for m in hf_model.modules()):
-        return plain_state(hf_model) if rank == 0 else {}
+    the transformers model names them."""
     sd = ds.full_weights(wrapped) if ds is not None else get_model_state_dict(wrapped)
     out = {}
     for name, t in sd.items():
@@ -95,8 +102,6 @@ def merged_model(config, lora_config, weights: dict[str, torch.Tensor]) -> nn.Mo
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from seqpar.plan.errors import SeqparError
-
     config = copy.deepcopy(config)
     with torch.device("meta"), warnings.catch_warnings():
         # peft asks transformers for is_gradient_checkpointing, deprecated in transformers 5: not this user's call
@@ -114,6 +119,76 @@ def merged_model(config, lora_config, weights: dict[str, torch.Tensor]) -> nn.Mo
     if tied:
         base.tie_weights()
     return skeleton.merge_and_unload()
+
+
+MERGED_SHARD_SIZE = "5GB"  # the streamed merge's shards (the size of the Hub's Llama checkpoints): rank 0's host holds one
+
+
+def save_merged_4bit(folder: Path, hf_model: nn.Module, adapter_name: str, dtype: torch.dtype) -> None:
+    """Rank 0: the merged model of a 4-bit (QLoRA) run written into ``folder`` one safetensors shard at a time, so the
+    host never holds more than a shard (a Llama-3.3-70B merged in bf16 is 141 GB: more than a 125 GiB host).
+
+    The shards are the transformers model's own names and shapes (the model built from the run's config on the meta
+    device), split by huggingface_hub's ``split_torch_state_dict_into_shards`` as ``save_pretrained`` splits them, with
+    its index file and a config.json stating ``dtype``. Each tensor is made where the model lives (its GPU) when its
+    shard is written: an adapted linear layer's weight is its NF4 weight dequantized (``dequantized``) plus peft's delta,
+    B @ A times the scaling, computed from the adapters in fp32 and added in place in the dequantized weight's dtype, as
+    peft's ``merge_and_unload`` adds it (lora.Linear.merge; a test checks the files equal that path's bit for bit on
+    CPU); a 4-bit layer without an adapter is its weight dequantized; the rest is read off the model; all cast to
+    ``dtype``. A head tied to the embeddings is left out, as save_pretrained leaves it out."""
+    import warnings
+
+    from huggingface_hub import constants, split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from seqpar.plan.files import write_atomic
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        plain = AutoModelForCausalLM.from_config(copy.deepcopy(hf_model.config), trust_remote_code=False)
+    tied = getattr(hf_model.config, "tie_word_embeddings", False)
+    shapes = {
+        n: torch.empty(t.shape, dtype=dtype, device="meta")
+        for n, t in plain.state_dict().items()
+        if not (tied and n == "lm_head.weight")
+    }
+    split = split_torch_state_dict_into_shards(shapes, max_shard_size=MERGED_SHARD_SIZE)
+    folder.mkdir(parents=True, exist_ok=True)
+    for filename, names in split.filename_to_tensors.items():
+        shard = {n: _merged_tensor(hf_model, n, adapter_name).to(device="cpu", dtype=dtype).contiguous() for n in names}
+        save_file(shard, str(folder / filename), metadata={"format": "pt"})
+        del shard
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, "total_size": sum(t.nbytes for t in shapes.values())}}
+        index["weight_map"] = split.tensor_to_filename
+        write_atomic(folder / constants.SAFETENSORS_INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    plain.config.dtype = dtype
+    plain.config.save_pretrained(str(folder))
+    if plain.can_generate() and plain.generation_config is not None:
+        plain.generation_config.save_pretrained(str(folder))
+
+
+def _merged_tensor(hf_model: nn.Module, name: str, adapter_name: str) -> torch.Tensor:
+    """The merged model's tensor ``name`` (the transformers model's name) from ``hf_model`` (adapters in it)."""
+    path, _, leaf = name.rpartition(".")
+    module = hf_model.get_submodule(path)
+    if hasattr(module, "lora_A") and adapter_name in module.lora_A:  # peft's LoRA layer around the base linear
+        base = module.get_base_layer()
+        if leaf != "weight":
+            return getattr(base, leaf).detach()
+        if module.lora_variant.get(adapter_name) is not None or getattr(module, "fan_in_fan_out", False):
+            raise SeqparError(  # seqpar's plans put only vanilla adapters in; a model changed by hand may not
+                f"{name}: a LoRA variant (DoRA, fan_in_fan_out) cannot be merged into a 4-bit base here; export "
+                "without --merge-lora and merge the adapter with peft"
+            )
+        w = dequantized(base) if is_4bit(base) else base.weight.detach().clone()
+        a, b = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
+        w += (b.detach().float() @ a.detach().float()) * module.scaling[adapter_name]  # peft's get_delta_weight
+        return w
+    if is_4bit(module) and leaf == "weight":
+        return dequantized(module)
+    return getattr(module, leaf).detach()
 
 
 def is_4bit(module: nn.Module) -> bool:
@@ -144,4 +219,13 @@ def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["ADAPTER_DIR", "MODEL_DIR", "dequantized", "export_lora", "is_4bit", "merged_model", "plain_state"]
+__all__ = [
+    "ADAPTER_DIR",
+    "MODEL_DIR",
+    "dequantized",
+    "export_lora",
+    "is_4bit",
+    "merged_model",
+    "plain_state",
+    "save_merged_4bit",
+]

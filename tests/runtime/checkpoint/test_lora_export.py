@@ -209,3 +209,57 @@ def test_lora_exports_adapter_and_merged_model_that_load_as_they_are_and_resumes
 @pytest.mark.timeout(300)
 def test_lora_resumes_under_deepspeed_zero3(tmp_path, bases):
     _check_resume(run_ranks(ranks_main, 2, str(tmp_path), bases, "rest", timeout=280)[0]["resume"])
+
+
+@pytest.mark.skipif(not HAS_BNB, reason="the qlora extra (bitsandbytes) is not installed")
+@pytest.mark.parametrize("shard_size", [None, 20_000])
+def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, monkeypatch, shard_size):
+    """--merge-lora of a 4-bit run writes the merged model shard by shard from the live model (a 70B merged in bf16
+    outgrows a 125 GiB host when made whole): its tensors equal, bit for bit, what peft's merge_and_unload makes of the
+    same weights dequantized (the whole-model path every other base takes); split into many shards it has
+    save_pretrained's index, no shard over the size, and loads with AutoModelForCausalLM as it is."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from seqpar.runtime.checkpoint import adapter as export
+    from seqpar.runtime.hf.lora import apply_lora
+    from seqpar.runtime.hf.model import build_model
+
+    model = build_model(make_plan(1).workload.model, model_path=None, seed=0, rope_theta=None)
+    peft_model = apply_lora(model, LORA.model_copy(update={"base_dtype": "nf4"}), seed=0)
+    torch.manual_seed(5)  # trained-looking adapters: B away from peft's zeros
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    if shard_size:
+        monkeypatch.setattr(export, "MERGED_SHARD_SIZE", shard_size)
+    out = tmp_path / "model"
+    export.save_merged_4bit(out, model, peft_model.active_adapter, torch.bfloat16)
+
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    whole = export.merged_model(model.config, peft_model.peft_config["default"], {**export.plain_state(model), **adapters})
+    want = {
+        k: v.to(torch.bfloat16)
+        for k, v in whole.state_dict().items()
+        if k != "lm_head.weight" or not whole.config.tie_word_embeddings
+    }
+    shards = sorted(out.glob("*.safetensors"))
+    got = {k: v for f in shards for k, v in load_file(f).items()}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    if shard_size:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(shards) > 3 and set(index["weight_map"]) == set(want)
+        assert index["metadata"]["total_size"] == sum(v.nbytes for v in want.values())
+        assert all(f.stat().st_size <= shard_size + 10_000 or len(load_file(f)) == 1 for f in shards)  # + header
+    else:
+        assert [f.name for f in shards] == ["model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(out))
+    assert loaded.dtype == torch.bfloat16
+    for k, v in loaded.state_dict().items():
+        if k in want:
+            assert torch.equal(v, want[k]), k
