@@ -313,7 +313,10 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_with_exit_1_and_no_nan_che
     assert last.startswith("seqpar launch: the job failed") and f"at step {stop}: training stopped" in last, err[-2000:]
     assert f"latest stays step-{stop - 1:06d}" in last and "--skip-nonfinite" in last
     ranks = [ln for ln in err.splitlines() if ln.startswith("seqpar: rank ")]
-    assert len(ranks) == 2 and "TrainingStopped" not in err  # one line from each rank, no trainer traceback
+    # one line from each rank that reached its print (torchrun stops the other rank once one exits: under load rank 1
+    # can be stopped before it prints), every line the same one-line reason, and no trainer traceback
+    assert 1 <= len(ranks) <= 2 and all(f"at step {stop}: training stopped" in ln for ln in ranks), ranks
+    assert "TrainingStopped" not in err, err[-2000:]
     assert latest(out / "checkpoints").name == f"step-{stop - 1:06d}"
     for shard in (latest(out / "checkpoints") / "state").glob("*.safetensors"):
         assert all(t.isfinite().all() for t in load_file(str(shard)).values())
