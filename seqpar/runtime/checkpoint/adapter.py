@@ -6,15 +6,16 @@ The final checkpoint of a LoRA run holds, instead of the whole model (seqpar.run
                training dtype), its model card, and the run's tokenizer; ``PeftModel.from_pretrained(base, folder)``
                loads it onto the base model as it is
     model/     with ``--merge-lora`` only: the merged model (every adapter folded into its base weight by peft's own
-               ``merge_and_unload``; a 4-bit base dequantized first) as a save_pretrained folder in the plan's dtype,
+               ``merge_and_unload``; into a 4-bit base's weight dequantized, with the same arithmetic, by
+               ``save_merged_4bit``) as a save_pretrained folder in the plan's dtype,
                which AutoModelForCausalLM loads as it is (and ``--init-from`` starts a next stage from)
 
 Both are gathered the way the full export is (one tensor at a time, rank 0 keeping the whole): under FSDP2 each
 adapter's DTensor, under DeepSpeed its fp32 master (``safe_get_full_fp32_param``). The merge runs on rank 0 in host
 memory, on a copy of the model built on the meta device and filled with the gathered tensors (no second allocation),
 so the trained model itself is never changed. A 4-bit base (DDP only, whole on every rank) is merged without a whole
-copy: ``save_merged_4bit`` writes rank 0's model one shard at a time, each tensor made on the model's device as the
-shard is written (the same bits as that path on the same weights).
+copy: ``save_merged_4bit`` writes the live model one shard at a time, the shards divided among the ranks, each tensor
+made on the model's device as its shard is written (the same bits as that path on the same weights).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def export_lora(
     if not merge:
         return
     if any(is_4bit(m) for m in hf_model.modules()):  # DDP only: every rank holds the whole 4-bit base and the adapters
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        save_merged_4bit(tmp / MODEL_DIR, hf_model, adapter.active_adapter, dtype, rank=rank, world=world)
         if rank == 0:
-            save_merged_4bit(tmp / MODEL_DIR, hf_model, adapter.active_adapter, dtype)
             save_tokenizer(tmp / MODEL_DIR, tokenizer, trust_remote_code)
         return
     weights = _whole(wrapped, hf_model, rank, ds)
@@ -124,18 +126,24 @@ def merged_model(config, lora_config, weights: dict[str, torch.Tensor]) -> nn.Mo
 MERGED_SHARD_SIZE = "5GB"  # the streamed merge's shards (the size of the Hub's Llama checkpoints): rank 0's host holds one
 
 
-def save_merged_4bit(folder: Path, hf_model: nn.Module, adapter_name: str, dtype: torch.dtype) -> None:
-    """Rank 0: the merged model of a 4-bit (QLoRA) run written into ``folder`` one safetensors shard at a time, so the
-    host never holds more than a shard (a Llama-3.3-70B merged in bf16 is 141 GB: more than a 125 GiB host).
+def save_merged_4bit(
+    folder: Path, hf_model: nn.Module, adapter_name: str, dtype: torch.dtype, *, rank: int = 0, world: int = 1
+) -> None:
+    """The merged model of a 4-bit (QLoRA) run written into ``folder`` one safetensors shard at a time, so a host never
+    holds more than a shard (a Llama-3.3-70B merged in bf16 is 141 GB: more than a 125 GiB host). Every rank of a DDP
+    job holds the whole 4-bit base and the same adapters, so rank ``rank`` of ``world`` writes every world-th shard
+    (the work divided, and no rank idles at the checkpoint's barrier while one writes it all); rank 0 the index and
+    config. ``folder`` is the checkpoint's temporary folder, renamed into place only when every rank is done.
 
     The shards are the transformers model's own names and shapes (the model built from the run's config on the meta
     device), split by huggingface_hub's ``split_torch_state_dict_into_shards`` as ``save_pretrained`` splits them, with
-    its index file and a config.json stating ``dtype``. Each tensor is made where the model lives (its GPU) when its
-    shard is written: an adapted linear layer's weight is its NF4 weight dequantized (``dequantized``) plus peft's delta,
-    B @ A times the scaling, computed from the adapters in fp32 and added in place in the dequantized weight's dtype, as
-    peft's ``merge_and_unload`` adds it (lora.Linear.merge; a test checks the files equal that path's bit for bit on
-    CPU); a 4-bit layer without an adapter is its weight dequantized; the rest is read off the model; all cast to
-    ``dtype``. A head tied to the embeddings is left out, as save_pretrained leaves it out."""
+    its index file and the config.json save_pretrained writes (its ``architectures`` set, ``dtype`` stated). Each tensor
+    is made where the model lives (its GPU) when its shard is written: an adapted linear layer's weight is its NF4
+    weight dequantized (``dequantized``) plus the adapter's delta, B @ A times the scaling computed from the adapters
+    in fp32 (peft's ``get_delta_weight``) and added in place in the dequantized weight's dtype, as peft's
+    ``merge_and_unload`` adds it (lora.Linear.merge; a test checks the files equal that path's bit for bit on CPU); a
+    4-bit layer without an adapter is its weight dequantized; the rest is read off the model; all cast to ``dtype``. A
+    head tied to the embeddings is left out, as save_pretrained leaves it out."""
     import warnings
 
     from huggingface_hub import constants, split_torch_state_dict_into_shards
@@ -143,6 +151,7 @@ def save_merged_4bit(folder: Path, hf_model: nn.Module, adapter_name: str, dtype
     from transformers import AutoModelForCausalLM
 
     from seqpar.plan.files import write_atomic
+    from seqpar.runtime.checkpoint.shards import state_dtype
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -155,16 +164,19 @@ def save_merged_4bit(folder: Path, hf_model: nn.Module, adapter_name: str, dtype
     }
     split = split_torch_state_dict_into_shards(shapes, max_shard_size=MERGED_SHARD_SIZE)
     folder.mkdir(parents=True, exist_ok=True)
-    for filename, names in split.filename_to_tensors.items():
+    for filename, names in list(split.filename_to_tensors.items())[rank::world]:
         shard = {n: _merged_tensor(hf_model, n, adapter_name).to(device="cpu", dtype=dtype).contiguous() for n in names}
         save_file(shard, str(folder / filename), metadata={"format": "pt"})
         del shard
+    if rank != 0:
+        return
     if split.is_sharded:
-        index = {"metadata": {**split.metadata, "total_size": sum(t.nbytes for t in shapes.values())}}
-        index["weight_map"] = split.tensor_to_filename
+        total = {"total_size": sum(t.nbytes for t in shapes.values()), "total_parameters": plain.num_parameters()}
+        index = {"metadata": {**split.metadata, **total}, "weight_map": split.tensor_to_filename}
         write_atomic(folder / constants.SAFETENSORS_INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
-    plain.config.dtype = dtype
+    plain.config.architectures = [type(plain).__name__]  # as save_pretrained sets it (vLLM and TGI pick the class by it)
     plain.config.save_pretrained(str(folder))
+    state_dtype(folder, dtype)
     if plain.can_generate() and plain.generation_config is not None:
         plain.generation_config.save_pretrained(str(folder))
 
@@ -177,7 +189,8 @@ def _merged_tensor(hf_model: nn.Module, name: str, adapter_name: str) -> torch.T
         base = module.get_base_layer()
         if leaf != "weight":
             return getattr(base, leaf).detach()
-        if module.lora_variant.get(adapter_name) is not None or getattr(module, "fan_in_fan_out", False):
+        variant = getattr(module, "lora_variant", {}).get(adapter_name)  # peft >= 0.16; use_dora before it
+        if variant is not None or getattr(module, "use_dora", {}).get(adapter_name) or getattr(module, "fan_in_fan_out", False):
             raise SeqparError(  # seqpar's plans put only vanilla adapters in; a model changed by hand may not
                 f"{name}: a LoRA variant (DoRA, fan_in_fan_out) cannot be merged into a 4-bit base here; export "
                 "without --merge-lora and merge the adapter with peft"

@@ -106,7 +106,12 @@ def export(
 def save_model(folder: Path, hf_model, weights: dict, dtype: torch.dtype) -> None:
     """``hf_model.save_pretrained`` of ``weights`` into ``folder``, its config.json stating ``dtype``."""
     hf_model.save_pretrained(folder, state_dict=weights)
-    cfg = folder / "config.json"  # save_pretrained records the live parameters' dtype (fp32 masters)
+    state_dtype(folder, dtype)  # save_pretrained records the live parameters' dtype (fp32 masters)
+
+
+def state_dtype(folder: Path, dtype: torch.dtype) -> None:
+    """``folder``'s config.json says ``dtype`` (the weights' dtype as written, a string as transformers writes it)."""
+    cfg = folder / "config.json"
     data = json.loads(cfg.read_text())
     data["dtype"] = str(dtype).removeprefix("torch.")
     write_atomic(cfg, json.dumps(data, indent=2, sort_keys=True) + "\n")

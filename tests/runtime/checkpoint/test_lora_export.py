@@ -224,6 +224,7 @@ def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, mo
     from transformers import AutoModelForCausalLM
 
     from seqpar.runtime.checkpoint import adapter as export
+    from seqpar.runtime.checkpoint.shards import save_model
     from seqpar.runtime.hf.lora import apply_lora
     from seqpar.runtime.hf.model import build_model
 
@@ -236,7 +237,11 @@ def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, mo
     if shard_size:
         monkeypatch.setattr(export, "MERGED_SHARD_SIZE", shard_size)
     out = tmp_path / "model"
-    export.save_merged_4bit(out, model, peft_model.active_adapter, torch.bfloat16)
+    # two DDP ranks' shares into one folder (each holds the whole model): rank 1 writes every other shard and nothing
+    # else (with one shard, nothing); rank 0 the rest, the index and the config
+    export.save_merged_4bit(out, model, peft_model.active_adapter, torch.bfloat16, rank=1, world=2)
+    by_rank1 = sorted(f.name for f in out.iterdir())
+    export.save_merged_4bit(out, model, peft_model.active_adapter, torch.bfloat16, rank=0, world=2)
 
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     whole = export.merged_model(model.config, peft_model.peft_config["default"], {**export.plain_state(model), **adapters})
@@ -250,14 +255,17 @@ def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, mo
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
-    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    save_model(tmp_path / "whole", whole, dict(want), torch.bfloat16)  # the whole-model path's config (it empties the dict)
+    assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "whole" / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     if shard_size:
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert len(shards) > 3 and set(index["weight_map"]) == set(want)
+        assert by_rank1 == [f.name for f in shards][1::2]
         assert index["metadata"]["total_size"] == sum(v.nbytes for v in want.values())
         assert all(f.stat().st_size <= shard_size + 10_000 or len(load_file(f)) == 1 for f in shards)  # + header
     else:
-        assert [f.name for f in shards] == ["model.safetensors"]
+        assert [f.name for f in shards] == ["model.safetensors"] and by_rank1 == []
     loaded = AutoModelForCausalLM.from_pretrained(str(out))
     assert loaded.dtype == torch.bfloat16
     for k, v in loaded.state_dict().items():
