@@ -212,12 +212,20 @@ def test_lora_resumes_under_deepspeed_zero3(tmp_path, bases):
 
 
 @pytest.mark.skipif(not HAS_BNB, reason="the qlora extra (bitsandbytes) is not installed")
-@pytest.mark.parametrize("shard_size", [None, 20_000])
-def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, monkeypatch, shard_size):
+@pytest.mark.parametrize(
+    "device, shard_size",
+    [
+        ("cpu", None),
+        ("cpu", 20_000),
+        pytest.param("cuda", 20_000, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    ],
+)
+def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, monkeypatch, device, shard_size):
     """--merge-lora of a 4-bit run writes the merged model shard by shard from the live model (a 70B merged in bf16
     outgrows a 125 GiB host when made whole): its tensors equal, bit for bit, what peft's merge_and_unload makes of the
-    same weights dequantized (the whole-model path every other base takes); split into many shards it has
-    save_pretrained's index, no shard over the size, and loads with AutoModelForCausalLM as it is."""
+    same weights dequantized (the whole-model path every other base takes; on a GPU the merge's fp32 matmul runs there,
+    the whole path's on the host: within one bf16 step); split into many shards it has save_pretrained's index, no
+    shard over the size, and loads with AutoModelForCausalLM as it is."""
     import json
 
     from safetensors.torch import load_file
@@ -228,8 +236,9 @@ def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, mo
     from seqpar.runtime.hf.lora import apply_lora
     from seqpar.runtime.hf.model import build_model
 
-    model = build_model(make_plan(1).workload.model, model_path=None, seed=0, rope_theta=None)
-    peft_model = apply_lora(model, LORA.model_copy(update={"base_dtype": "nf4"}), seed=0)
+    model = build_model(make_plan(1).workload.model, model_path=None, seed=0, rope_theta=None).to(device)
+    peft_model = apply_lora(model, LORA.model_copy(update={"base_dtype": "nf4"}), seed=0, device=device)
+    assert {p.device.type for p in model.parameters()} == {device}
     torch.manual_seed(5)  # trained-looking adapters: B away from peft's zeros
     for n, p in model.named_parameters():
         if "lora_B" in n:
@@ -243,7 +252,7 @@ def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, mo
     by_rank1 = sorted(f.name for f in out.iterdir())
     export.save_merged_4bit(out, model, peft_model.active_adapter, torch.bfloat16, rank=0, world=2)
 
-    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    adapters = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" in n}
     whole = export.merged_model(model.config, peft_model.peft_config["default"], {**export.plain_state(model), **adapters})
     want = {
         k: v.to(torch.bfloat16)
@@ -254,7 +263,10 @@ def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, mo
     got = {k: v for f in shards for k, v in load_file(f).items()}
     assert got.keys() == want.keys()
     for k, v in want.items():
-        assert torch.equal(got[k], v), k
+        if device == "cpu":
+            assert torch.equal(got[k], v), k
+        else:
+            torch.testing.assert_close(got[k], v, rtol=2**-7, atol=0, msg=lambda m, k=k: f"{k}: {m}")
     save_model(tmp_path / "whole", whole, dict(want), torch.bfloat16)  # the whole-model path's config (it empties the dict)
     assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "whole" / "config.json").read_text())
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
@@ -270,4 +282,4 @@ def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, mo
     assert loaded.dtype == torch.bfloat16
     for k, v in loaded.state_dict().items():
         if k in want:
-            assert torch.equal(v, want[k]), k
+            assert torch.equal(v, got[k]), k
