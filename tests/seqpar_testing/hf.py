@@ -5,6 +5,7 @@ transformers': what the hf, memory and eval tests share.
 Qwen3 (q/k norm); ``group_grads`` sums a model's gradients over the sequence-parallel group; ``compare_loss_and_grads``
 appends an assert_close message per mismatch, so a rank reports every failing case at once. ``packed_batch`` packs
 documents of known lengths into rows and ``per_document_reference`` runs each document alone (the packed tests' reference).
+``plain_state`` copies a 4-bit model's values dequantized (the 4-bit tests' reference).
 """
 
 from __future__ import annotations
@@ -170,3 +171,21 @@ def cuda_llama(hidden=1024, layers=8, vocab=4096, heads=8, kv_heads=8):
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+
+
+def plain_state(model) -> dict[str, torch.Tensor]:
+    """Copies of ``model``'s parameters and persistent buffers on the host by name, a 4-bit weight dequantized
+    (seqpar.runtime.checkpoint.adapter.dequantized); bitsandbytes' quantization statistics are left out: what a plain
+    model with the 4-bit model's values loads, the reference the 4-bit tests hold the runtime to."""
+    from seqpar.runtime.checkpoint.adapter import dequantized, is_4bit
+
+    out = {}
+    for mname, module in model.named_modules():
+        prefix = f"{mname}." if mname else ""
+        for pname, p in module.named_parameters(recurse=False):
+            t = dequantized(module) if (is_4bit(module) and pname == "weight") else p.detach()
+            out[prefix + pname] = t.to(device="cpu", copy=True)
+        for bname, b in module.named_buffers(recurse=False):
+            if b is not None and bname not in module._non_persistent_buffers_set:
+                out[prefix + bname] = b.detach().to(device="cpu", copy=True)
+    return out

@@ -217,21 +217,6 @@ def dequantized(module: nn.Module) -> torch.Tensor:
     return bnbf.dequantize_4bit(w.data, w.quant_state).to(module.compute_dtype or torch.float32)
 
 
-def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of ``model``'s parameters and persistent buffers on the host by name, a 4-bit weight dequantized (what a
-    merge, or a model without bitsandbytes, takes); bitsandbytes' quantization statistics are left out."""
-    out = {}
-    for mname, module in model.named_modules():
-        prefix = f"{mname}." if mname else ""
-        for pname, p in module.named_parameters(recurse=False):
-            t = dequantized(module) if (is_4bit(module) and pname == "weight") else p.detach()
-            out[prefix + pname] = t.to(device="cpu", copy=True)
-        for bname, b in module.named_buffers(recurse=False):
-            if b is not None and bname not in module._non_persistent_buffers_set:
-                out[prefix + bname] = b.detach().to(device="cpu", copy=True)
-    return out
-
-
 __all__ = [
     "ADAPTER_DIR",
     "MODEL_DIR",
@@ -239,6 +224,5 @@ __all__ = [
     "export_lora",
     "is_4bit",
     "merged_model",
-    "plain_state",
     "save_merged_4bit",
 ]

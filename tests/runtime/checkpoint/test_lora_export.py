@@ -236,6 +236,8 @@ def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, mo
     from seqpar.runtime.hf.lora import apply_lora
     from seqpar.runtime.hf.model import build_model
 
+    from seqpar_testing.hf import plain_state
+
     model = build_model(make_plan(1).workload.model, model_path=None, seed=0, rope_theta=None).to(device)
     peft_model = apply_lora(model, LORA.model_copy(update={"base_dtype": "nf4"}), seed=0, device=device)
     assert {p.device.type for p in model.parameters()} == {device}
@@ -253,7 +255,7 @@ def test_a_4bit_merge_streams_shards_equal_to_peft_merge_and_unload(tmp_path, mo
     export.save_merged_4bit(out, model, peft_model.active_adapter, torch.bfloat16, rank=0, world=2)
 
     adapters = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" in n}
-    whole = export.merged_model(model.config, peft_model.peft_config["default"], {**export.plain_state(model), **adapters})
+    whole = export.merged_model(model.config, peft_model.peft_config["default"], {**plain_state(model), **adapters})
     want = {
         k: v.to(torch.bfloat16)
         for k, v in whole.state_dict().items()

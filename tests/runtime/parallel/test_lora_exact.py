@@ -140,7 +140,7 @@ def ranks_main(rank: int, world: int, cases: list[tuple]) -> dict:
 
 def _nf4_is_its_dequantized_model() -> list[str]:
     """The 4-bit model's loss and adapter gradients against a plain model holding its dequantized weights: equal."""
-    from seqpar.runtime.checkpoint.adapter import plain_state
+    from seqpar_testing.hf import plain_state
 
     quantized = lora_model("llama", "nf4")
     plain = lora_model("llama", "bf16")  # the same adapters (same seed and draws), full-precision linear layers
